@@ -1,0 +1,122 @@
+"""The one request-state class.
+
+The scheduler that owns a request is the only thing that changes it; everything else reads it.
+Statuses are ordered with the terminal ones last, so ``is_finished`` is ``status > PREEMPTED``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy; ``top_k == 0`` disables top-k.
+
+    With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
+    random draw for output token ``i`` is keyed by ``(seed, i)``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """A request's tokens, progress and pages.
+
+    ``num_computed_tokens`` counts the leading tokens of ``all_token_ids`` whose KV is in the
+    pool (cached prefix included); ``page_ids[i]`` holds positions ``[i*page_size, (i+1)*page_size)``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    arrival_s: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output(self, token_id: int) -> None:
+        """Record a sampled token and finish the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        sampling = self.sampling
+        is_eos = not sampling.ignore_eos and token_id in self.eos_token_ids
+        if token_id in sampling.stop_token_ids or is_eos:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= sampling.max_tokens or (
+            self.max_model_len is not None and self.num_tokens >= self.max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH

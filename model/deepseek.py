@@ -1,0 +1,147 @@
+"""The DeepSeek-V3 model over a ragged batch that reads and writes the paged latent KV pool.
+
+Numerically it follows Hugging Face ``DeepseekV3ForCausalLM``: RMSNorm statistics, the router
+and the RoPE table in float32 whatever the activation dtype; everything else in the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+from model.kernels.backend import KernelBackend, get_backend
+from model.kernels.rope import rope_cos_sin_table
+from model.kv_pool import KVPool
+from model.layers import DenseMLP, MLAttention, MoE, RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn = MLAttention(cfg, dtype, device)
+        self.mlp: DenseMLP | MoE
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, dtype, device, experts.start, len(experts))
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class DeepseekV3(nn.Module):
+    """``experts`` is the range of routed experts this copy holds (all of them by default)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        ops: KernelBackend | None = None,
+        experts: range | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.ops = ops or get_backend(self.device)
+        self.experts = experts if experts is not None else range(cfg.n_routed_experts)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, device, self.experts) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        cos, sin = rope_cos_sin_table(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def owns_expert(self, layer: int, expert: int) -> bool:
+        return expert in self.experts
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm for the packed new tokens."""
+        ops = self.ops
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            h, residual = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
+            x = layer.self_attn(h, cos, sin, pool.layer(layer.index), meta, ops)
+            h, residual = ops.rms_norm(
+                x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual
+            )
+            x = layer.mlp(h, ops) if isinstance(layer.mlp, MoE) else layer.mlp(h)
+        return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    def expert_filter(self) -> Callable[[int, int], bool]:
+        return self.owns_expert
+
+    @torch.inference_mode()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in; routed experts are stacked into ``w_gate_up``/``w_down``."""
+        own = dict(self.named_parameters())
+        for name, tensor in tensors.items():
+            target, index = self._target(name)
+            if target is None:
+                continue
+            param = own[target]
+            dst = param if index is None else param[index[0]]
+            if index is not None and index[1] is not None:
+                dst = dst[index[1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.copy_(self.embed_tokens)
+
+    def _target(self, name: str) -> tuple[str | None, tuple[int, slice | None] | None]:
+        """Where a Hugging Face tensor goes: (parameter name, (expert row, slice) or None)."""
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens", None
+        if name == "lm_head.weight":
+            return "lm_head", None
+        if name == "model.norm.weight":
+            return "norm.weight", None
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"]:
+            return None, None
+        layer = int(parts[2])
+        rest = ".".join(parts[3:])
+        prefix = f"layers.{layer}."
+        if rest.startswith("mlp.experts."):
+            expert, proj = int(parts[5]), parts[6]
+            if expert not in self.experts:
+                return None, None
+            local = expert - self.experts.start
+            inter = self.cfg.moe_intermediate_size
+            if proj == "gate_proj":
+                return prefix + "mlp.w_gate_up", (local, slice(0, inter))
+            if proj == "up_proj":
+                return prefix + "mlp.w_gate_up", (local, slice(inter, 2 * inter))
+            return prefix + "mlp.w_down", (local, None)
+        if rest == "mlp.gate.weight":
+            return prefix + "mlp.gate_weight", None
+        if rest == "mlp.gate.e_score_correction_bias":
+            return prefix + "mlp.e_score_correction_bias", None
+        return prefix + rest, None

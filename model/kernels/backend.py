@@ -1,0 +1,120 @@
+"""The dispatch seam for hot operations.
+
+Every hot op of the forward pass is called through a :class:`KernelBackend`. The ``torch``
+backend holds the reference implementations (each in the file of its op); a Triton backend
+registers under another name. ``TANDEM_KERNELS`` overrides the default choice.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from model.attention_metadata import AttentionMetadata
+
+
+class KernelBackend(ABC):
+    """The hot ops. Shapes: ``T`` new tokens, ``H`` heads, ``L`` kv_lora_rank, ``R`` rope dim."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``."""
+
+    @abstractmethod
+    def rope(
+        self, q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q_pe [T, H, R]`` and ``k_pe [T, R]`` by per-token ``cos``/``sin`` ``[T, R/2]``."""
+
+    @abstractmethod
+    def kv_store(
+        self, kv_layer: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
+        """Write ``[latent | k_pe]`` of each new token into its slot of one layer's pool."""
+
+    @abstractmethod
+    def extend_attention(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        w_kv_b: torch.Tensor,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Plain MLA for the extend rows: ``q [T, H, nope+R]`` -> ``[T, H, v]``, causal over prefix + self."""
+
+    @abstractmethod
+    def decode_attention(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA for single-token rows: ``q_latent [B, H, L]``, ``q_pe [B, H, R]`` -> ``[B, H, L]``."""
+
+    @abstractmethod
+    def moe_route(
+        self,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``noaux_tc`` grouped top-k: ``(weights [T, k] float32, expert ids [T, k])``."""
+
+    @abstractmethod
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        first_expert: int,
+    ) -> torch.Tensor:
+        """Sum over each token's experts of ``weight * down(silu(gate(x)) * up(x))``.
+
+        ``w_gate_up [E_local, 2I, D]`` and ``w_down [E_local, D, I]`` hold experts
+        ``first_expert .. first_expert + E_local - 1``; other experts contribute nothing.
+        """
+
+
+_REGISTRY: dict[str, type[KernelBackend]] = {}
+
+
+def register_backend(cls: type[KernelBackend]) -> type[KernelBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+class UnknownKernelBackend(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"TANDEM_KERNELS={name!r} is not a kernel backend; known: {sorted(_REGISTRY)}")
+
+
+def get_backend(device: torch.device | str = "cpu", name: str | None = None) -> KernelBackend:
+    """The backend named by ``name`` or ``TANDEM_KERNELS``; else ``triton`` on CUDA, ``torch`` elsewhere."""
+    from model.kernels import torch_backend  # noqa: F401  (registers "torch")
+
+    chosen = name or os.environ.get("TANDEM_KERNELS") or ("triton" if torch.device(device).type == "cuda" else "torch")
+    if chosen not in _REGISTRY and chosen == "triton":
+        chosen = "torch"  # the Triton backend registers itself once it exists
+    if chosen not in _REGISTRY:
+        raise UnknownKernelBackend(chosen)
+    return _REGISTRY[chosen]()

@@ -1,0 +1,21 @@
+"""The ``torch`` kernel backend: the reference implementation of every hot op."""
+
+from __future__ import annotations
+
+from model.kernels.backend import KernelBackend, register_backend
+from model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
+from model.kernels.moe import fused_experts_torch, grouped_topk_torch
+from model.kernels.norm import rms_norm_torch
+from model.kernels.rope import apply_rope_torch
+
+
+@register_backend
+class TorchBackend(KernelBackend):
+    name = "torch"
+    rms_norm = staticmethod(rms_norm_torch)  # type: ignore[assignment]
+    rope = staticmethod(apply_rope_torch)  # type: ignore[assignment]
+    kv_store = staticmethod(kv_store_torch)  # type: ignore[assignment]
+    extend_attention = staticmethod(extend_attention_torch)  # type: ignore[assignment]
+    decode_attention = staticmethod(decode_attention_torch)  # type: ignore[assignment]
+    moe_route = staticmethod(grouped_topk_torch)  # type: ignore[assignment]
+    moe_experts = staticmethod(fused_experts_torch)  # type: ignore[assignment]

@@ -1,0 +1,173 @@
+"""DeepSeek-V3 layers over a ragged batch: MLA attention, the dense MLP and the MoE block.
+
+Parameters keep the Hugging Face names and shapes (``q_a_proj``, ``kv_b_proj``, ...) so a
+checkpoint loads by name, except the routed experts, which are stacked for grouped compute:
+``w_gate_up [E_local, 2I, D]`` (gate rows then up rows) and ``w_down [E_local, D, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention_metadata import AttentionMetadata
+from model.config import ModelConfig
+from model.kernels.backend import KernelBackend
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+
+class Linear(nn.Module):
+    def __init__(
+        self, in_dim: int, out_dim: int, bias: bool, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.weight = _param(out_dim, in_dim, dtype=dtype, device=device)
+        self.bias = _param(out_dim, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention that reads and writes one layer of the paged latent pool."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: Linear | None = None
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(h, heads * cfg.qk_head_dim, False, dtype, device)
+        else:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_cache_dim, bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device)
+        self.o_proj = Linear(heads * cfg.v_head_dim, h, bias, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelBackend,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        heads, nope, rope_dim, latent = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.kv_lora_rank,
+        )
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            qa = ops.rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, self.q_a_layernorm.eps)[0]
+            q = self.q_b_proj(qa)
+        q = q.view(-1, heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([nope, rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([latent, rope_dim], dim=-1)
+        c = ops.rms_norm(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)[0]
+        q_pe, k_pe = ops.rope(q_pe, k_pe, cos, sin, cfg.rope_interleave)
+        ops.kv_store(kv_layer, meta.slot_mapping, c, k_pe)
+
+        out = x.new_empty((x.shape[0], heads, cfg.v_head_dim))
+        w_kv_b = self.kv_b_proj.weight
+        if meta.extend_rows:
+            sub, idx = self._rows(meta, meta.extend_rows)
+            q_ext = torch.cat([q_nope[idx], q_pe[idx]], dim=-1)
+            out[idx] = ops.extend_attention(
+                q_ext, kv_layer, sub, w_kv_b, heads, nope, cfg.v_head_dim, cfg.softmax_scale
+            )
+        if meta.decode_rows:
+            sub, idx = self._rows(meta, meta.decode_rows)
+            w = w_kv_b.view(heads, nope + cfg.v_head_dim, latent)
+            w_uk, w_uv = w[:, :nope], w[:, nope:]
+            q_latent = torch.einsum("bhn,hnl->bhl", q_nope[idx], w_uk)
+            o_latent = ops.decode_attention(q_latent, q_pe[idx], kv_layer, sub, cfg.softmax_scale)
+            out[idx] = torch.einsum("bhl,hvl->bhv", o_latent, w_uv)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    @staticmethod
+    def _rows(meta: AttentionMetadata, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        if len(rows) == len(meta.query_lens):
+            return meta, torch.arange(meta.num_tokens, device=meta.slot_mapping.device)
+        starts = meta.query_start.tolist()
+        idx = [t for r in rows for t in range(starts[r], starts[r + 1])]
+        return meta.subset(rows), torch.tensor(idx, dtype=torch.int64, device=meta.slot_mapping.device)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, False, dtype, device)
+        self.up_proj = Linear(hidden, inter, False, dtype, device)
+        self.down_proj = Linear(inter, hidden, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Routed experts ``first_expert .. first_expert + num_local_experts - 1`` plus the shared
+    experts. The router weight and correction bias stay in float32, as the reference keeps them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.first_expert = first_expert
+        self.num_local_experts = cfg.n_routed_experts if num_local_experts is None else num_local_experts
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_weight = _param(cfg.n_routed_experts, h, dtype=torch.float32, device=device)
+        self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32, device=device)
+        self.w_gate_up = _param(self.num_local_experts, 2 * inter, h, dtype=dtype, device=device)
+        self.w_down = _param(self.num_local_experts, h, inter, dtype=dtype, device=device)
+        self.shared_experts = (
+            DenseMLP(h, inter * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts else None
+        )
+
+    def route(self, x: torch.Tensor, ops: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.to(torch.float32), self.gate_weight)
+        cfg = self.cfg
+        return ops.moe_route(
+            logits,
+            self.e_score_correction_bias,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+
+    def forward(self, x: torch.Tensor, ops: KernelBackend) -> torch.Tensor:
+        weights, ids = self.route(x, ops)
+        out = ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down, self.first_expert)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

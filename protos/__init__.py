@@ -1,0 +1,1 @@
+"""gRPC protocol: ``tandem.proto`` and its generated stubs. Not built yet."""
