@@ -45,7 +45,9 @@ class RopeConfig:
             raise ModelConfigError(path, f"rope_parameters/rope_scaling must be an object, got {params!r}")
         rope_type = params.get("rope_type") or params.get("type") or "default"
         if rope_type not in ("default", "yarn"):
-            raise ModelConfigError(path, f"rope type {rope_type!r} is not supported (expected default or yarn)")
+            raise ModelConfigError(
+                path, f"rope type {rope_type!r} is not supported (expected default or yarn)"
+            )
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
         max_pos = int(raw.get("max_position_embeddings", 4096))
         original = params.get("original_max_position_embeddings") or max_pos
@@ -129,9 +131,11 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-            found = model_type or architectures or "nothing"
+            found = ", ".join(architectures) or "none"
             raise ModelConfigError(
-                path, f"architecture {found!r} is not supported (expected model_type 'deepseek_v3')"
+                path,
+                f"architecture {found} (model_type {model_type!r}) is not supported; "
+                "expected DeepseekV3ForCausalLM (model_type 'deepseek_v3')",
             )
 
         def need(key: str) -> Any:
@@ -151,7 +155,9 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         kv_heads = raw.get("num_key_value_heads") or heads
         if kv_heads != heads:
-            raise ModelConfigError(path, f"num_key_value_heads {kv_heads} must equal num_attention_heads {heads}")
+            raise ModelConfigError(
+                path, f"num_key_value_heads {kv_heads} must equal num_attention_heads {heads}"
+            )
         cfg = ModelConfig(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
@@ -190,7 +196,9 @@ class ModelConfig:
         if self.n_routed_experts % self.n_group:
             raise ModelConfigError(path, f"n_routed_experts {self.n_routed_experts} not divisible by n_group")
         if not 1 <= self.topk_group <= self.n_group:
-            raise ModelConfigError(path, f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
+            raise ModelConfigError(
+                path, f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]"
+            )
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             raise ModelConfigError(path, "num_experts_per_tok exceeds the experts in the selected groups")
         if self.qk_rope_head_dim % 2:

@@ -64,6 +64,8 @@ class DeepseekV3(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         cos, sin = rope_cos_sin_table(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 

@@ -58,7 +58,9 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False, dtype, device)
         self.kv_a_proj_with_mqa = Linear(h, cfg.kv_cache_dim, bias, dtype, device)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device
+        )
         self.o_proj = Linear(heads * cfg.v_head_dim, h, bias, dtype, device)
 
     def forward(

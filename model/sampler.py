@@ -42,7 +42,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], output_indices: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    output_indices: Sequence[int],
 ) -> list[int]:
     """One token per row of ``logits [N, vocab]``."""
     logits = logits.float()

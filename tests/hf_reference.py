@@ -57,7 +57,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_hf_checkpoint(path: Path, variant: str = "qlora", seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+def make_hf_checkpoint(
+    path: Path, variant: str = "qlora", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Any:
     """Save a random ``DeepseekV3ForCausalLM`` to ``path`` and return the model (eval mode)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -112,7 +112,11 @@ def get_backend(device: torch.device | str = "cpu", name: str | None = None) -> 
     """The backend named by ``name`` or ``TANDEM_KERNELS``; else ``triton`` on CUDA, ``torch`` elsewhere."""
     from model.kernels import torch_backend  # noqa: F401  (registers "torch")
 
-    chosen = name or os.environ.get("TANDEM_KERNELS") or ("triton" if torch.device(device).type == "cuda" else "torch")
+    chosen = (
+        name
+        or os.environ.get("TANDEM_KERNELS")
+        or ("triton" if torch.device(device).type == "cuda" else "torch")
+    )
     if chosen not in _REGISTRY and chosen == "triton":
         chosen = "torch"  # the Triton backend registers itself once it exists
     if chosen not in _REGISTRY:

@@ -12,10 +12,10 @@ from model.kernels.rope import apply_rope_torch
 @register_backend
 class TorchBackend(KernelBackend):
     name = "torch"
-    rms_norm = staticmethod(rms_norm_torch)  # type: ignore[assignment]
-    rope = staticmethod(apply_rope_torch)  # type: ignore[assignment]
-    kv_store = staticmethod(kv_store_torch)  # type: ignore[assignment]
-    extend_attention = staticmethod(extend_attention_torch)  # type: ignore[assignment]
-    decode_attention = staticmethod(decode_attention_torch)  # type: ignore[assignment]
-    moe_route = staticmethod(grouped_topk_torch)  # type: ignore[assignment]
-    moe_experts = staticmethod(fused_experts_torch)  # type: ignore[assignment]
+    rms_norm = staticmethod(rms_norm_torch)
+    rope = staticmethod(apply_rope_torch)
+    kv_store = staticmethod(kv_store_torch)
+    extend_attention = staticmethod(extend_attention_torch)
+    decode_attention = staticmethod(decode_attention_torch)
+    moe_route = staticmethod(grouped_topk_torch)
+    moe_experts = staticmethod(fused_experts_torch)

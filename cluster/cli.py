@@ -1,0 +1,147 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.request import InvalidRequestError, SamplingParams
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed as one line, exit code 2."""
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, required=True, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed for sampling")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated DeepSeek-V3 serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(
+        dest="model_command", required=True
+    )
+    tiny = model.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="generate with the colocated engine")
+    gen.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    src.add_argument("--prompts-file", type=Path, help="JSONL, one prompt object a line")
+    _sampling_args(gen)
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
+    gen.add_argument("--page-size", type=int, default=64)
+    gen.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
+    eng.add_argument("--model", type=Path, required=True)
+    eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    eng.add_argument("--prompt-tokens", type=int, default=64)
+    eng.add_argument("--output-tokens", type=int, default=32)
+    eng.add_argument("--batch-sizes", default="1,32")
+    eng.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from model.checkpoint import CheckpointError
+    from model.config import ModelConfigError
+    from model.make_tiny import TinyCheckpointError
+    from model.tokenizer import TokenizerError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (
+        CliError,
+        InvalidRequestError,
+        ModelConfigError,
+        CheckpointError,
+        TokenizerError,
+        TinyCheckpointError,
+    ) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "model":
+        from model.make_tiny import make_tiny_checkpoint
+
+        path = make_tiny_checkpoint(args.dir, seed=args.seed)
+        print(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "bench":
+        from bench.engine_bench import run_engine_bench
+
+        result = run_engine_bench(
+            args.model,
+            dtype=args.dtype,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        )
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    raise CliError(f"unknown command {args.command}")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from cluster.prompts import PromptSpec, parse_prompt_ids, read_prompts_file
+    from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+
+    base = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    base.validate()
+    if args.prompts_file is not None:
+        specs = read_prompts_file(args.prompts_file, base)
+    elif args.prompt_ids is not None:
+        specs = [PromptSpec(None, parse_prompt_ids(args.prompt_ids), base)]
+    else:
+        if not args.prompt:
+            raise InvalidRequestError("--prompt", "is empty")
+        specs = [PromptSpec(args.prompt, None, base)]
+    engine = ColocatedEngine.from_model_dir(
+        args.model, DTYPES[args.dtype], EngineConfig(page_size=args.page_size, num_pages=args.num_pages)
+    )
+    prompts: list[list[int]] = []
+    for spec in specs:
+        if spec.token_ids is not None:
+            prompts.append(spec.token_ids)
+        else:
+            assert engine.tokenizer is not None and spec.text is not None
+            prompts.append(engine.tokenizer.encode(spec.text))
+    outputs = engine.generate(prompts, [s.sampling for s in specs])
+    if args.json:
+        keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
+        print(json.dumps({"outputs": [{k: getattr(o, k) for k in keys} for o in outputs]}))
+    else:
+        for o in outputs:
+            print(o.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

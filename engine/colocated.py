@@ -1,0 +1,172 @@
+"""The colocated engine: one process does prefill and decode over one KV pool, no transfer.
+
+It is the reference for every other path's outputs, the baseline of the disaggregation
+benchmarks and a fallback serving mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.request import InvalidRequestError, Request, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler, SchedulerConfig
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.deepseek import DeepseekV3
+from model.kv_pool import KVPool
+from model.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one rank's engine is sized. ``num_pages`` wins over ``kv_pool_bytes`` when set."""
+
+    page_size: int = 64
+    num_pages: int | None = None
+    kv_pool_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str
+
+
+class ColocatedEngine:
+    def __init__(
+        self,
+        model: DeepseekV3,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.model_config = cfg = model.cfg
+        self.tokenizer = tokenizer
+        num_pages = config.num_pages or KVPool.pages_for_bytes(
+            cfg, config.page_size, model.dtype, config.kv_pool_bytes
+        )
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.pool = KVPool(cfg, num_pages, config.page_size, model.dtype, model.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=num_pages,
+                page_size=config.page_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self.runner = ModelRunner(model, self.pool)
+        self._ids = itertools.count()
+
+    @staticmethod
+    def from_model_dir(
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        config: EngineConfig | None = None,
+        device: str = "cpu",
+    ) -> ColocatedEngine:
+        cfg = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = DeepseekV3(cfg, dtype, device)
+        model.load_weights(load_checkpoint(model_dir, cfg, dtype))
+        return ColocatedEngine(model, config, tokenizer)
+
+    def validate_prompt(self, prompt_token_ids: list[int], field: str = "prompt_ids") -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} tokens "
+                "(the prompt plus at least one generated token)",
+            )
+
+    def add_request(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> str:
+        sampling.validate()
+        self.validate_prompt(prompt_token_ids)
+        if sampling.seed is None:
+            # every draw is keyed by a seed, so an unseeded request gets a random one
+            sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(7), "little"))
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling=sampling,
+                eos_token_ids=frozenset(self.model_config.eos_token_ids),
+                max_model_len=self.max_model_len,
+                arrival_s=time.monotonic(),
+            )
+        )
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort_request(request_id)
+
+    def step(self) -> list[Request]:
+        """One continuous-batching step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        tokens = self.runner.run(plan)
+        return self.scheduler.update(plan, tokens)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationOutput]:
+        """Run all prompts concurrently to completion; outputs in input order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        for prompt, p in zip(prompts, params, strict=True):  # reject bad input before anything runs
+            p.validate()
+            self.validate_prompt(prompt)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        done: dict[str, Request] = {}
+        while self.scheduler.has_unfinished_requests():
+            for request in self.step():
+                done[request.request_id] = request
+        return [self._output(done[i]) for i in ids]
+
+    def _output(self, request: Request) -> GenerationOutput:
+        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else ""
+        return GenerationOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=request.num_cached_tokens,
+            finish_reason=request.finish_reason or "length",
+        )

@@ -1,0 +1,72 @@
+"""The model runner: a scheduler's plan -> tensors -> model -> sampled tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import SchedulerOutput
+from model.attention_metadata import AttentionMetadata
+from model.deepseek import DeepseekV3
+from model.kv_pool import KVPool
+from model.sampler import sample
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV3, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.stats = RunnerStats()
+
+    def run(self, plan: SchedulerOutput) -> dict[str, int]:
+        """Compute the planned chunks' KV and sample a token for each chunk that asks for one."""
+        if not plan.chunks:
+            return {}
+        device = self.model.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in plan.chunks:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
+            if chunk.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(
+            self.pool.page_size,
+            [len(c.token_ids) for c in plan.chunks],
+            [c.start_position + len(c.token_ids) for c in plan.chunks],
+            [list(c.page_ids) for c in plan.chunks],
+            device,
+        )
+        t0 = time.perf_counter()
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta,
+            self.pool,
+        )
+        t1 = time.perf_counter()
+        sampled: dict[str, int] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            chunks = [c for c in plan.chunks if c.sample]
+            tokens = sample(
+                logits,
+                [c.sampling for c in chunks],
+                [c.sampling.seed or 0 for c in chunks],
+                [c.output_index for c in chunks],
+            )
+            sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+        self.stats.steps += 1
+        self.stats.forward_s += t1 - t0
+        self.stats.sample_s += time.perf_counter() - t1
+        return sampled

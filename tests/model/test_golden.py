@@ -1,0 +1,134 @@
+"""Tandem's model and engine against Hugging Face ``DeepseekV3ForCausalLM`` on the same checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.colocated import ColocatedEngine, EngineConfig
+from engine.request import SamplingParams
+from model.attention_metadata import AttentionMetadata
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.deepseek import DeepseekV3
+from model.kv_pool import KVPool
+from tests.hf_reference import VARIANTS, make_hf_checkpoint
+
+GEN_TOKENS = 48
+
+
+def _load(path: Path, dtype: torch.dtype) -> DeepseekV3:
+    cfg = ModelConfig.from_dir(path)
+    model = DeepseekV3(cfg, dtype)
+    model.load_weights(load_checkpoint(path, cfg, dtype))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(f"hf-{request.param}")
+    hf = make_hf_checkpoint(path, request.param, seed=sorted(VARIANTS).index(request.param))
+    return path, hf
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def test_prefill_extend_and_decode_logits_match(checkpoint: tuple[Path, Any]) -> None:
+    """Every position's logits within 1e-4 (float32), whether the position was computed in a full
+    prefill, an extend over cached pages, or an absorbed single-token decode."""
+    path, hf = checkpoint
+    model = _load(path, torch.float32)
+    page = 4
+    pool = KVPool(model.cfg, 32, page, torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, page, page + 1, 23]
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen) for n in lengths]
+    refs = [hf(p[None]).logits[0].detach() for p in prompts]
+
+    # full prefill of all but the last prompt, as one ragged batch on non-contiguous pages
+    pages = [[31], [7], [3, 9], [2, 30, 4, 11, 5, 12]]
+    n0 = lengths[:3]
+    meta = AttentionMetadata.build(page, n0, n0, pages[:3])
+    hidden = model.forward(torch.cat(prompts[:3]), torch.cat([torch.arange(n) for n in n0]), meta, pool)
+    logits = model.compute_logits(hidden)
+    for i, chunk in enumerate(logits.split(n0)):
+        assert _rel_err(chunk, refs[i]) < 1e-4
+
+    # the long prompt in pieces: prefill 9, extend 13 over the cached 9, then decode 1
+    out = []
+    for start, end in [(0, 9), (9, 22), (22, 23)]:
+        meta = AttentionMetadata.build(page, [end - start], [end], [pages[3]])
+        hidden = model.forward(prompts[3][start:end], torch.arange(start, end), meta, pool)
+        out.append(model.compute_logits(hidden))
+    assert meta.decode_rows == [0]
+    assert _rel_err(torch.cat(out), refs[3]) < 1e-4
+
+
+def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, top_k=None, top_p=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(n)] for n in (1, 5, 16, 17, 30, 33, 47, 64)]
+
+
+@pytest.fixture(scope="module")
+def float64_reference(checkpoint: tuple[Path, Any]) -> tuple[Path, Any, list[list[int]], list[list[int]]]:
+    """Greedy generation is compared in float64 on both sides: a random tiny model has near-ties
+    that float32 rounding may flip in one implementation and not the other."""
+    path, hf = checkpoint
+    hf64 = copy.deepcopy(hf).to(torch.float64)
+    hf64.config._attn_implementation = "sdpa"
+    hf64.config._experts_implementation = "eager"  # grouped_mm has no float64
+    prompts = _prompts(hf.config.vocab_size, seed=3)
+    return path, hf64, prompts, [_hf_greedy(hf64, p) for p in prompts]
+
+
+def test_concurrent_greedy_generation_matches(float64_reference: Any) -> None:
+    path, _, prompts, expected = float64_reference
+    engine = ColocatedEngine(_load(path, torch.float64), EngineConfig(page_size=16, num_pages=64))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=GEN_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    engine.scheduler.check_integrity()
+
+
+def test_shared_prefixes_hit_the_cache_and_match(float64_reference: Any) -> None:
+    path, hf, prompts, expected = float64_reference
+    engine = ColocatedEngine(_load(path, torch.float64), EngineConfig(page_size=8, num_pages=128))
+    first = engine.generate(prompts[4:], SamplingParams(max_tokens=GEN_TOKENS))
+    assert [o.token_ids for o in first] == expected[4:]
+    # follow-up turns: each earlier prompt + its answer + a new user turn, as multi-turn chats do
+    turns = [p + o.token_ids[:10] + [5, 6, 7] for p, o in zip(prompts[4:], first, strict=True)]
+    second = engine.generate(turns, SamplingParams(max_tokens=GEN_TOKENS))
+    for turn, out in zip(turns, second, strict=True):
+        assert out.cached_tokens > 0
+        assert out.cached_tokens % 8 == 0 and out.cached_tokens < len(turn)
+        assert out.token_ids == _hf_greedy(hf, turn)
+    engine.scheduler.check_integrity()
+
+
+def test_tiny_pool_preempts_and_still_matches(float64_reference: Any) -> None:
+    path, _, prompts, expected = float64_reference
+    # 14 pages of 8 tokens: the longest request alone needs 14, so the batch must preempt
+    engine = ColocatedEngine(
+        _load(path, torch.float64), EngineConfig(page_size=8, num_pages=14, max_num_batched_tokens=64)
+    )
+    ids = [engine.add_request(p, SamplingParams(max_tokens=GEN_TOKENS)) for p in prompts]
+    finished = {}
+    while engine.scheduler.has_unfinished_requests():
+        for request in engine.step():
+            finished[request.request_id] = request
+        engine.scheduler.check_integrity()
+    assert sum(r.num_preemptions for r in finished.values()) > 0
+    assert [finished[i].output_token_ids for i in ids] == expected

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import torch
+
+from engine.request import SamplingParams
+from model.sampler import filter_logits, sample
+
+
+def _logits(n: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_top_k_one_are_argmax() -> None:
+    logits = _logits()
+    greedy = sample(logits, [SamplingParams()] * 3, [0, 0, 0], [0, 0, 0])
+    assert greedy == logits.argmax(-1).tolist()
+    hot = SamplingParams(temperature=5.0, top_k=1)
+    assert sample(logits, [hot] * 3, [1, 2, 3], [0, 0, 0]) == greedy
+
+
+def test_seeded_draw_ignores_the_rest_of_the_batch() -> None:
+    logits = _logits(6)
+    p = SamplingParams(temperature=1.0, seed=11)
+    alone = sample(logits[2:3], [p], [11], [4])
+    batch = sample(logits, [SamplingParams()] * 2 + [p] * 4, [0, 0, 11, 5, 6, 7], [0, 0, 4, 4, 4, 4])
+    assert batch[2] == alone[0]
+    assert sample(logits[2:3], [p], [11], [4]) == alone
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    row = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    p = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    probs = torch.softmax(filter_logits(row, p), -1)
+    assert probs[4:].sum() == 0  # top-k removed the tail
+    kept = (probs > 0).sum().item()
+    assert 1 <= kept <= 4
+    n = 4000
+    counts = torch.zeros(6)
+    for i in range(n):
+        counts[sample(row[None], [p], [123], [i])[0]] += 1
+    assert torch.allclose(counts / n, probs, atol=0.03)
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(filter_logits(row, SamplingParams(temperature=1.0, top_p=0.75)))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(filter_logits(row, SamplingParams(temperature=1.0, top_p=0.1)))
+    assert kept.tolist() == [True, False, False, False]
