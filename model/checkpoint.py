@@ -43,6 +43,10 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 
 ExpertFilter = Callable[[int, int], bool]
 
+# The MoE router decides discrete expert choices, so it stays in float32 whatever the model dtype,
+# as the reference implementation keeps it.
+FLOAT32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+
 
 class CheckpointError(ValueError):
     """The checkpoint's files do not hold the tensors the config describes."""
@@ -93,7 +97,8 @@ def load_checkpoint(
     dtype: torch.dtype,
     expert_filter: ExpertFilter | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Validate the checkpoint in ``model_dir`` against ``cfg`` and return its tensors in ``dtype``.
+    """Validate the checkpoint in ``model_dir`` against ``cfg`` and return its tensors in ``dtype``
+    (the router's weight and bias in float32).
 
     Tensors of layers ``>= cfg.num_hidden_layers`` (the multi-token-prediction layer) and rotary
     ``inv_freq`` buffers are ignored. ``expert_filter(layer, expert)`` returning False keeps that
@@ -122,7 +127,7 @@ def load_checkpoint(
                         with safe_open(str(scale_entry.file), framework="pt") as other:
                             scale = other.get_tensor(name + SCALE_SUFFIX)
                     tensor = dequantize_fp8_block(tensor, scale, block)
-                tensors[name] = tensor.to(dtype)
+                tensors[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
     return tensors
 
 

@@ -31,9 +31,9 @@ def gather_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, row: int) -> torc
     return kv_layer[pages].reshape(-1, kv_layer.shape[-1])[:seq_len]
 
 
-def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.softmax(scores.to(work), dim=-1).to(dtype)
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Scores, softmax and the weighted sum accumulate in float32 (float64 for float64 inputs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def extend_attention_torch(
@@ -55,13 +55,14 @@ def extend_attention_torch(
         k_nope, v = kv_expanded.split([qk_nope_head_dim, v_head_dim], dim=-1)
         k_pe = kv[:, latent_dim:][:, None, :].expand(-1, num_heads, -1)
         k = torch.cat([k_nope, k_pe], dim=-1)  # [S, H, nope+R]
-        qr = q[start : start + n]  # [n, H, nope+R]
-        scores = torch.einsum("nhd,shd->hns", qr, k) * scale
+        acc = _acc(q.dtype)
+        qr = q[start : start + n].to(acc)  # [n, H, nope+R]
+        scores = torch.einsum("nhd,shd->hns", qr, k.to(acc)) * scale
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = _softmax(scores, q.dtype)
-        out[start : start + n] = torch.einsum("hns,shd->nhd", probs, v)
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + n] = torch.einsum("hns,shd->nhd", probs, v.to(acc)).to(out.dtype)
     return out
 
 
@@ -73,9 +74,11 @@ def decode_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     latent_dim = q_latent.shape[-1]
+    acc = _acc(q_latent.dtype)
     out = torch.empty_like(q_latent)
     for row in range(len(meta.seq_lens)):
-        kv = gather_kv(kv_layer, meta, row)
-        scores = (q_latent[row] @ kv[:, :latent_dim].T + q_pe[row] @ kv[:, latent_dim:].T) * scale
-        out[row] = _softmax(scores, q_latent.dtype) @ kv[:, :latent_dim]
+        kv = gather_kv(kv_layer, meta, row).to(acc)
+        c, k_pe = kv[:, :latent_dim], kv[:, latent_dim:]
+        scores = (q_latent[row].to(acc) @ c.T + q_pe[row].to(acc) @ k_pe.T) * scale
+        out[row] = (torch.softmax(scores, dim=-1) @ c).to(out.dtype)
     return out
