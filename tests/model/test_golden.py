@@ -71,6 +71,12 @@ def test_prefill_extend_and_decode_logits_match(checkpoint: tuple[Path, Any]) ->
     assert _rel_err(torch.cat(out), refs[3]) < 1e-4
 
 
+def _check_all_pages_free(engine: ColocatedEngine) -> None:
+    engine.scheduler.check_integrity()
+    cache = engine.scheduler.kv_cache
+    assert cache.num_free_pages == cache.num_total_pages
+
+
 def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
     out = hf.generate(
         torch.tensor([prompt]), max_new_tokens=GEN_TOKENS, do_sample=False, top_k=None, top_p=None
@@ -100,7 +106,7 @@ def test_concurrent_greedy_generation_matches(float64_reference: Any) -> None:
     engine = ColocatedEngine(_load(path, torch.float64), EngineConfig(page_size=16, num_pages=64))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=GEN_TOKENS))
     assert [o.token_ids for o in outputs] == expected
-    engine.scheduler.check_integrity()
+    _check_all_pages_free(engine)
 
 
 def test_shared_prefixes_hit_the_cache_and_match(float64_reference: Any) -> None:
@@ -115,7 +121,7 @@ def test_shared_prefixes_hit_the_cache_and_match(float64_reference: Any) -> None
         assert out.cached_tokens > 0
         assert out.cached_tokens % 8 == 0 and out.cached_tokens < len(turn)
         assert out.token_ids == _hf_greedy(hf, turn)
-    engine.scheduler.check_integrity()
+    _check_all_pages_free(engine)
 
 
 def test_tiny_pool_preempts_and_still_matches(float64_reference: Any) -> None:
@@ -132,6 +138,7 @@ def test_tiny_pool_preempts_and_still_matches(float64_reference: Any) -> None:
         engine.scheduler.check_integrity()
     assert sum(r.num_preemptions for r in finished.values()) > 0
     assert [finished[i].output_token_ids for i in ids] == expected
+    _check_all_pages_free(engine)
 
 
 def test_bfloat16_prefill_logits_match(checkpoint: tuple[Path, Any]) -> None:
