@@ -25,6 +25,7 @@ def _run_batch(
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_tokens)], sampling)
     scheduler, runner = engine.scheduler, engine.runner
+    queried, hit = scheduler.kv_cache.num_queried_tokens, scheduler.kv_cache.num_hit_tokens
     decode_step_s = decode_forward_s = 0.0
     decode_steps = 0
     start = time.perf_counter()
@@ -39,11 +40,13 @@ def _run_batch(
             decode_step_s += time.perf_counter() - t0
             decode_forward_s += runner.stats.forward_s - forward_before
     elapsed = time.perf_counter() - start
+    queried = scheduler.kv_cache.num_queried_tokens - queried
+    hit = scheduler.kv_cache.num_hit_tokens - hit
     return {
         "batch": batch,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
-        "cache_hit_share": 0.0,
+        "cache_hit_share": round(hit / queried, 4) if queried else 0.0,
         "elapsed_s": round(elapsed, 4),
         "output_tokens_per_s": round(batch * output_tokens / elapsed, 1),
         "total_tokens_per_s": round(batch * (prompt_tokens + output_tokens) / elapsed, 1),
@@ -59,7 +62,7 @@ def run_engine_bench(
     model_dir: Path,
     dtype: str = "float32",
     prompt_tokens: int = 64,
-    output_tokens: int = 32,
+    output_tokens: int = 64,
     batch_sizes: list[int] | None = None,
 ) -> dict[str, Any]:
     sizes = batch_sizes or [1, 32]

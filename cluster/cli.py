@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model", type=Path, required=True)
     eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     eng.add_argument("--prompt-tokens", type=int, default=64)
-    eng.add_argument("--output-tokens", type=int, default=32)
+    eng.add_argument("--output-tokens", type=int, default=64)
     eng.add_argument("--batch-sizes", default="1,32")
     eng.add_argument("--json", action="store_true")
     return parser
