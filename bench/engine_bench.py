@@ -17,21 +17,23 @@ from engine.request import SamplingParams
 
 
 def _run_batch(
-    engine: ColocatedEngine, batch: int, prompt_tokens: int, output_tokens: int, seed: int
+    engine: ColocatedEngine, batch: int, prompt_tokens: int, output_tokens: int, seed: int, temperature: float
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    sampling = SamplingParams(
+        max_tokens=output_tokens, ignore_eos=True, temperature=temperature, top_p=0.95 if temperature else 1.0
+    )
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_tokens)], sampling)
     scheduler, runner = engine.scheduler, engine.runner
     queried, hit = scheduler.kv_cache.num_queried_tokens, scheduler.kv_cache.num_hit_tokens
-    decode_step_s = decode_forward_s = 0.0
+    decode_step_s = decode_forward_s = decode_sample_s = 0.0
     decode_steps = 0
     start = time.perf_counter()
     while scheduler.has_unfinished_requests():
         t0 = time.perf_counter()
-        forward_before = runner.stats.forward_s
+        forward_before, sample_before = runner.stats.forward_s, runner.stats.sample_s
         plan = scheduler.schedule()
         tokens = runner.run(plan)
         scheduler.update(plan, tokens)
@@ -39,6 +41,7 @@ def _run_batch(
             decode_steps += 1
             decode_step_s += time.perf_counter() - t0
             decode_forward_s += runner.stats.forward_s - forward_before
+            decode_sample_s += runner.stats.sample_s - sample_before
     elapsed = time.perf_counter() - start
     queried = scheduler.kv_cache.num_queried_tokens - queried
     hit = scheduler.kv_cache.num_hit_tokens - hit
@@ -55,6 +58,7 @@ def _run_batch(
         "decode_outside_forward_share": round(1 - decode_forward_s / decode_step_s, 4)
         if decode_step_s
         else None,
+        "decode_sampling_share": round(decode_sample_s / decode_step_s, 4) if decode_step_s else None,
     }
 
 
@@ -64,6 +68,7 @@ def run_engine_bench(
     prompt_tokens: int = 64,
     output_tokens: int = 64,
     batch_sizes: list[int] | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     sizes = batch_sizes or [1, 32]
     engine = ColocatedEngine.from_model_dir(
@@ -75,6 +80,12 @@ def run_engine_bench(
             enable_prefix_caching=False,
         ),
     )
-    _run_batch(engine, 2, prompt_tokens, 4, seed=99)  # warm-up
-    results = [_run_batch(engine, b, prompt_tokens, output_tokens, seed=b) for b in sizes]
-    return {"model": str(model_dir), "dtype": dtype, "kernels": engine.model.ops.name, "runs": results}
+    _run_batch(engine, 2, prompt_tokens, 4, seed=99, temperature=temperature)  # warm-up
+    results = [_run_batch(engine, b, prompt_tokens, output_tokens, b, temperature) for b in sizes]
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "kernels": engine.model.ops.name,
+        "sampling": f"temperature {temperature}, top_p 0.95" if temperature else "greedy",
+        "runs": results,
+    }

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--prompt-tokens", type=int, default=64)
     eng.add_argument("--output-tokens", type=int, default=64)
     eng.add_argument("--batch-sizes", default="1,32")
+    eng.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else top_p 0.95 too")
     eng.add_argument("--json", action="store_true")
     return parser
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from model.checkpoint import CheckpointError
     from model.config import ModelConfigError
+    from model.kernels.backend import UnknownKernelBackend
     from model.make_tiny import TinyCheckpointError
     from model.tokenizer import TokenizerError
 
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         TokenizerError,
         TinyCheckpointError,
+        UnknownKernelBackend,
     ) as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +99,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens,
             output_tokens=args.output_tokens,
             batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+            temperature=args.temperature,
         )
         print(json.dumps(result, indent=None if args.json else 2))
         return 0

@@ -17,3 +17,4 @@ def test_engine_bench_reports_each_batch(tmp_path: Path) -> None:
         assert run["decode_steps"] == 3  # the first output token comes from the prefill step
         assert run["output_tokens_per_s"] > 0
         assert 0.0 < run["decode_outside_forward_share"] < 1.0
+        assert 0.0 <= run["decode_sampling_share"] < run["decode_outside_forward_share"]

@@ -30,7 +30,7 @@ def test_seeded_draw_ignores_the_rest_of_the_batch() -> None:
 def test_draws_follow_the_filtered_distribution() -> None:
     row = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     p = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
-    probs = torch.softmax(filter_logits(row, p), -1)
+    probs = torch.softmax(filter_logits(row[None], [p])[0], -1)
     assert probs[4:].sum() == 0  # top-k removed the tail
     kept = (probs > 0).sum().item()
     assert 1 <= kept <= 4
@@ -43,7 +43,31 @@ def test_draws_follow_the_filtered_distribution() -> None:
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
     row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = torch.isfinite(filter_logits(row, SamplingParams(temperature=1.0, top_p=0.75)))
+    kept = torch.isfinite(filter_logits(row[None], [SamplingParams(temperature=1.0, top_p=0.75)])[0])
     assert kept.tolist() == [True, True, False, False]
-    kept = torch.isfinite(filter_logits(row, SamplingParams(temperature=1.0, top_p=0.1)))
+    kept = torch.isfinite(filter_logits(row[None], [SamplingParams(temperature=1.0, top_p=0.1)])[0])
     assert kept.tolist() == [True, False, False, False]
+
+
+def test_mixed_rows_filter_independently() -> None:
+    logits = _logits(3, 40, seed=4)
+    params = [
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.5, top_p=0.5),
+        SamplingParams(temperature=2.0),
+    ]
+    filtered = filter_logits(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(filtered[i], filter_logits(logits[i : i + 1], [p])[0])
+    assert int(torch.isfinite(filtered[0]).sum()) == 3
+    assert bool(torch.isfinite(filtered[2]).all())
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_index() -> None:
+    from model.sampler import uniform_noise
+
+    u = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 20000)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert torch.equal(u[0], uniform_noise(torch.tensor([1]), torch.tensor([0]), 20000)[0])
