@@ -109,16 +109,19 @@ class UnknownKernelBackend(ValueError):
 
 
 def get_backend(device: torch.device | str = "cpu", name: str | None = None) -> KernelBackend:
-    """The backend named by ``name`` or ``TANDEM_KERNELS``; else ``triton`` on CUDA, ``torch`` elsewhere."""
+    """The backend named by ``name`` or ``TANDEM_KERNELS``; else ``triton`` on CUDA, ``torch`` elsewhere.
+
+    ``triton`` on a machine without CUDA runs the kernels in Triton's interpreter: it is chosen when
+    a kernel is defined, so it is switched on here, before the kernel modules are imported.
+    """
     from model.kernels import torch_backend  # noqa: F401  (registers "torch")
 
-    chosen = (
-        name
-        or os.environ.get("TANDEM_KERNELS")
-        or ("triton" if torch.device(device).type == "cuda" else "torch")
-    )
-    if chosen not in _REGISTRY and chosen == "triton":
-        chosen = "torch"  # the Triton backend registers itself once it exists
+    is_cuda = torch.device(device).type == "cuda"
+    chosen = name or os.environ.get("TANDEM_KERNELS") or ("triton" if is_cuda else "torch")
+    if chosen == "triton" and chosen not in _REGISTRY:
+        if not is_cuda:
+            os.environ["TRITON_INTERPRET"] = "1"
+        from model.kernels import triton_backend  # noqa: F401  (registers "triton")
     if chosen not in _REGISTRY:
         raise UnknownKernelBackend(chosen)
     return _REGISTRY[chosen]()
