@@ -6,14 +6,23 @@ import pytest
 import torch
 
 from model.config import RopeConfig
+from model.kernels import norm_triton, rope_triton
 from model.kernels.norm import rms_norm_torch
 from model.kernels.norm_triton import rms_norm_triton
 from model.kernels.rope import apply_rope_torch, rope_cos_sin_table
 from model.kernels.rope_triton import apply_rope_triton
+from tests.model.kernels.test_mla_decode import NanTorch
 
 # Triton's interpreter truncates float32 -> bfloat16 (a GPU rounds to nearest), so each rounding
 # step may land one bfloat16 ulp (2^-7 relative) away from torch's: allow a few.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer the kernels allocate starts as NaN, so an element they fail to write fails."""
+    monkeypatch.setattr(norm_triton, "torch", NanTorch())
+    monkeypatch.setattr(rope_triton, "torch", NanTorch())
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
