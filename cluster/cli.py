@@ -6,8 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from cluster.prompts import PromptSpec
+from engine.colocated import EngineConfig
 from engine.request import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 
 class CliError(Exception):
@@ -45,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=64)
     gen.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--dep", type=int, default=None, help="run as one DEP group of this many Ray actors")
+    gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
@@ -55,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--batch-sizes", default="1,32")
     eng.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else top_p 0.95 too")
     eng.add_argument("--json", action="store_true")
+    dep = bench.add_parser("dep", help="per-step time of DEP groups, all-to-all time apart")
+    dep.add_argument("--model", type=Path, required=True)
+    dep.add_argument("--sizes", default="1,2,4", help="DEP sizes to run, comma-separated")
+    dep.add_argument("--requests-per-rank", type=int, default=4)
+    dep.add_argument("--prompt-tokens", type=int, default=32)
+    dep.add_argument("--output-tokens", type=int, default=32)
+    dep.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    dep.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
+    dep.add_argument("--json", action="store_true")
     return parser
 
 
@@ -90,6 +107,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench" and args.bench_command == "dep":
+        from bench.dep_bench import run_dep_bench
+
+        result = run_dep_bench(
+            args.model,
+            [int(n) for n in args.sizes.split(",")],
+            args.requests_per_rank,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.dtype,
+            args.address,
+        )
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     if args.command == "bench":
         from bench.engine_bench import run_engine_bench
 
@@ -107,8 +138,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cluster.prompts import PromptSpec, parse_prompt_ids, read_prompts_file
-    from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+    from cluster.prompts import parse_prompt_ids, read_prompts_file
+    from engine.colocated import DTYPES, ColocatedEngine
 
     base = SamplingParams(
         max_tokens=args.max_tokens,
@@ -127,23 +158,65 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise InvalidRequestError("--prompt", "is empty")
         specs = [PromptSpec(args.prompt, None, base)]
-    engine = ColocatedEngine.from_model_dir(
-        args.model, DTYPES[args.dtype], EngineConfig(page_size=args.page_size, num_pages=args.num_pages)
+    engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages)
+    if args.dep is not None:
+        return _generate_dep(args, specs, engine_config)
+    engine = ColocatedEngine.from_model_dir(args.model, DTYPES[args.dtype], engine_config)
+    prompts = _encode(specs, engine.tokenizer)
+    outputs = engine.generate(prompts, [s.sampling for s in specs])
+    _print_outputs(
+        args.json, [(o.token_ids, o.text, o.prompt_tokens, o.cached_tokens, o.finish_reason) for o in outputs]
     )
+    return 0
+
+
+def _encode(specs: list[PromptSpec], tokenizer: Tokenizer | None) -> list[list[int]]:
     prompts: list[list[int]] = []
     for spec in specs:
         if spec.token_ids is not None:
             prompts.append(spec.token_ids)
         else:
-            assert engine.tokenizer is not None and spec.text is not None
-            prompts.append(engine.tokenizer.encode(spec.text))
-    outputs = engine.generate(prompts, [s.sampling for s in specs])
-    if args.json:
+            assert tokenizer is not None and spec.text is not None
+            prompts.append(tokenizer.encode(spec.text))
+    return prompts
+
+
+def _print_outputs(as_json: bool, outputs: list[tuple[list[int], str, int, int, str]]) -> None:
+    if as_json:
         keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
-        print(json.dumps({"outputs": [{k: getattr(o, k) for k in keys} for o in outputs]}))
+        print(json.dumps({"outputs": [dict(zip(keys, o, strict=True)) for o in outputs]}))
     else:
         for o in outputs:
-            print(o.text)
+            print(o[1])
+
+
+def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
+    from cluster.dep_generate import generate_on_dep_group
+    from engine.request import check_prompt
+    from model.config import ModelConfig
+    from model.tokenizer import Tokenizer
+
+    if args.dep < 1:
+        raise InvalidRequestError("--dep", f"must be at least 1, got {args.dep}")
+    cfg = ModelConfig.from_dir(args.model)
+    tokenizer = Tokenizer.from_dir(args.model)
+    prompts = _encode(specs, tokenizer)
+    # validate here, before any actor starts: the same checks every rank makes
+    for prompt in prompts:
+        check_prompt(prompt, cfg.vocab_size, engine_config.context_len(cfg))
+    results = generate_on_dep_group(
+        args.model, prompts, [s.sampling for s in specs], args.dep, args.dtype, engine_config, args.address
+    )
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise CliError(errors[0])
+    _print_outputs(
+        args.json,
+        [
+            (r.token_ids, tokenizer.decode(r.token_ids), r.prompt_tokens, r.cached_tokens, r.finish_reason)
+            for r in results
+        ],
+    )
     return 0
 
 

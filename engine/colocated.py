@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.request import InvalidRequestError, Request, SamplingParams
+from engine.request import Request, SamplingParams, check_prompt
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from model.checkpoint import load_checkpoint
@@ -44,6 +44,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
 
+    def context_len(self, cfg: ModelConfig) -> int:
+        """Tokens a request may hold (prompt + output): the model's context, or less if set."""
+        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
 
 @dataclass(frozen=True)
 class GenerationOutput:
@@ -62,6 +66,7 @@ class ColocatedEngine:
         model: DeepseekV3,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        lockstep: bool = False,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model = model
@@ -84,7 +89,7 @@ class ColocatedEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, lockstep)
         self._ids = itertools.count()
 
     @staticmethod
@@ -101,18 +106,7 @@ class ColocatedEngine:
         return ColocatedEngine(model, config, tokenizer)
 
     def validate_prompt(self, prompt_token_ids: list[int], field: str = "prompt_ids") -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} tokens "
-                "(the prompt plus at least one generated token)",
-            )
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, field)
 
     def add_request(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None

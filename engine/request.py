@@ -33,6 +33,28 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
+        return (type(self), (self.field, self.message))
+
+
+def check_prompt(
+    prompt_token_ids: list[int], vocab_size: int, max_model_len: int, field: str = "prompt_ids"
+) -> None:
+    """Reject an empty prompt, a token id outside the vocabulary, or a prompt that leaves no room
+    for one generated token; the error names the field."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt", "is empty")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens do not fit the context of {max_model_len} tokens "
+            "(the prompt plus at least one generated token)",
+        )
 
 
 @dataclass(frozen=True)

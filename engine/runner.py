@@ -22,14 +22,18 @@ class RunnerStats:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3, pool: KVPool) -> None:
+    """``lockstep``: this rank is one of a DEP group, whose MoE layers exchange rows with the other
+    ranks, so it runs the model even on an empty plan (an empty batch) to take part."""
+
+    def __init__(self, model: DeepseekV3, pool: KVPool, lockstep: bool = False) -> None:
         self.model = model
         self.pool = pool
+        self.lockstep = lockstep
         self.stats = RunnerStats()
 
     def run(self, plan: SchedulerOutput) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one."""
-        if not plan.chunks:
+        if not plan.chunks and not self.lockstep:
             return {}
         device = self.model.device
         input_ids: list[int] = []

@@ -108,6 +108,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_requests(self) -> list[Request]:
+        """Every request this scheduler still owns (waiting, running or preempted)."""
+        return list(self._requests.values())
+
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or ``None``."""
         return self._requests.get(request_id)

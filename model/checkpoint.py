@@ -54,6 +54,10 @@ class CheckpointError(ValueError):
     def __init__(self, path: Path | str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = str(path)
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
+        return (type(self), (self.path, self.message))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
+from model.expert_dispatch import ExpertDispatcher, LocalExperts
 from model.kernels.backend import KernelBackend, get_backend
 from model.kernels.rope import rope_cos_sin_table
 from model.kv_pool import KVPool
@@ -37,7 +38,8 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3(nn.Module):
-    """``experts`` is the range of routed experts this copy holds (all of them by default)."""
+    """``experts`` is the range of routed experts this copy holds (all of them by default); with a
+    slice, ``dispatcher`` must bring the other experts' outputs from the ranks that hold them."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class DeepseekV3(nn.Module):
         device: torch.device | str = "cpu",
         ops: KernelBackend | None = None,
         experts: range | None = None,
+        dispatcher: ExpertDispatcher | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -53,6 +56,9 @@ class DeepseekV3(nn.Module):
         self.device = torch.device(device)
         self.ops = ops or get_backend(self.device)
         self.experts = experts if experts is not None else range(cfg.n_routed_experts)
+        if dispatcher is None and len(self.experts) != cfg.n_routed_experts:
+            raise ValueError("a model holding a slice of the experts needs an expert-parallel dispatcher")
+        self.dispatcher = dispatcher or LocalExperts()
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -89,7 +95,7 @@ class DeepseekV3(nn.Module):
             h, residual = ops.rms_norm(
                 x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual
             )
-            x = layer.mlp(h, ops) if isinstance(layer.mlp, MoE) else layer.mlp(h)
+            x = layer.mlp(h, ops, self.dispatcher) if isinstance(layer.mlp, MoE) else layer.mlp(h)
         return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     @torch.inference_mode()

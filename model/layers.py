@@ -13,6 +13,7 @@ from torch import nn
 
 from model.attention_metadata import AttentionMetadata
 from model.config import ModelConfig
+from model.expert_dispatch import ExpertDispatcher
 from model.kernels.backend import KernelBackend
 
 
@@ -107,7 +108,7 @@ class MLAttention(nn.Module):
             q_latent = torch.einsum("bhn,hnl->bhl", q_nope[idx], w_uk)
             o_latent = ops.decode_attention(q_latent, q_pe[idx], kv_layer, sub, cfg.softmax_scale)
             out[idx] = torch.einsum("bhl,hvl->bhv", o_latent, w_uv)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.reshape(x.shape[0], heads * cfg.v_head_dim))
 
     @staticmethod
     def _rows(meta: AttentionMetadata, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -167,9 +168,14 @@ class MoE(nn.Module):
             cfg.routed_scaling_factor,
         )
 
-    def forward(self, x: torch.Tensor, ops: KernelBackend) -> torch.Tensor:
-        weights, ids = self.route(x, ops)
-        out = ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down, self.first_expert)
+    def forward(self, x: torch.Tensor, ops: KernelBackend, dispatcher: ExpertDispatcher) -> torch.Tensor:
+        if x.shape[0]:
+            weights, ids = self.route(x, ops)
+        else:  # an idle expert-parallel rank still serves the other ranks' rows
+            k = self.cfg.num_experts_per_tok
+            weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
+            ids = torch.empty((0, k), dtype=torch.int64, device=x.device)
+        out = dispatcher.routed_experts(self, x, weights, ids, ops)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

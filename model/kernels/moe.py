@@ -20,10 +20,12 @@ def grouped_topk_torch(
     scores = router_logits.sigmoid()
     num_tokens, num_experts = scores.shape
     biased = scores + correction_bias
-    group_scores = biased.view(num_tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_scores = biased.view(num_tokens, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    expert_mask = group_mask[:, :, None].expand(-1, -1, num_experts // n_group).reshape(num_tokens, -1)
+    expert_mask = (
+        group_mask[:, :, None].expand(-1, -1, num_experts // n_group).reshape(num_tokens, num_experts)
+    )
     biased = biased.masked_fill(expert_mask == 0, float("-inf"))
     topk_ids = torch.topk(biased, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, topk_ids)

@@ -41,3 +41,21 @@ def test_kv_store_writes_only_the_given_slots() -> None:
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[slots] = False
     assert torch.isnan(flat[untouched]).all()
+
+
+def test_empty_batch_runs_every_layer() -> None:
+    """An idle rank of a DEP group runs the model on no tokens (its MoE layers still serve others)."""
+    from model.config import ModelConfig
+    from model.deepseek import DeepseekV3
+    from model.kv_pool import KVPool
+    from model.make_tiny import tiny_config_dict
+
+    cfg = ModelConfig.from_dict(tiny_config_dict())
+    model = DeepseekV3(cfg, torch.float32)
+    for p in model.parameters():
+        p.data.normal_()
+    pool = KVPool(cfg, 4, 8, torch.float32)
+    meta = AttentionMetadata.build(8, [], [], [])
+    empty = torch.empty(0, dtype=torch.int64)
+    hidden = model.forward(empty, empty, meta, pool)
+    assert hidden.shape == (0, cfg.hidden_size)

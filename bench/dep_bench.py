@@ -1,0 +1,82 @@
+"""Per-step time of DEP groups of several sizes on one model, with the all-to-all time apart.
+
+Each rank gets the same load (``requests_per_rank`` requests of ``prompt_tokens`` random tokens,
+``output_tokens`` generated, greedy), so the groups differ only in how many ranks step in
+lockstep and exchange MoE rows. Times are each rank's own wall clock, averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.dep_group import DEPGroup, DEPGroupConfig
+from cluster.ray_bootstrap import init_ray
+from engine.colocated import EngineConfig
+from engine.dep_rank import RankRequest
+from engine.request import SamplingParams
+from model.config import ModelConfig
+
+
+def run_dep_bench(
+    model_dir: Path,
+    sizes: list[int],
+    requests_per_rank: int = 4,
+    prompt_tokens: int = 32,
+    output_tokens: int = 32,
+    dtype: str = "float32",
+    address: str | None = None,
+) -> dict[str, Any]:
+    init_ray(address)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    rng = random.Random(0)
+    runs = []
+    for size in sizes:
+        group = DEPGroup(
+            DEPGroupConfig(
+                f"bench-dep{size}", str(model_dir), size, dtype, EngineConfig(enable_prefix_caching=False)
+            )
+        )
+        group.start()
+        try:
+            sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+            for rank in range(size):
+                prompts = [
+                    [rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(requests_per_rank)
+                ]
+                group.submit(rank, [RankRequest(f"r{rank}-{i}", p, sampling) for i, p in enumerate(prompts)])
+            before = group.stats()
+            start = time.perf_counter()
+            results = group.run_to_completion(timeout_s=600)
+            elapsed = time.perf_counter() - start
+            after = group.stats()
+        finally:
+            group.stop()
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise RuntimeError(errors[0])
+        steps = sum(a.steps - b.steps for a, b in zip(after, before, strict=True)) / size
+        step_s = sum(a.step_s - b.step_s for a, b in zip(after, before, strict=True)) / size
+        a2a_s = sum(a.all_to_all_s - b.all_to_all_s for a, b in zip(after, before, strict=True)) / size
+        agree_s = sum(a.agree_s - b.agree_s for a, b in zip(after, before, strict=True)) / size
+        runs.append({
+            "dep": size,
+            "requests": size * requests_per_rank,
+            "steps": round(steps, 1),
+            "step_ms": round(1000 * step_s / steps, 3),
+            "all_to_all_ms_per_step": round(1000 * a2a_s / steps, 3),
+            "all_to_all_share": round(a2a_s / step_s, 4),
+            "agree_ms_per_step": round(1000 * agree_s / steps, 3),
+            "output_tokens_per_s": round(size * requests_per_rank * output_tokens / elapsed, 1),
+        })  # fmt: skip
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "requests_per_rank": requests_per_rank,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "prefix_caching": False,
+        "runs": runs,
+    }

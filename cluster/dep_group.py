@@ -1,0 +1,228 @@
+"""A DEP group of rank actors, seen from the process that runs it (the CLI, later the controller).
+
+States: ``starting -> ready -> failed -> (restart) starting -> ready ...``; ``stopped`` at the end.
+A group is placed, started and restarted whole (gang restart): a rank that dies takes the group
+down, every request in flight on any of its ranks ends with :class:`GroupFailed`'s message, and
+``restart`` builds a new incarnation on a new placement group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.placement import RankResources, place_group, release_group
+from cluster.rank_actor import DEPRankActor, RankSpec
+from engine.colocated import EngineConfig
+from engine.dep_rank import FinishedRequest, RankRequest, RankStats
+
+
+class GroupState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class GroupNotReady(RuntimeError):
+    def __init__(self, group_id: str, state: GroupState) -> None:
+        super().__init__(f"DEP group {group_id} is {state.value}, not ready")
+
+
+class GroupFailed(RuntimeError):
+    def __init__(self, group_id: str, incarnation: int, reason: str) -> None:
+        super().__init__(f"DEP group {group_id} incarnation {incarnation} failed: {reason}")
+        self.group_id, self.incarnation, self.reason = group_id, incarnation, reason
+
+
+@dataclass
+class DEPGroupConfig:
+    group_id: str
+    model_dir: str
+    size: int
+    dtype: str = "float32"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    resources: RankResources = field(default_factory=RankResources)
+    collective_timeout_s: float = 60.0
+    start_timeout_s: float = 300.0
+
+
+class DEPGroup:
+    def __init__(self, config: DEPGroupConfig) -> None:
+        if config.size < 1:
+            raise ValueError(f"a DEP group needs at least one rank, got size {config.size}")
+        self.config = config
+        self.incarnation = 0
+        self.state = GroupState.STOPPED
+        self.failure: str | None = None
+        self._actors: list[ray.actor.ActorHandle] = []
+        self._loops: dict[ray.ObjectRef, int] = {}
+        self._pg: PlacementGroup | None = None
+        self._in_flight: dict[str, int] = {}  # request id -> rank
+
+    @property
+    def group_id(self) -> str:
+        return self.config.group_id
+
+    @property
+    def actors(self) -> list[ray.actor.ActorHandle]:
+        return list(self._actors)
+
+    def start(self) -> None:
+        """Place and start a new incarnation; returns when every rank is ready to step."""
+        cfg = self.config
+        self.incarnation += 1
+        self.state, self.failure = GroupState.STARTING, None
+        self._pg = place_group(f"{cfg.group_id}-{self.incarnation}", cfg.size, cfg.resources)
+        bundle = cfg.resources.bundle()
+        self._actors = [
+            DEPRankActor.options(  # type: ignore[attr-defined]
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=rank
+                ),
+            ).remote(
+                RankSpec(
+                    cfg.model_dir,
+                    cfg.dtype,
+                    cfg.group_id,
+                    self.incarnation,
+                    rank,
+                    cfg.size,
+                    cfg.engine,
+                    cfg.collective_timeout_s,
+                )
+            )
+            for rank in range(cfg.size)
+        ]
+        try:
+            master = str(ray.get(self._actors[0].rendezvous_address.remote(), timeout=cfg.start_timeout_s))
+            ray.get([a.setup.remote(master) for a in self._actors], timeout=cfg.start_timeout_s)
+        except Exception as exc:
+            self._teardown()
+            self.state, self.failure = GroupState.FAILED, f"start failed: {exc}"
+            raise GroupFailed(cfg.group_id, self.incarnation, self.failure) from exc
+        self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
+        self.state = GroupState.READY
+
+    def submit(self, rank: int, requests: list[RankRequest]) -> None:
+        """Queue requests on one rank (validated there: ``InvalidRequestError`` for bad input)."""
+        if self.state is not GroupState.READY:
+            raise GroupNotReady(self.group_id, self.state)
+        if not 0 <= rank < self.config.size:
+            raise ValueError(f"rank {rank} is not in DEP group {self.group_id} of {self.config.size} ranks")
+        try:
+            ray.get(self._actors[rank].submit.remote(requests))
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        for r in requests:
+            self._in_flight[r.request_id] = rank
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if request_id in self._in_flight:
+                by_rank.setdefault(self._in_flight[request_id], []).append(request_id)
+        ray.get([self._actors[rank].abort.remote(ids) for rank, ids in by_rank.items()])
+
+    def poll(self, wait_s: float = 0.5) -> list[FinishedRequest]:
+        """Finished requests of every rank (waiting up to ``wait_s`` for some). Finds a failed
+        rank: the group is marked failed and torn down, and every request still in flight on any
+        rank comes back with :class:`GroupFailed`'s message naming the cause."""
+        if self.state is not GroupState.READY:
+            return []
+        refs: dict[ray.ObjectRef, int] = {
+            a.collect.remote(wait_s): rank for rank, a in enumerate(self._actors)
+        }
+        ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 5.0)
+        finished: list[FinishedRequest] = []
+        deaths: list[str] = []
+        errors: list[str] = []
+        for ref, rank in refs.items():
+            try:
+                finished.extend(ray.get(ref, timeout=0))
+            except ray.exceptions.RayActorError:
+                deaths.append(f"rank {rank} died")
+            except Exception as exc:
+                errors.append(f"rank {rank}: {_cause(exc)}")
+        ended, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
+        for loop_ref in ended:
+            rank = self._loops[loop_ref]
+            try:
+                ray.get(loop_ref)
+                errors.append(f"rank {rank} stopped stepping")
+            except ray.exceptions.RayActorError:
+                deaths.append(f"rank {rank} died")
+            except Exception as exc:
+                errors.append(f"rank {rank}: {_cause(exc)}")
+        errors += [r.error for r in finished if r.error]
+        if deaths or errors:
+            # a dead rank is the cause; its peers' collective errors are the consequence
+            self._fail(sorted(set(deaths))[0] if deaths else errors[0])
+        if self.state is not GroupState.FAILED:
+            for done in finished:
+                self._in_flight.pop(done.request_id, None)
+            return finished
+        assert self.failure is not None
+        message = str(GroupFailed(self.group_id, self.incarnation, self.failure))
+        results = [r if r.error is None else dataclasses.replace(r, error=message) for r in finished]
+        returned = {r.request_id for r in results}
+        results += [
+            FinishedRequest(i, [], 0, 0, "error", message) for i in self._in_flight if i not in returned
+        ]
+        self._in_flight.clear()
+        return results
+
+    def run_to_completion(self, timeout_s: float) -> list[FinishedRequest]:
+        """Poll until nothing is in flight (or ``timeout_s`` passes, raising ``TimeoutError``)."""
+        deadline = time.monotonic() + timeout_s
+        results: list[FinishedRequest] = []
+        while self._in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self._in_flight)} requests of group {self.group_id} still running")
+            results.extend(self.poll())
+        return results
+
+    def stats(self) -> list[RankStats]:
+        return list(ray.get([a.stats.remote() for a in self._actors]))
+
+    def check_integrity(self) -> None:
+        """Page accounting on every rank; call while the group is idle."""
+        ray.get([a.check_integrity.remote() for a in self._actors])
+
+    def restart(self) -> None:
+        """Gang restart: tear every rank down and start a new incarnation."""
+        self._teardown()
+        self.start()
+
+    def stop(self) -> None:
+        self._teardown()
+        self.state = GroupState.STOPPED
+
+    def _fail(self, reason: str) -> None:
+        if self.state is GroupState.FAILED:
+            return
+        self.state, self.failure = GroupState.FAILED, reason
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors, self._loops = [], {}
+        if self._pg is not None:
+            release_group(self._pg)
+            self._pg = None
+
+
+def _cause(exc: Exception) -> str:
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        return str(exc.cause) if exc.cause is not None else str(exc)
+    return f"{type(exc).__name__}: {exc}"

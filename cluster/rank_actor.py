@@ -1,0 +1,108 @@
+"""The Ray actor of one rank of a colocated DEP group.
+
+Lifecycle, driven by :class:`cluster.dep_group.DEPGroup`: ``rendezvous_address`` (rank 0 only)
+-> ``setup`` on every rank at once (torch.distributed rendezvous, then the model with this rank's
+slice of the experts) -> ``run`` (the step loop; returns only when stopped or failed, so the
+group watches it to learn of a death) -> ``submit`` / ``collect`` / ``abort`` while it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+from engine.dep import ExpertParallelDispatcher, expert_slice
+from engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.deepseek import DeepseekV3
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    model_dir: str
+    dtype: str
+    group_id: str
+    incarnation: int
+    rank: int
+    world_size: int
+    engine: EngineConfig
+    collective_timeout_s: float = 60.0
+
+
+class RankNotReady(RuntimeError):
+    pass
+
+
+@ray.remote(max_concurrency=4)  # type: ignore[call-overload]
+class DEPRankActor:
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        # ranks share the node's cores; one thread each avoids oversubscription
+        torch.set_num_threads(int(os.environ.get("TANDEM_RANK_THREADS", "1")))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._stop = threading.Event()
+        self._loop: DEPRankLoop | None = None
+
+    def rendezvous_address(self) -> str:
+        """``host:port`` for the group's torch.distributed rendezvous, on this (rank 0's) node."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"{host}:{port}"
+
+    def setup(self, master: str) -> int:
+        spec = self.spec
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
+        cfg = ModelConfig.from_dir(spec.model_dir)
+        dtype = DTYPES[spec.dtype]
+        dispatcher = ExpertParallelDispatcher(spec.rank, spec.world_size, cfg.n_routed_experts)
+        experts = expert_slice(cfg.n_routed_experts, spec.rank, spec.world_size)
+        model = DeepseekV3(cfg, dtype, self.device, experts=experts, dispatcher=dispatcher)
+        model.load_weights(load_checkpoint(spec.model_dir, cfg, dtype, expert_filter=model.owns_expert))
+        engine = ColocatedEngine(model, spec.engine, lockstep=True)
+        self._loop = DEPRankLoop(engine, spec.rank, dispatcher)
+        return len(experts)
+
+    def run(self) -> str:
+        loop = self._require()
+        loop.run(self._stop)
+        return "stopped"
+
+    def submit(self, requests: list[RankRequest]) -> None:
+        self._require().submit(requests)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._require().abort(request_ids)
+
+    def collect(self, timeout_s: float) -> list[FinishedRequest]:
+        return self._require().collect(timeout_s)
+
+    def stats(self) -> RankStats:
+        return self._require().stats()
+
+    def check_integrity(self) -> None:
+        self._require().engine.scheduler.check_integrity()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _require(self) -> DEPRankLoop:
+        if self._loop is None:
+            raise RankNotReady(f"rank {self.spec.rank} of group {self.spec.group_id} is not set up")
+        return self._loop

@@ -1,0 +1,110 @@
+"""Expert parallelism inside a DEP group: routed experts split across the ranks, rows moved to
+their experts and back with all-to-all in every MoE layer.
+
+Rank ``r`` of ``n`` holds experts ``[r*E/n, (r+1)*E/n)``. Per MoE layer, on every rank::
+
+    (token, k) pairs sorted by expert  ->  grouped by owner rank (expert // E_local)
+    all-to-all #1: counts [n, E_local]     who sends how many rows for each of my experts
+    all-to-all #2: rows   [pairs, D]       hidden states to their owners (uneven splits)
+    owner: each received row through its expert (weight 1: the sender weights it)
+    all-to-all #3: rows back in the order they were sent
+    sender: out[token] += routing weight * row, in ascending expert order (as one process would)
+
+Every rank must call this the same number of times per step, so a rank without tokens still
+runs its layers on an empty batch; :func:`any_rank_has_work` decides once per step whether the
+group steps at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from model.expert_dispatch import ExpertDispatcher
+
+if TYPE_CHECKING:
+    from model.kernels.backend import KernelBackend
+    from model.layers import MoE
+
+
+@dataclass
+class DispatchStats:
+    layers: int = 0
+    all_to_all_s: float = 0.0
+    rows_sent: int = 0
+    rows_received: int = 0
+
+
+def expert_slice(num_experts: int, rank: int, world_size: int) -> range:
+    if num_experts % world_size:
+        raise ValueError(
+            f"n_routed_experts {num_experts} does not split evenly over a DEP group of {world_size} ranks"
+        )
+    per_rank = num_experts // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+class ExpertParallelDispatcher(ExpertDispatcher):
+    def __init__(
+        self, rank: int, world_size: int, num_experts: int, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.num_experts = num_experts
+        self.local = expert_slice(num_experts, rank, world_size)
+        self.group = group
+        self.stats = DispatchStats()
+
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None
+    ) -> None:
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        self.stats.all_to_all_s += time.perf_counter() - t0
+
+    def routed_experts(
+        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+    ) -> torch.Tensor:
+        n, per_rank, top_k = self.world_size, len(self.local), ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # by expert, hence by owner rank
+        token_of_pair = order // top_k
+        send_counts = torch.bincount(flat_ids, minlength=self.num_experts).view(n, per_rank)
+        recv_counts = torch.empty_like(send_counts)
+        self._all_to_all(recv_counts.view(-1), send_counts.view(-1), None, None)
+
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        send_rows = x[token_of_pair]
+        recv_rows = x.new_empty((sum(out_splits), x.shape[1]))
+        self._all_to_all(recv_rows, send_rows, out_splits, in_splits)
+
+        local_ids = torch.arange(self.local.start, self.local.stop, device=x.device).repeat(n)
+        recv_ids = local_ids.repeat_interleave(recv_counts.view(-1))[:, None]
+        unit = torch.ones(recv_ids.shape, dtype=torch.float32, device=x.device)
+        expert_out = ops.moe_experts(recv_rows, unit, recv_ids, moe.w_gate_up, moe.w_down, moe.first_expert)
+
+        back = x.new_empty(send_rows.shape)
+        self._all_to_all(back, expert_out, in_splits, out_splits)
+        contributions = (back * weights.reshape(-1)[order][:, None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of_pair, contributions)
+
+        stats = self.stats
+        stats.layers += 1
+        stats.rows_sent += send_rows.shape[0]
+        stats.rows_received += recv_rows.shape[0]
+        return out
+
+
+def any_rank_has_work(
+    has_work: bool, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> bool:
+    """The once-per-step agreement: True on every rank if any rank has work."""
+    flag = torch.tensor([1 if has_work else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

@@ -1,0 +1,33 @@
+"""Where a MoE layer's routed experts run.
+
+The model routes each token locally (the router is replicated); an :class:`ExpertDispatcher`
+then produces the weighted sum of the chosen experts' outputs. :class:`LocalExperts` runs them in
+this process (every expert is here); an expert-parallel dispatcher moves rows to the ranks that
+own their experts and back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model.kernels.backend import KernelBackend
+    from model.layers import MoE
+
+
+class ExpertDispatcher(ABC):
+    @abstractmethod
+    def routed_experts(
+        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+    ) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``x [T, D]``."""
+
+
+class LocalExperts(ExpertDispatcher):
+    def routed_experts(
+        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+    ) -> torch.Tensor:
+        return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert)

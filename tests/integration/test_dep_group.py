@@ -1,0 +1,161 @@
+"""DEP groups of real Ray actors on loopback: exact tokens, DEP16, rank failure and gang restart."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from cluster.cli import main
+from cluster.dep_group import DEPGroup, DEPGroupConfig, GroupNotReady, GroupState
+from cluster.ray_bootstrap import init_ray, shutdown_ray
+from engine.colocated import ColocatedEngine, EngineConfig
+from engine.dep_rank import FinishedRequest, RankRequest
+from engine.request import InvalidRequestError, SamplingParams
+from model.make_tiny import make_tiny_checkpoint
+
+ENGINE = EngineConfig(page_size=8, num_pages=96)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dep") / "tiny", seed=0)
+    init_ray()
+    yield path
+    shutdown_ray()
+
+
+def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(258) for _ in range(rng.randrange(1, 40))],
+            SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
+
+
+def _colocated(tiny: Path, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    engine = ColocatedEngine.from_model_dir(tiny, torch.float64, ENGINE)
+    return [o.token_ids for o in engine.generate([p for p, _ in requests], [s for _, s in requests])]
+
+
+def _run(
+    group: DEPGroup, requests: list[tuple[list[int], SamplingParams]], ranks: list[int]
+) -> dict[str, FinishedRequest]:
+    for i, ((prompt, sampling), rank) in enumerate(zip(requests, ranks, strict=True)):
+        group.submit(rank, [RankRequest(f"r{i}", prompt, sampling)])
+    return {r.request_id: r for r in group.run_to_completion(timeout_s=300)}
+
+
+def _check_all_pages_free(group: DEPGroup) -> None:
+    group.check_integrity()
+    for s in group.stats():
+        assert s.running == s.waiting == 0 and s.free_pages == ENGINE.num_pages
+
+
+def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
+    """16 requests of different lengths over 4 ranks, 7/5/4/0: rank 3 never has a request and the
+    others run out at different steps, so ranks step on empty batches. Compared in float64,
+    where summing expert outputs that come from other ranks rounds exactly alike."""
+    requests = _requests(16, seed=1)
+    group = DEPGroup(DEPGroupConfig("dep4", str(tiny), 4, "float64", ENGINE))
+    group.start()
+    try:
+        assert group.state is GroupState.READY and group.incarnation == 1
+        done = _run(group, requests, [0] * 7 + [1] * 5 + [2] * 4)
+        assert [done[f"r{i}"].token_ids for i in range(16)] == _colocated(tiny, requests)
+        assert all(done[f"r{i}"].finish_reason == "length" for i in range(16))
+        stats = group.stats()
+        assert len({s.steps for s in stats}) == 1  # lockstep: every rank took every step
+        assert stats[3].moe_rows_received > 0  # the idle rank served its experts to the others
+        _check_all_pages_free(group)
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            group.submit(1, [RankRequest("bad", [1, 258], SamplingParams(max_tokens=2))])
+    finally:
+        group.stop()
+    assert group.state is GroupState.STOPPED
+
+
+@pytest.mark.slow
+def test_dep16_starts_and_matches(tiny: Path) -> None:
+    requests = _requests(12, seed=2)
+    group = DEPGroup(DEPGroupConfig("dep16", str(tiny), 16, "float64", ENGINE))
+    group.start()
+    try:
+        done = _run(group, requests, [i % 5 for i in range(12)])  # ranks 5..15 stay idle
+        assert [done[f"r{i}"].token_ids for i in range(12)] == _colocated(tiny, requests)
+        _check_all_pages_free(group)
+    finally:
+        group.stop()
+
+
+def test_killed_rank_fails_the_group_and_it_restarts_whole(tiny: Path) -> None:
+    group = DEPGroup(DEPGroupConfig("dep2", str(tiny), 2, "float32", ENGINE, collective_timeout_s=30))
+    group.start()
+    try:
+        long = SamplingParams(max_tokens=700, ignore_eos=True)
+        group.submit(0, [RankRequest("a", [1, 2, 3], long), RankRequest("b", [4, 5], long)])
+        group.submit(1, [RankRequest("c", [6, 7, 8, 9], long)])
+        deadline = time.monotonic() + 60
+        while not all(s.steps > 0 for s in group.stats()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        # step 1: a rank dies mid-generation
+        ray.kill(group.actors[1])
+        # step 2: within a bounded time the group is failed and every request in flight ends with the error
+        killed = time.monotonic()
+        ended: dict[str, FinishedRequest] = {}
+        while len(ended) < 3:
+            assert time.monotonic() - killed < 30, "requests still hanging after a rank died"
+            ended.update({r.request_id: r for r in group.poll()})
+        assert group.state is GroupState.FAILED
+        for r in ended.values():
+            assert r.finish_reason == "error" and r.error is not None
+            assert "DEP group dep2 incarnation 1 failed" in r.error and "rank 1" in r.error
+        with pytest.raises(GroupNotReady):
+            group.submit(0, [RankRequest("d", [1], long)])
+
+        # step 3: gang restart, a new incarnation that serves again
+        group.restart()
+        assert group.state is GroupState.READY and group.incarnation == 2
+        done = _run(group, [([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))], [1])
+        assert len(done["r0"].token_ids) == 5 and done["r0"].error is None
+        _check_all_pages_free(group)
+    finally:
+        group.stop()
+
+
+def test_generate_cli_with_dep(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt_ids": p}) for p in ([5, 6, 7], [8], [9, 10, 11, 12, 13]))
+    )
+    base = ["generate", "--model", str(tiny), "--prompts-file", str(prompts), "--max-tokens", "6"]
+    base += ["--ignore-eos", "--dtype", "float64", "--page-size", "8", "--json"]
+    assert main([*base, "--dep", "2"]) == 0
+    with_dep = json.loads(capsys.readouterr().out)["outputs"]
+    assert main(base) == 0
+    alone = json.loads(capsys.readouterr().out)["outputs"]
+    assert with_dep == alone
+    # bad ids are rejected before any actor starts
+    bad = ["generate", "--model", str(tiny), "--prompt-ids", "0,1,999", "--max-tokens", "6", "--dep", "2"]
+    assert main(bad) == 2 and "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_dep_benchmark_reports_all_to_all(tiny: Path) -> None:
+    from bench.dep_bench import run_dep_bench
+
+    result = run_dep_bench(tiny, [1, 2], requests_per_rank=2, prompt_tokens=8, output_tokens=4)
+    assert [r["dep"] for r in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert run["steps"] >= 4 and run["step_ms"] > 0
+        assert 0 < run["all_to_all_ms_per_step"] < run["step_ms"]
