@@ -49,7 +49,7 @@ class DEPGroupConfig:
     size: int
     dtype: str = "float32"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    resources: RankResources = field(default_factory=RankResources)
+    resources: RankResources | None = None  # None: detected from the Ray cluster at start
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
 
@@ -80,8 +80,9 @@ class DEPGroup:
         cfg = self.config
         self.incarnation += 1
         self.state, self.failure = GroupState.STARTING, None
-        self._pg = place_group(f"{cfg.group_id}-{self.incarnation}", cfg.size, cfg.resources)
-        bundle = cfg.resources.bundle()
+        resources = cfg.resources or RankResources.detect()
+        self._pg = place_group(f"{cfg.group_id}-{self.incarnation}", cfg.size, resources)
+        bundle = resources.bundle()
         self._actors = [
             DEPRankActor.options(  # type: ignore[attr-defined]
                 num_cpus=bundle.get("CPU", 0),

@@ -26,6 +26,11 @@ class RankResources:
     use_gpu: bool = False
     cpus_per_rank: float = 0.1
 
+    @staticmethod
+    def detect(cpus_per_rank: float = 0.1) -> RankResources:
+        """One GPU per rank when the Ray cluster has GPUs, else a share of a CPU."""
+        return RankResources(use_gpu=ray.cluster_resources().get("GPU", 0) > 0, cpus_per_rank=cpus_per_rank)
+
     def bundle(self) -> dict[str, float]:
         if self.use_gpu:
             return {"GPU": 1.0, "CPU": max(self.cpus_per_rank, 1.0)}

@@ -45,6 +45,7 @@ class FinishedRequest:
 @dataclass
 class RankStats:
     rank: int
+    local_experts: int = 0
     steps: int = 0
     idle_waits: int = 0
     step_s: float = 0.0
@@ -81,7 +82,7 @@ class DEPRankLoop:
         self._inbox_ready = threading.Event()
         self._finished_ready = threading.Condition(self._lock)
         self._mail = _Mailbox()
-        self._stats = RankStats(rank)
+        self._stats = RankStats(rank, local_experts=len(dispatcher.local))
         self.failure: str | None = None
 
     # -- called from other threads -------------------------------------------------------------

@@ -75,6 +75,7 @@ def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
         assert all(done[f"r{i}"].finish_reason == "length" for i in range(16))
         stats = group.stats()
         assert len({s.steps for s in stats}) == 1  # lockstep: every rank took every step
+        assert [s.local_experts for s in stats] == [4, 4, 4, 4]  # 16 routed experts, a quarter each
         assert stats[3].moe_rows_received > 0  # the idle rank served its experts to the others
         _check_all_pages_free(group)
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
