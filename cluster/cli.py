@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     dep.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     dep.add_argument("--json", action="store_true")
+    kv = bench.add_parser("kvtransfer", help="NIXL transfer speed between two actors against memcpy")
+    kv.add_argument("--size-mib", type=int, default=256)
+    kv.add_argument("--repeats", type=int, default=3)
+    kv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
+    kv.add_argument("--json", action="store_true")
     return parser
 
 
@@ -107,6 +112,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench" and args.bench_command == "kvtransfer":
+        from bench.kvtransfer_bench import run_kvtransfer_bench
+
+        if args.size_mib < 1:
+            raise InvalidRequestError("--size-mib", f"must be at least 1, got {args.size_mib}")
+        result = run_kvtransfer_bench(args.size_mib, args.repeats, args.address)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     if args.command == "bench" and args.bench_command == "dep":
         from bench.dep_bench import run_dep_bench
 

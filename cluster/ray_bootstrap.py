@@ -15,7 +15,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """
     if ray.is_initialized():
         return
-    env = {k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_", "UCX_"))}
     runtime_env = {"env_vars": env} if env else None
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)

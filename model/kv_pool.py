@@ -12,29 +12,10 @@ come from the rank's page allocator; the pool itself keeps no ownership state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from kvtransfer.types import PoolLayout
 from model.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class KVPoolLayout:
-    num_layers: int
-    num_pages: int
-    page_size: int
-    token_dim: int
-    dtype: str
-    itemsize: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_size * self.token_dim * self.itemsize
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
 
 
 class KVPool:
@@ -58,12 +39,32 @@ class KVPool:
         return self.kv[index]
 
     @property
-    def layout(self) -> KVPoolLayout:
-        layers, pages, page_size, dim = self.kv.shape
-        return KVPoolLayout(layers, pages, page_size, dim, str(self.kv.dtype), self.kv.element_size())
+    def layout(self) -> PoolLayout:
+        return pool_layout(self.kv)
 
     @staticmethod
     def pages_for_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_page = cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * itemsize
         return max(1, budget_bytes // per_page)
+
+
+def pool_layout(kv: torch.Tensor) -> PoolLayout:
+    """The transfer layout of a pool tensor ``[layers, pages, page_size, dim]`` (each page contiguous)."""
+    layers, pages, page_size, dim = kv.shape
+    if kv.stride(3) != 1 or kv.stride(2) != dim:
+        raise ValueError(f"KV pool pages must be contiguous, got strides {kv.stride()}")
+    item = kv.element_size()
+    return PoolLayout(
+        base_address=kv.data_ptr(),
+        num_layers=layers,
+        num_pages=pages,
+        page_size=page_size,
+        token_dim=dim,
+        dtype=str(kv.dtype).removeprefix("torch."),
+        layer_stride_bytes=kv.stride(0) * item,
+        page_stride_bytes=kv.stride(1) * item,
+        page_bytes=page_size * dim * item,
+        mem_type="VRAM" if kv.is_cuda else "DRAM",
+        device_id=kv.device.index or 0,
+    )

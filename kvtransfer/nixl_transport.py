@@ -1,0 +1,345 @@
+"""The NIXL transport: UCX (RDMA on clusters; TCP or shared memory on one machine).
+
+One agent per rank incarnation (``<rank>#<incarnation>``). The whole KV pool is registered once,
+and one prepared descriptor list holds every (layer, page) of it; each peer incarnation's pool gets
+a prepared list too, cached until the peer's incarnation changes. A transfer picks entries of the
+two lists by index, run by run (:mod:`kvtransfer.descriptors`), so NIXL merges each run of
+contiguous pages into one descriptor.
+
+Ordering: the notification rides on the request's last transfer, which is posted only after
+every earlier transfer of that request completed, so the receiver never sees it before the data.
+
+Abort protocol (so no late write lands in a page that was handed out again)::
+
+    receiver abort / deadline  ── ABORT ──▶  sender stops posting, waits for posted writes
+                               ◀─ ABORT_ACK ─ sender reports its failure (its pages are free)
+    receiver reports failure (pages free) on the ack, or after ``abort_grace_s`` without one
+    sender abort / deadline: posted writes drained, then ABORT ──▶ receiver reports failure
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nixl._api import nixl_agent, nixl_agent_config
+
+from kvtransfer.descriptors import PageRun, page_runs, prepared_indices
+from kvtransfer.metadata import MetadataStore
+from kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure, TransportEvents, register_transport
+from kvtransfer.types import (
+    ABORT,
+    ABORT_ACK,
+    DONE,
+    KVDestination,
+    KVNotification,
+    KVTransferAborted,
+    KVTransferError,
+    KVTransferTimeout,
+    PoolLayout,
+    RankMetadata,
+    StalePeerError,
+    TransferStats,
+    decode_message,
+    encode_message,
+    notification_fields,
+)
+
+
+@dataclass
+class _Peer:
+    meta: RankMetadata
+    dlist: Any  # prepared descriptor list of the peer's pool
+
+
+@dataclass
+class _Send:
+    request_id: str
+    peer: _Peer
+    runs: list[PageRun]
+    stats: TransferStats
+    deadline: float
+    posted: list[Any] = field(default_factory=list)  # transfer handles in flight or done
+    layers_sent: set[int] = field(default_factory=set)
+    whole: bool = False
+    notification: KVNotification | None = None
+    final: Any = None  # the transfer that carries the notification
+    error: KVTransferError | None = None  # set once aborting
+
+
+@dataclass
+class _Recv:
+    request_id: str
+    peer_rank: str
+    page_ids: tuple[int, ...]
+    start: float
+    deadline: float
+    error: KVTransferError | None = None  # set once aborting
+    ack_deadline: float = 0.0
+
+
+@register_transport
+class NixlTransport(KVTransport):
+    name = "nixl"
+    layerwise = True
+
+    def __init__(
+        self,
+        rank: str,
+        incarnation: int,
+        layout: PoolLayout,
+        store: MetadataStore,
+        abort_grace_s: float = 5.0,
+    ) -> None:
+        self.rank, self.incarnation, self.layout, self.store = rank, incarnation, layout, store
+        self.abort_grace_s = abort_grace_s
+        self.agent_name = f"{rank}#{incarnation}"
+        threads = int(os.environ.get("TANDEM_NIXL_THREADS", "0"))  # UCX worker threads; 0: NIXL's default
+        config = nixl_agent_config(backends=["UCX"], capture_telemetry=True, num_threads=threads)
+        self.agent = nixl_agent(self.agent_name, config)
+        total = (
+            layout.num_layers - 1
+        ) * layout.layer_stride_bytes + layout.num_pages * layout.page_stride_bytes
+        self._registration = self.agent.register_memory(
+            [(layout.base_address, total, layout.device_id, "")], layout.mem_type
+        )
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(layout), layout.mem_type)
+        self._peers: dict[str, _Peer] = {}
+        self._sends: dict[str, _Send] = {}
+        self._recvs: dict[str, _Recv] = {}
+        self.late_messages_dropped = 0
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recent sends, for late calls
+        store.publish(
+            RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
+        )
+
+    # -- peers ---------------------------------------------------------------------------------
+    def _peer(self, rank: str, incarnation: int | None, request_id: str) -> _Peer:
+        """The peer at ``incarnation`` (any published one if ``None``), fetched on first contact
+        and again when the cached incarnation is not the one asked for."""
+        cached = self._peers.get(rank)
+        if cached is not None and incarnation in (None, cached.meta.incarnation):
+            return cached
+        meta = self.store.fetch(rank)
+        if meta is None or (incarnation is not None and meta.incarnation != incarnation):
+            raise StalePeerError(request_id, rank, incarnation if incarnation is not None else -1,
+                                 None if meta is None else meta.incarnation)  # fmt: skip
+        problem = self.layout.compatible_with(meta.layout)
+        if problem:
+            raise KVTransferError(request_id, f"pool of {rank} cannot take this pool's pages: {problem}")
+        if cached is not None:
+            self.agent.remove_remote_agent(cached.meta.agent_name)
+        self.agent.add_remote_agent(meta.agent_metadata)
+        dlist = self.agent.prep_xfer_dlist(meta.agent_name, _page_descs(meta.layout), meta.layout.mem_type)
+        self._peers[rank] = peer = _Peer(meta, dlist)
+        return peer
+
+    def _message(self, agent_name: str, kind: str, request_id: str, **fields: Any) -> None:
+        self.agent.send_notif(agent_name, encode_message(kind, request_id, self.rank, **fields))
+
+    # -- sender --------------------------------------------------------------------------------
+    def begin_send(
+        self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
+    ) -> None:
+        if request_id in self._sends:
+            raise KVTransferError(request_id, "a transfer with this request id is already in flight")
+        if len(src_page_ids) != len(dest.page_ids):
+            raise KVTransferError(
+                request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
+            )
+        peer = self._peer(dest.rank, dest.incarnation, request_id)
+        now = time.monotonic()
+        runs = page_runs(src_page_ids, dest.page_ids)
+        stats = TransferStats(request_id, dest.rank, start_s=now, descriptors=0)
+        self._sends[request_id] = _Send(request_id, peer, runs, stats, now + timeout_s)
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        send = self._send(request_id)
+        if send is None or send.error is not None or layer in send.layers_sent:
+            return
+        send.layers_sent.add(layer)
+        if layer < self.layout.num_layers - 1:  # the last layer goes with the notification
+            send.posted.append(self._post(send, [layer], b""))
+
+    def send_all_layers(self, request_id: str) -> None:
+        send = self._send(request_id)
+        if send is not None:
+            send.whole = True
+
+    def finish_send(self, request_id: str, notification: KVNotification, compute_done_s: float) -> None:
+        send = self._send(request_id)
+        if send is None or send.error is not None:
+            return
+        send.notification = notification
+        send.stats.compute_done_s = compute_done_s
+
+    def abort_send(self, request_id: str) -> None:
+        send = self._sends.get(request_id)
+        if send is not None and send.error is None:
+            send.error = KVTransferAborted(request_id, f"prefill rank {self.rank}")
+
+    def _send(self, request_id: str) -> _Send | None:
+        """The send in flight; ``None`` for one that already ended (aborted or timed out while
+        its prefill kept computing), an error for one never begun."""
+        send = self._sends.get(request_id)
+        if send is None and request_id not in self._ended:
+            raise KVTransferError(request_id, "no transfer was begun with this request id")
+        return send
+
+    def _post(self, send: _Send, layers: list[int], message: bytes) -> Any:
+        peer_layout = send.peer.meta.layout
+        src, dst = prepared_indices(send.runs, layers, self.layout.num_pages, peer_layout.num_pages)
+        handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst, message)
+        if self.agent.transfer(handle, message) == "ERR":
+            raise KVTransferError(send.request_id, f"NIXL refused the write to {send.peer.meta.rank}")
+        send.stats.bytes += len(src) * self.layout.page_bytes
+        send.stats.layers_written += len(layers)
+        return handle
+
+    def _progress_send(self, send: _Send, now: float, events: TransportEvents) -> bool:
+        """Advance one send; True when it is over (reported in ``events``)."""
+        states = [self.agent.check_xfer_state(h) for h in send.posted]
+        if "ERR" in states and send.error is None:
+            send.error = KVTransferError(send.request_id, f"a write to {send.peer.meta.rank} failed")
+        if send.error is None and now > send.deadline:
+            send.error = KVTransferTimeout(send.request_id, send.peer.meta.rank, now - send.stats.start_s)
+        if send.error is not None:
+            if "PROC" in states:
+                return False  # our pages are still being read
+            self._release(send)
+            self._message(send.peer.meta.agent_name, ABORT, send.request_id)
+            events.failed.append(TransferFailure(send.request_id, "send", send.error))
+            return True
+        if send.final is None:
+            ready = send.notification is not None and (
+                send.whole or self.layout.num_layers - 1 in send.layers_sent
+            )
+            if ready and all(s == "DONE" for s in states):
+                assert send.notification is not None
+                layers = list(range(self.layout.num_layers)) if send.whole else [self.layout.num_layers - 1]
+                message = encode_message(
+                    DONE, send.request_id, self.rank, **notification_fields(send.notification)
+                )
+                send.final = self._post(send, layers, message)
+                send.posted.append(send.final)
+            return False
+        final_state = self.agent.check_xfer_state(send.final)
+        if final_state == "PROC":
+            return False
+        if final_state == "ERR":
+            send.error = KVTransferError(send.request_id, f"the last write to {send.peer.meta.rank} failed")
+            return self._progress_send(send, now, events)
+        send.stats.end_s = time.monotonic()
+        send.stats.descriptors = sum(self.agent.get_xfer_telemetry(h).descCount for h in send.posted)
+        self._release(send)
+        events.sent.append(send.stats)
+        return True
+
+    def _release(self, send: _Send) -> None:
+        for handle in send.posted:
+            handle.release()
+        send.posted = []
+
+    # -- receiver ------------------------------------------------------------------------------
+    def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:
+        if request_id in self._recvs:
+            raise KVTransferError(request_id, "already expecting a transfer with this request id")
+        now = time.monotonic()
+        self._recvs[request_id] = _Recv(request_id, peer_rank, tuple(page_ids), now, now + timeout_s)
+
+    def abort_receive(self, request_id: str) -> None:
+        recv = self._recvs.get(request_id)
+        if recv is not None and recv.error is None:
+            self._start_abort(
+                recv, KVTransferAborted(request_id, f"decode rank {self.rank}"), time.monotonic()
+            )
+
+    def _start_abort(self, recv: _Recv, error: KVTransferError, now: float) -> None:
+        recv.error, recv.ack_deadline = error, now + self.abort_grace_s
+        try:
+            peer = self._peer(recv.peer_rank, None, recv.request_id)
+            self._message(peer.meta.agent_name, ABORT, recv.request_id)
+        except KVTransferError:
+            recv.ack_deadline = now  # no such peer: nothing can write into the pages
+
+    # -- both ----------------------------------------------------------------------------------
+    def poll(self) -> TransportEvents:
+        events = TransportEvents()
+        now = time.monotonic()
+        for agent_name, messages in self.agent.get_new_notifs().items():
+            for raw in messages:
+                self._on_message(agent_name, raw, now, events)
+        for request_id in [r for r, s in self._sends.items() if self._progress_send(s, now, events)]:
+            del self._sends[request_id]
+            self._ended[request_id] = None
+            if len(self._ended) > 4096:
+                self._ended.popitem(last=False)
+        for recv in list(self._recvs.values()):
+            if recv.error is None and now > recv.deadline:
+                self._start_abort(
+                    recv, KVTransferTimeout(recv.request_id, recv.peer_rank, now - recv.start), now
+                )
+            if recv.error is not None and now >= recv.ack_deadline:
+                self._fail_recv(recv, events)
+        return events
+
+    def _on_message(self, agent_name: str, raw: bytes, now: float, events: TransportEvents) -> None:
+        msg = decode_message(raw)
+        if msg is None:
+            self.late_messages_dropped += 1
+            return
+        kind, request_id = msg["kind"], msg["request_id"]
+        if kind == ABORT and request_id in self._sends:  # the receiver gave up: stop, then ack
+            send = self._sends[request_id]
+            if send.error is None:
+                send.error = KVTransferAborted(request_id, f"decode rank {msg['sender']}")
+            self._message(agent_name, ABORT_ACK, request_id)
+            return
+        if kind == ABORT and request_id not in self._recvs:  # a send already over: nothing to stop
+            self._message(agent_name, ABORT_ACK, request_id)
+            return
+        recv = self._recvs.get(request_id)
+        if recv is None:
+            self.late_messages_dropped += 1  # a notification for a request already aborted
+            return
+        if kind == DONE and recv.error is None:
+            notification = KVNotification(request_id, int(msg["first_token"]), int(msg["cached_tokens"]),
+                                          dict(msg.get("timings") or {}))  # fmt: skip
+            stats = TransferStats(request_id, recv.peer_rank, start_s=recv.start, end_s=now)
+            stats.bytes = len(recv.page_ids) * self.layout.num_layers * self.layout.page_bytes
+            stats.layers_written = self.layout.num_layers
+            del self._recvs[request_id]
+            events.received.append(ReceivedKV(notification, stats))
+        elif kind in (DONE, ABORT_ACK):  # every write is over: the abort can complete
+            self._fail_recv(recv, events)
+        elif kind == ABORT:  # the sender gave up after draining its writes
+            recv.error = recv.error or KVTransferAborted(request_id, f"prefill rank {msg['sender']}")
+            self._fail_recv(recv, events)
+
+    def _fail_recv(self, recv: _Recv, events: TransportEvents) -> None:
+        assert recv.error is not None
+        self._recvs.pop(recv.request_id, None)
+        events.failed.append(TransferFailure(recv.request_id, "recv", recv.error))
+
+    def in_flight(self) -> tuple[int, int]:
+        return len(self._sends), len(self._recvs)
+
+    def close(self) -> None:
+        for send in self._sends.values():
+            self._release(send)
+        self._sends.clear()
+        self._recvs.clear()
+        self.agent.deregister_memory(self._registration)
+
+
+def _page_descs(layout: PoolLayout) -> list[tuple[int, int, int]]:
+    """One (address, length, device) per (layer, page), layer-major: entry ``layer * pages + page``."""
+    return [
+        (layout.page_address(layer, page), layout.page_bytes, layout.device_id)
+        for layer in range(layout.num_layers)
+        for page in range(layout.num_pages)
+    ]

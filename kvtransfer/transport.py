@@ -1,0 +1,116 @@
+"""The KV transport interface and its registry.
+
+A rank has one transport. As a sender (prefill) it writes a request's pages into the pages a
+receiver (decode) reserved, layer by layer as they are computed or all at once, then notifies; as
+a receiver it is told what to expect and polls. Nothing here knows group sizes: ranks are names.
+
+Pages are owned by the schedulers, not by the transport: a side may free a request's pages only
+once :meth:`KVTransport.poll` reports that request finished or failed on that side, which the
+transport does only when no write can still touch them. Every wait has a deadline.
+
+    sender                                   receiver
+    begin_send(dest) ─┐                      expect(request, pages, deadline)
+    send_layer(0..L-1)│ WRITEs               │
+    finish_send(n) ───┘ + notification ───▶  poll(): received(n)   ─ decode may use the pages
+    poll(): sent(stats)                      abort_receive ─▶ sender stops, acks ─▶ failed
+    abort_send ─▶ writes drained, receiver told ─▶ failed on both sides
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvtransfer.metadata import MetadataStore
+from kvtransfer.types import KVDestination, KVNotification, KVTransferError, PoolLayout, TransferStats
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    notification: KVNotification
+    stats: TransferStats
+
+
+@dataclass(frozen=True)
+class TransferFailure:
+    request_id: str
+    role: str  # "send" or "recv"
+    error: KVTransferError
+
+
+@dataclass
+class TransportEvents:
+    received: list[ReceivedKV] = field(default_factory=list)
+    sent: list[TransferStats] = field(default_factory=list)
+    failed: list[TransferFailure] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.received or self.sent or self.failed)
+
+
+class KVTransport(ABC):
+    name: ClassVar[str]
+    layerwise: ClassVar[bool] = True  # can post a layer's writes before the next is computed
+
+    rank: str
+    incarnation: int
+
+    @abstractmethod
+    def __init__(self, rank: str, incarnation: int, layout: PoolLayout, store: MetadataStore) -> None:
+        """Register ``layout``'s pool once and publish this rank's metadata in ``store``."""
+
+    @abstractmethod
+    def begin_send(
+        self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
+    ) -> None:
+        """Start a transfer of ``src_page_ids`` (in token order) into ``dest.page_ids``."""
+
+    @abstractmethod
+    def send_layer(self, request_id: str, layer: int) -> None:
+        """Post the writes of one computed layer."""
+
+    @abstractmethod
+    def send_all_layers(self, request_id: str) -> None:
+        """Whole-request mode: every layer in one transfer, posted with the notification."""
+
+    @abstractmethod
+    def finish_send(self, request_id: str, notification: KVNotification, compute_done_s: float) -> None:
+        """Every layer is computed: notify the receiver once all writes have landed."""
+
+    @abstractmethod
+    def abort_send(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:
+        """Receiver side: ``page_ids`` are reserved for ``request_id``, to be written by ``peer_rank``."""
+
+    @abstractmethod
+    def abort_receive(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> TransportEvents: ...
+
+    @abstractmethod
+    def in_flight(self) -> tuple[int, int]:
+        """(sends, receives) not yet reported by ``poll``."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+_REGISTRY: dict[str, type[KVTransport]] = {}
+
+
+def register_transport(cls: type[KVTransport]) -> type[KVTransport]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def transport_class(name: str) -> type[KVTransport]:
+    if name == "nixl" and name not in _REGISTRY:
+        from kvtransfer import nixl_transport  # noqa: F401  (registers "nixl")
+    if name not in _REGISTRY:
+        raise ValueError(f"KV transport {name!r} is not known; known: {sorted(_REGISTRY) or ['nixl']}")
+    return _REGISTRY[name]

@@ -1,0 +1,164 @@
+"""What crosses between ranks in a KV transfer: pool layouts, destinations, the completion
+notification, per-transfer statistics, and the typed errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a rank's KV pool lives and how it is laid out (bytes)::
+
+        base_address
+        | layer 0: page 0 | page 1 | ... | page P-1 | layer 1: page 0 | ...
+        |<- page_stride ->|                           |
+        |<------------------- layer_stride ---------->|
+
+    Page ``p`` of layer ``l`` starts at ``base_address + l*layer_stride + p*page_stride`` and is
+    ``page_bytes`` long (``page_size`` tokens of ``token_dim`` numbers of ``dtype``).
+    """
+
+    base_address: int
+    num_layers: int
+    num_pages: int
+    page_size: int
+    token_dim: int
+    dtype: str
+    layer_stride_bytes: int
+    page_stride_bytes: int
+    page_bytes: int
+    mem_type: str = "DRAM"
+    device_id: int = 0
+
+    def page_address(self, layer: int, page: int) -> int:
+        return self.base_address + layer * self.layer_stride_bytes + page * self.page_stride_bytes
+
+    def compatible_with(self, other: PoolLayout) -> str | None:
+        """Why a transfer between the two pools is impossible, or ``None``."""
+        for name in ("num_layers", "page_size", "token_dim", "dtype", "page_bytes"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} there"
+        return None
+
+
+@dataclass(frozen=True)
+class RankMetadata:
+    """Published once per rank incarnation; peers fetch and cache it."""
+
+    rank: str
+    incarnation: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: PoolLayout
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Pages a decode rank reserved for one request; travels with the prefill job."""
+
+    rank: str
+    incarnation: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVNotification:
+    """Sent once, after the last write of a request landed."""
+
+    request_id: str
+    first_token: int
+    cached_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TransferStats:
+    request_id: str
+    peer: str
+    bytes: int = 0
+    layers_written: int = 0
+    descriptors: int = 0
+    start_s: float = 0.0
+    end_s: float = 0.0
+    compute_done_s: float = 0.0  # when the sender's last layer was computed
+
+    @property
+    def duration_s(self) -> float:
+        return max(self.end_s - self.start_s, 0.0)
+
+    @property
+    def exposed_s(self) -> float:
+        """Transfer time not hidden behind compute: from the last layer's compute to the end."""
+        return max(self.end_s - max(self.compute_done_s, self.start_s), 0.0)
+
+    @property
+    def gb_s(self) -> float:
+        return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
+
+
+class KVTransferError(RuntimeError):
+    """A transfer that will not complete; the pages it used may be freed on this side."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"KV transfer of {request_id}: {message}")
+        self.request_id = request_id
+        self.detail = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KVTransferError, (self.request_id, self.detail))
+
+
+class KVTransferTimeout(KVTransferError):
+    def __init__(self, request_id: str, peer: str, waited_s: float) -> None:
+        super().__init__(request_id, f"no completion from {peer} within {waited_s:.1f}s")
+        self.peer, self.waited_s = peer, waited_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KVTransferTimeout, (self.request_id, self.peer, self.waited_s))
+
+
+class KVTransferAborted(KVTransferError):
+    def __init__(self, request_id: str, by: str) -> None:
+        super().__init__(request_id, f"aborted by {by}")
+        self.by = by
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KVTransferAborted, (self.request_id, self.by))
+
+
+class StalePeerError(KVTransferError):
+    """The destination names an incarnation of the peer other than the one published."""
+
+    def __init__(self, request_id: str, peer: str, wanted: int, published: int | None) -> None:
+        super().__init__(request_id, f"peer {peer} incarnation {wanted} is not published (found {published})")
+        self.peer, self.wanted, self.published = peer, wanted, published
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StalePeerError, (self.request_id, self.peer, self.wanted, self.published))
+
+
+# -- notification wire format: one small JSON object ---------------------------------------------
+
+DONE, ABORT, ABORT_ACK = "done", "abort", "abort_ack"
+
+
+def encode_message(kind: str, request_id: str, sender: str, **fields: Any) -> bytes:
+    return json.dumps({"kind": kind, "request_id": request_id, "sender": sender, **fields}).encode()
+
+
+def decode_message(raw: bytes) -> dict[str, Any] | None:
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return msg if isinstance(msg, dict) and {"kind", "request_id", "sender"} <= msg.keys() else None
+
+
+def notification_fields(n: KVNotification) -> dict[str, Any]:
+    """The notification's fields other than the request id (which every message carries)."""
+    fields = asdict(n)
+    del fields["request_id"]
+    return fields
