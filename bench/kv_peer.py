@@ -153,6 +153,9 @@ class KVPeer:
         sends, recvs = self.transport.in_flight()
         return self.allocator.num_free, sends + recvs
 
+    def late_messages_dropped(self) -> int:
+        return int(getattr(self.transport, "late_messages_dropped", 0))
+
     def memcpy_gb_s(self, num_bytes: int, repeats: int = 5) -> float:
         """The same bytes copied within this process (buffers touched first), median of repeats."""
         src = torch.ones(num_bytes, dtype=torch.uint8)

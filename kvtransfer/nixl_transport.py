@@ -112,6 +112,7 @@ class NixlTransport(KVTransport):
         self._sends: dict[str, _Send] = {}
         self._recvs: dict[str, _Recv] = {}
         self.late_messages_dropped = 0
+        self.messages_undeliverable = 0
         self._ended: OrderedDict[str, None] = OrderedDict()  # recent sends, for late calls
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
@@ -138,8 +139,13 @@ class NixlTransport(KVTransport):
         self._peers[rank] = peer = _Peer(meta, dlist)
         return peer
 
-    def _message(self, agent_name: str, kind: str, request_id: str, **fields: Any) -> None:
-        self.agent.send_notif(agent_name, encode_message(kind, request_id, self.rank, **fields))
+    def _message(self, agent_name: str, kind: str, request_id: str) -> None:
+        """Send a control message, best effort: an agent that is gone, or was replaced by a newer
+        incarnation and forgotten, cannot be told (and has nothing left to wait for)."""
+        try:
+            self.agent.send_notif(agent_name, encode_message(kind, request_id, self.rank))
+        except Exception:
+            self.messages_undeliverable += 1
 
     # -- sender --------------------------------------------------------------------------------
     def begin_send(
@@ -262,9 +268,10 @@ class NixlTransport(KVTransport):
         recv.error, recv.ack_deadline = error, now + self.abort_grace_s
         try:
             peer = self._peer(recv.peer_rank, None, recv.request_id)
-            self._message(peer.meta.agent_name, ABORT, recv.request_id)
         except KVTransferError:
             recv.ack_deadline = now  # no such peer: nothing can write into the pages
+            return
+        self._message(peer.meta.agent_name, ABORT, recv.request_id)
 
     # -- both ----------------------------------------------------------------------------------
     def poll(self) -> TransportEvents:
@@ -299,7 +306,7 @@ class NixlTransport(KVTransport):
                 send.error = KVTransferAborted(request_id, f"decode rank {msg['sender']}")
             self._message(agent_name, ABORT_ACK, request_id)
             return
-        if kind == ABORT and request_id not in self._recvs:  # a send already over: nothing to stop
+        if kind == ABORT and request_id not in self._recvs:  # over on this side: nothing to stop
             self._message(agent_name, ABORT_ACK, request_id)
             return
         recv = self._recvs.get(request_id)

@@ -115,6 +115,31 @@ def test_receiver_abort_mid_transfer(peers: tuple[Any, Any]) -> None:
     _all_pages_free(prefill, decode)
 
 
+def test_abort_after_the_data_landed_drops_the_late_notification(peers: tuple[Any, Any]) -> None:
+    prefill, decode = peers
+    src, dst = _prepare(prefill, decode, "late-done", 2, seed=13)
+    ray.get(prefill.send.remote("late-done", KVDestination("decode-0", 1, tuple(dst)), src, False, 10.0))
+    deadline = time.monotonic() + 20
+    while (
+        "late-done" not in ray.get(prefill.poll.remote(0.05)).sent
+    ):  # the send completed: DONE is on its way
+        assert time.monotonic() < deadline
+    dropped = ray.get(decode.late_messages_dropped.remote())
+    ray.get(decode.abort_receive.remote("late-done"))  # the decode rank gives up before it polled
+    receiver = PeerEvents()
+    while not receiver.failed:
+        assert time.monotonic() < deadline and not receiver.received
+        _, got = ray.get([prefill.poll.remote(0.05), decode.poll.remote(0.05)])
+        receiver.received |= got.received
+        receiver.failed |= got.failed
+    assert isinstance(receiver.failed["late-done"].error, KVTransferAborted)
+    deadline = time.monotonic() + 5
+    while ray.get(decode.late_messages_dropped.remote()) == dropped:  # the sender's ack comes too late
+        assert time.monotonic() < deadline
+        ray.get([prefill.poll.remote(0.05), decode.poll.remote(0.05)])
+    _all_pages_free(prefill, decode)
+
+
 def test_sender_abort_mid_transfer(peers: tuple[Any, Any]) -> None:
     prefill, decode = peers
     src, dst = _prepare(prefill, decode, "sa", 4, seed=12)
@@ -168,4 +193,4 @@ def test_kvtransfer_benchmark_reports_the_ratio(peers: tuple[Any, Any]) -> None:
     result = run_kvtransfer_bench(size_mib=8, repeats=1)
     assert result["bytes_match"] is True
     assert result["nixl_gb_s"] > 0 and result["memcpy_gb_s"] > 0
-    assert result["ratio"] == pytest.approx(result["nixl_gb_s"] / result["memcpy_gb_s"], rel=1e-2)
+    assert result["ratio"] == pytest.approx(result["nixl_gb_s"] / result["memcpy_gb_s"], rel=2e-2, abs=2e-3)
