@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,9 @@ class ModelRunner:
         self.lockstep = lockstep
         self.stats = RunnerStats()
 
-    def run(self, plan: SchedulerOutput) -> dict[str, int]:
-        """Compute the planned chunks' KV and sample a token for each chunk that asks for one."""
+    def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
+        """Compute the planned chunks' KV and sample a token for each chunk that asks for one;
+        ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model)."""
         if not plan.chunks and not self.lockstep:
             return {}
         device = self.model.device
@@ -57,6 +59,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=device),
             meta,
             self.pool,
+            on_layer_kv,
         )
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}

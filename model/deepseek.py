@@ -80,9 +80,19 @@ class DeepseekV3(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, pool: KVPool
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        pool: KVPool,
+        on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm for the packed new tokens."""
+        """Hidden states ``[T, hidden]`` after the final norm for the packed new tokens.
+
+        ``on_layer_kv(layer)`` is called as soon as a layer's new KV is in the pool, before that
+        layer's MLP and the later layers run: a prefill rank posts that layer's transfer there,
+        so the transfer overlaps the rest of the forward.
+        """
         ops = self.ops
         x = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].to(self.dtype)
@@ -92,6 +102,8 @@ class DeepseekV3(nn.Module):
             assert isinstance(layer, DecoderLayer)
             h, residual = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
             x = layer.self_attn(h, cos, sin, pool.layer(layer.index), meta, ops)
+            if on_layer_kv is not None:
+                on_layer_kv(layer.index)
             h, residual = ops.rms_norm(
                 x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual
             )

@@ -59,3 +59,28 @@ def test_empty_batch_runs_every_layer() -> None:
     empty = torch.empty(0, dtype=torch.int64)
     hidden = model.forward(empty, empty, meta, pool)
     assert hidden.shape == (0, cfg.hidden_size)
+
+
+def test_layer_hook_sees_each_layers_kv_written_before_the_next_layer() -> None:
+    from model.config import ModelConfig
+    from model.deepseek import DeepseekV3
+    from model.kv_pool import KVPool
+    from model.make_tiny import tiny_config_dict
+
+    cfg = ModelConfig.from_dict(tiny_config_dict())
+    model = DeepseekV3(cfg, torch.float32)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    pool = KVPool(cfg, 4, 8, torch.float32)
+    pool.kv.fill_(float("nan"))
+    meta = AttentionMetadata.build(8, [5], [5], [[2]])
+    seen: list[int] = []
+
+    def hook(layer: int) -> None:
+        assert not torch.isnan(pool.kv[layer, 2, :5]).any()  # this layer's KV is written
+        if layer + 1 < cfg.num_hidden_layers:
+            assert torch.isnan(pool.kv[layer + 1, 2, :5]).all()  # the next one not yet
+        seen.append(layer)
+
+    model.forward(torch.arange(5), torch.arange(5), meta, pool, on_layer_kv=hook)
+    assert seen == list(range(cfg.num_hidden_layers))
