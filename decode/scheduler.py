@@ -1,0 +1,460 @@
+"""The decode rank's scheduler: pre-allocation queue, waiting-for-KV set, running batch.
+
+A decode rank owns a request from routing to its end. Phases (``DecodePhase``), with
+``Request.status`` in brackets::
+
+    add_request
+        │
+        ▼          reserve: pages for            kv_arrived: KV is in the pages,
+    QUEUED [WAITING] ─────────────────▶ WAITING_FOR_KV ─────────────────▶ RUNNING [RUNNING]
+    PREEMPTED [PREEMPTED]   the prefill  [WAITING|PREEMPTED]  first token    │ one token per step
+        ▲  ▲  FIFO; the head blocks      │ deadline: expired() reports it   │
+        │  └── front ◀── kv_failed(retry) ┘                                  │ no page for the next
+        └───────── front ◀─────────────────── preempted (pages freed) ◀──────┘ token: newest preempted
+
+Pages: a WAITING_FOR_KV or RUNNING request holds each of its pages alone (refcount 1); a queued
+or preempted one holds none. A WAITING_FOR_KV request's pages are freed only by ``kv_arrived``
+(they become its KV) or ``kv_failed`` (the transfer is over: no write can land any more); never
+on a deadline or an abort alone, since a write may still be in flight. The caller therefore
+answers every id ``expired`` returns and every ``CANCEL_TRANSFER`` with a later ``kv_failed``.
+
+Recompute after preemption: the request's next prefill job covers ``all_token_ids[:-1]``; the
+token that prefill samples is ignored and the last output token is the next decode input, so
+the outputs continue exactly as if there had been no preemption.
+
+Requests reach RUNNING whenever their KV arrives; each step decodes the first ``max_num_seqs``
+of them in arrival order, so reservations can fetch KV ahead while the batch is full.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from decode.types import (
+    AbortAction,
+    AbortResult,
+    DecodeFinished,
+    DecodePhase,
+    FinishReason,
+    KVNotificationError,
+    Reservation,
+)
+from engine.page_allocator import PageAccountingError, PageAllocator
+from engine.prefix_cache import PrefixCache
+from engine.request import InvalidRequestError, Request, RequestStatus
+from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeSchedulerConfig:
+    """One decode rank's limits. ``max_reservations_in_flight`` caps requests waiting for KV at
+    once; ``max_kv_retries`` caps how often one request's failed transfer is retried."""
+
+    num_pages: int
+    page_size: int = 64
+    max_num_seqs: int = 64
+    max_model_len: int
+    kv_wait_timeout_s: float = 30.0
+    max_reservations_in_flight: int = 64
+    max_kv_retries: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_num_seqs", "max_model_len", "max_reservations_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
+        timeout = self.kv_wait_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"kv_wait_timeout_s must be a positive number of seconds, got {timeout!r}")
+        retries = self.max_kv_retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"max_kv_retries must be an integer >= 0, got {retries!r}")
+
+
+@dataclass(eq=False)
+class _Entry:
+    """Decode-side state of one unfinished request (compared by identity)."""
+
+    request: Request
+    arrival: int
+    phase: DecodePhase = DecodePhase.QUEUED
+    attempt: int = -1  # number of the latest reservation
+    num_reserved_tokens: int = 0  # tokens the current reservation's prefill writes
+    deadline_s: float = math.inf
+    kv_retries: int = 0
+    aborting: bool = False  # aborted while WAITING_FOR_KV: finishes as "abort" when the transfer ends
+    expiry_reported: bool = False
+
+
+class DecodeScheduler:
+    """One decode rank's scheduler. Pure bookkeeping: it moves ids and counts, the caller moves
+    data. It owns each request from ``add_request`` until it returns the request's
+    ``DecodeFinished``; every page comes from ``kv_cache`` (prefix caching off: KV comes from
+    prefill)."""
+
+    def __init__(self, config: DecodeSchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = PrefixCache(PageAllocator(config.num_pages), config.page_size, enabled=False)
+        self._entries: dict[str, _Entry] = {}
+        self._counter = itertools.count()
+        self._queue: deque[_Entry] = deque()
+        self._waiting_for_kv: dict[str, _Entry] = {}
+        self._running: list[_Entry] = []  # sorted by arrival
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_queued(self) -> int:
+        """Requests in the pre-allocation queue, preempted ones included."""
+        return len(self._queue)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self._waiting_for_kv)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.kv_cache.num_free_pages
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._entries)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or ``None``."""
+        entry = self._entries.get(request_id)
+        return entry.request if entry is not None else None
+
+    def phase(self, request_id: str) -> DecodePhase | None:
+        entry = self._entries.get(request_id)
+        return entry.phase if entry is not None else None
+
+    # -- life of a request -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raise ``InvalidRequestError`` naming the field if it can never run."""
+        config = self.config
+        if request.request_id in self._entries:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        request.sampling.validate()
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        if any(not isinstance(t, int) or t < 0 for t in prompt):
+            raise InvalidRequestError("prompt", "token ids must be integers >= 0")
+        max_model_len = min(request.max_model_len or config.max_model_len, config.max_model_len)
+        if len(prompt) >= max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
+            )
+        if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
+            raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
+        # The last sampled token's KV is never computed, hence the - 1.
+        max_kv_tokens = min(len(prompt) + request.sampling.max_tokens, max_model_len) - 1
+        pages_needed = math.ceil(max_kv_tokens / config.page_size)
+        if pages_needed > config.num_pages:
+            raise InvalidRequestError(
+                "prompt",
+                f"prompt plus max_tokens needs {pages_needed} pages but the pool has only "
+                f"{config.num_pages}; shorten the prompt or lower max_tokens",
+            )
+        request.max_model_len = max_model_len
+        request.num_computed_tokens = 0
+        entry = _Entry(request, next(self._counter))
+        self._entries[request.request_id] = entry
+        self._queue.append(entry)
+
+    def reserve(self, now: float) -> list[Reservation]:
+        """Reserve pages for queued requests, in order, while pages last and fewer than
+        ``max_reservations_in_flight`` wait for KV. A head that does not fit blocks the rest."""
+        config = self.config
+        reservations: list[Reservation] = []
+        while self._queue and len(self._waiting_for_kv) < config.max_reservations_in_flight:
+            entry = self._queue[0]
+            request = entry.request
+            num_tokens = request.num_tokens - 1 if request.output_token_ids else request.num_prompt_tokens
+            page_ids = self.kv_cache.allocate(math.ceil(num_tokens / config.page_size))
+            if page_ids is None:
+                if not self._waiting_for_kv and not self._running:
+                    raise PageAccountingError(
+                        f"request {request.request_id} cannot reserve pages though no request holds any"
+                    )
+                break
+            self._queue.popleft()
+            request.page_ids = page_ids
+            entry.phase = DecodePhase.WAITING_FOR_KV
+            entry.attempt += 1
+            entry.num_reserved_tokens = num_tokens
+            entry.deadline_s = now + config.kv_wait_timeout_s
+            entry.expiry_reported = False
+            self._waiting_for_kv[request.request_id] = entry
+            reservations.append(
+                Reservation(request.request_id, tuple(page_ids), num_tokens, entry.deadline_s, entry.attempt)
+            )
+        return reservations
+
+    def kv_arrived(
+        self, request_id: str, first_token: int, cached_tokens: int, *, attempt: int | None = None
+    ) -> DecodeFinished | None:
+        """The KV of a WAITING_FOR_KV request landed: it joins the running batch with
+        ``first_token`` as output 0 (a recomputed request keeps its outputs instead). Returns the
+        record when that finishes it at once, or when it was aborted meanwhile. Unknown ids,
+        other phases and other attempts are late arrivals: ignored, ``None``."""
+        entry = self._current_transfer(request_id, attempt)
+        if entry is None:
+            return None
+        if entry.aborting:
+            del self._waiting_for_kv[request_id]
+            return self._finish(entry, "abort")
+        request = entry.request
+        if not isinstance(first_token, int) or isinstance(first_token, bool) or first_token < 0:
+            raise KVNotificationError(request_id, "first_token", f"must be a token id >= 0, got {first_token!r}")
+        if not 0 <= cached_tokens <= entry.num_reserved_tokens:
+            raise KVNotificationError(
+                request_id, "cached_tokens", f"{cached_tokens} is outside [0, {entry.num_reserved_tokens}]"
+            )
+        del self._waiting_for_kv[request_id]
+        request.num_computed_tokens = entry.num_reserved_tokens
+        request.status = RequestStatus.RUNNING
+        entry.phase = DecodePhase.RUNNING
+        bisect.insort(self._running, entry, key=lambda e: e.arrival)
+        if request.output_token_ids:  # recomputed after preemption: the sampled token is ignored
+            return None
+        request.num_cached_tokens = cached_tokens
+        request.append_output(first_token)
+        if request.is_finished:
+            self._running.remove(entry)
+            return self._finish(entry, _finish_reason(request))
+        return None
+
+    def kv_failed(
+        self, request_id: str, reason: str, retry: bool, *, attempt: int | None = None
+    ) -> DecodeFinished | None:
+        """The transfer of a WAITING_FOR_KV request ended without data; its pages are freed.
+
+        An aborted request finishes as "abort". With ``retry`` and retries left, the request
+        goes back to the front of the queue (the caller picks another prefill rank when it is
+        reserved again) and ``None`` is returned; otherwise it finishes as "error". Unknown ids,
+        other phases and other attempts are ignored (``None``)."""
+        entry = self._current_transfer(request_id, attempt)
+        if entry is None:
+            return None
+        del self._waiting_for_kv[request_id]
+        if entry.aborting:
+            return self._finish(entry, "abort")
+        if retry and entry.kv_retries < self.config.max_kv_retries:
+            entry.kv_retries += 1
+            self._requeue_front(entry)
+            return None
+        error = f"{reason} (gave up after {entry.kv_retries} retries)" if retry else reason
+        return self._finish(entry, "error", error)
+
+    def expired(self, now: float) -> list[str]:
+        """Ids WAITING_FOR_KV past their deadline, each reported once per reservation (aborted
+        ones are already being cancelled). Their pages stay reserved: abort the transfer and call
+        ``kv_failed`` when the transport reports the abort complete."""
+        ids = []
+        for request_id, entry in self._waiting_for_kv.items():
+            if not entry.aborting and not entry.expiry_reported and now >= entry.deadline_s:
+                entry.expiry_reported = True
+                ids.append(request_id)
+        return ids
+
+    def abort(self, request_id: str) -> AbortResult:
+        """Abort a request. Queued, preempted and running ones finish now (DONE, with the record);
+        one waiting for KV is marked and CANCEL_TRANSFER returned: the caller aborts the transfer
+        and the later ``kv_failed`` (or ``kv_arrived``) finishes it as "abort"."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return AbortResult(AbortAction.UNKNOWN)
+        if entry.phase is DecodePhase.WAITING_FOR_KV:
+            entry.aborting = True
+            return AbortResult(AbortAction.CANCEL_TRANSFER)
+        if entry.phase is DecodePhase.RUNNING:
+            self._running.remove(entry)
+        else:
+            self._queue.remove(entry)
+        return AbortResult(AbortAction.DONE, self._finish(entry, "abort"))
+
+    # -- decode steps ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one decode step: one token for each of the first ``max_num_seqs`` running requests,
+        in arrival order. A request whose next token needs a page when none is free preempts the
+        newest running request (perhaps itself, never one scheduled earlier in this step)."""
+        size = self.config.page_size
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        index = 0
+        while index < min(len(self._running), self.config.max_num_seqs):
+            entry = self._running[index]
+            request = entry.request
+            missing = math.ceil(request.num_tokens / size) - len(request.page_ids)
+            new_pages = self.kv_cache.allocate(missing) if missing > 0 else []
+            while new_pages is None:
+                victim = self._running.pop()  # the newest; the scheduled ones sit before ``index``
+                self._preempt(victim)
+                preempted.append(victim.request.request_id)
+                if victim is entry:
+                    break
+                new_pages = self.kv_cache.allocate(missing)
+            if new_pages is None:
+                break
+            request.page_ids.extend(new_pages)
+            chunks.append(
+                ScheduledChunk(
+                    request_id=request.request_id,
+                    token_ids=(request.output_token_ids[-1],),
+                    start_position=request.num_tokens - 1,
+                    page_ids=tuple(request.page_ids),
+                    sample=True,
+                    sampling=request.sampling,
+                    output_index=len(request.output_token_ids),
+                )
+            )
+            index += 1
+        return SchedulerOutput(
+            chunks=tuple(chunks), num_batched_tokens=len(chunks), preempted_request_ids=tuple(preempted)
+        )
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[DecodeFinished]:
+        """Apply a step's sampled tokens (``sampled`` maps each chunk's request id to its token).
+        Chunks of requests aborted since ``schedule`` are skipped; finished requests' pages are
+        freed and their records returned."""
+        finished: list[DecodeFinished] = []
+        for chunk in output.chunks:
+            entry = self._entries.get(chunk.request_id)
+            if entry is None or entry.phase is not DecodePhase.RUNNING:
+                continue
+            request = entry.request
+            if chunk.start_position != request.num_computed_tokens or chunk.start_position != (
+                request.num_tokens - 1
+            ):
+                raise StaleSchedulerOutputError(
+                    f"chunk for {chunk.request_id} starts at {chunk.start_position} but the request has "
+                    f"computed {request.num_computed_tokens} of {request.num_tokens} tokens; "
+                    "apply each output once, in order"
+                )
+            if chunk.request_id not in sampled:
+                raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}")
+            request.num_computed_tokens += 1
+            request.append_output(sampled[chunk.request_id])
+            if request.is_finished:
+                self._running.remove(entry)
+                finished.append(self._finish(entry, _finish_reason(request)))
+        return finished
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise ``PageAccountingError`` unless requests and the KV pool agree (O(pages + requests))."""
+        self.kv_cache.check_integrity()
+        size = self.config.page_size
+        containers = [
+            (DecodePhase.QUEUED, list(self._queue)),
+            (DecodePhase.WAITING_FOR_KV, list(self._waiting_for_kv.values())),
+            (DecodePhase.RUNNING, self._running),
+        ]
+        held = [e for _, entries in containers for e in entries]
+        if len({id(e) for e in held}) != len(held) or {e.request.request_id for e in held} != set(
+            self._entries
+        ):
+            raise PageAccountingError("queue, waiting-for-KV and running do not hold each request exactly once")
+        if len(self._waiting_for_kv) > self.config.max_reservations_in_flight:
+            raise PageAccountingError(f"{len(self._waiting_for_kv)} requests wait for KV > the limit")
+        arrivals = [e.arrival for e in self._running]
+        if arrivals != sorted(arrivals):
+            raise PageAccountingError("running requests are not in arrival order")
+        owners: dict[int, int] = {}
+        for where, entries in containers:
+            for entry in entries:
+                self._check_entry(where, entry, size)
+                for page_id in entry.request.page_ids:
+                    owners[page_id] = owners.get(page_id, 0) + 1
+        for page_id in range(self.kv_cache.num_total_pages):
+            count, refcount = owners.get(page_id, 0), self.kv_cache.refcount(page_id)
+            if count > 1 or count != refcount:
+                raise PageAccountingError(f"page {page_id}: refcount {refcount} but {count} owning requests")
+
+    def _check_entry(self, where: DecodePhase, entry: _Entry, size: int) -> None:
+        request = entry.request
+        rid, pages, has_outputs = request.request_id, request.page_ids, bool(request.output_token_ids)
+        recompute_status = RequestStatus.PREEMPTED if has_outputs else RequestStatus.WAITING
+        if where is DecodePhase.QUEUED:
+            phase = DecodePhase.PREEMPTED if has_outputs else DecodePhase.QUEUED
+            if entry.phase is not phase or request.status != recompute_status:
+                raise PageAccountingError(f"queued {rid} is {entry.phase.name}/{request.status.name}")
+            if pages or request.num_computed_tokens or entry.aborting:
+                raise PageAccountingError(f"queued {rid} holds pages or computed tokens, or is aborting")
+            return
+        if entry.phase is not where:
+            raise PageAccountingError(f"{rid} is {entry.phase.name} but held as {where.name}")
+        if where is DecodePhase.WAITING_FOR_KV:
+            expected = request.num_tokens - 1 if has_outputs else request.num_prompt_tokens
+            if request.status != recompute_status or entry.num_reserved_tokens != expected:
+                raise PageAccountingError(f"{rid} waits for KV of {entry.num_reserved_tokens} tokens")
+            if len(pages) != math.ceil(expected / size):
+                raise PageAccountingError(f"{rid} reserved {len(pages)} pages for {expected} tokens")
+            return
+        if request.status != RequestStatus.RUNNING or not has_outputs or entry.aborting:
+            raise PageAccountingError(f"running {rid} is {request.status.name} with no output or aborting")
+        if request.num_computed_tokens != request.num_tokens - 1:
+            raise PageAccountingError(f"running {rid} computed {request.num_computed_tokens} tokens")
+        if not math.ceil((request.num_tokens - 1) / size) <= len(pages) <= math.ceil(request.num_tokens / size):
+            raise PageAccountingError(f"running {rid} has {len(pages)} pages for {request.num_tokens} tokens")
+
+    # -- transitions -----------------------------------------------------------------------------
+
+    def _current_transfer(self, request_id: str, attempt: int | None) -> _Entry | None:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.phase is not DecodePhase.WAITING_FOR_KV:
+            return None
+        if attempt is not None and attempt != entry.attempt:
+            return None
+        return entry
+
+    def _release_pages(self, entry: _Entry) -> None:
+        request = entry.request
+        self.kv_cache.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+
+    def _requeue_front(self, entry: _Entry) -> None:
+        """Back to the head of the queue without pages: it is next to be reserved."""
+        self._release_pages(entry)
+        entry.phase = DecodePhase.PREEMPTED if entry.request.output_token_ids else DecodePhase.QUEUED
+        self._queue.appendleft(entry)
+
+    def _preempt(self, entry: _Entry) -> None:
+        request = entry.request
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._requeue_front(entry)
+
+    def _finish(self, entry: _Entry, reason: FinishReason, error: str | None = None) -> DecodeFinished:
+        """Free the pages and forget the request; the caller has taken it out of its container."""
+        request = entry.request
+        self._release_pages(entry)
+        if reason in ("abort", "error"):
+            request.status = RequestStatus.FINISHED_ABORTED
+        del self._entries[request.request_id]
+        return DecodeFinished(request, reason, error, entry.kv_retries)
+
+
+def _finish_reason(request: Request) -> FinishReason:
+    return "stop" if request.status == RequestStatus.FINISHED_STOPPED else "length"

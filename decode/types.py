@@ -1,0 +1,85 @@
+"""What the decode scheduler hands its caller: reservations to send prefill jobs for, finished
+records, abort outcomes, the decode-side phase of a request, and the typed errors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from engine.request import Request
+from kvtransfer.types import KVDestination
+
+FinishReason: TypeAlias = Literal["stop", "length", "abort", "error"]
+
+
+class DecodePhase(enum.Enum):
+    """Where a request is on a decode rank. ``Request.status`` is coarser: WAITING (or PREEMPTED
+    once it was preempted) until its KV arrives, RUNNING while decoding, then FINISHED_*."""
+
+    QUEUED = "queued"  # in the pre-allocation queue, no pages, nothing generated yet
+    WAITING_FOR_KV = "waiting_for_kv"  # pages reserved, a prefill job writes them
+    RUNNING = "running"  # in the running batch, one token per step
+    PREEMPTED = "preempted"  # in the pre-allocation queue with outputs kept, to be recomputed
+
+
+class AbortAction(enum.Enum):
+    DONE = "done"  # finished now and its pages freed; the record is in ``AbortResult.finished``
+    CANCEL_TRANSFER = "cancel_transfer"  # abort the KV transfer, then call ``kv_failed``
+    UNKNOWN = "unknown"  # no such unfinished request (already finished, or never here)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages reserved for one request's prefill; the caller sends a prefill job writing into them.
+
+    The prefill job's prompt is ``request.all_token_ids[:num_prompt_tokens]``. For a new request
+    that is its prompt and the token the prefill side samples becomes output 0. For a request
+    recomputed after preemption it is every token but the last sampled one (which becomes the
+    next decode input), and the token the prefill side samples is ignored. ``attempt`` counts
+    this request's reservations from 0; pass it back to ``kv_arrived``/``kv_failed`` so that a
+    notification of an earlier attempt is never taken for the current one.
+    """
+
+    request_id: str
+    page_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    deadline_s: float
+    attempt: int = 0
+
+    def destination(self, rank: str, incarnation: int) -> KVDestination:
+        return KVDestination(rank=rank, incarnation=incarnation, page_ids=self.page_ids)
+
+
+@dataclass(frozen=True)
+class DecodeFinished:
+    """A request the decode scheduler no longer owns; its pages are free.
+
+    ``finish_reason`` "abort" and "error" both leave ``request.status`` FINISHED_ABORTED;
+    ``error`` says what went wrong for "error" and is ``None`` otherwise.
+    """
+
+    request: Request
+    finish_reason: FinishReason
+    error: str | None = None
+    num_kv_retries: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    action: AbortAction
+    finished: DecodeFinished | None = None
+
+
+class KVNotificationError(ValueError):
+    """A KV notification whose fields cannot belong to the reservation it names: the prefill
+    side sent a wrong first token or cached-token count."""
+
+    def __init__(self, request_id: str, field: str, message: str) -> None:
+        super().__init__(f"KV notification for {request_id}: {field} {message}")
+        self.request_id = request_id
+        self.field = field

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.topology import Topology, TopologyError
+
+
+@pytest.mark.parametrize(
+    "name,prefill,decode",
+    [("local", (1, 2), (1, 2)), ("dep16-dep2", (1, 16), (1, 2)), ("9xdep2-1xdep16", (9, 2), (1, 16))],
+)
+def test_presets(name: str, prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    t = Topology.preset(name)
+    assert t.name == name
+    assert (t.prefill.groups, t.prefill.dep) == prefill and (t.decode.groups, t.decode.dep) == decode
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(TopologyError, match="local"):
+        Topology.preset("nope")
+
+
+def test_config_file_errors_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("prefill:\n  groups: 0\n")
+    with pytest.raises(TopologyError, match=r"prefill\.groups"):
+        Topology.load(path)
+    path.write_text("decode:\n  dpe: 2\n")
+    with pytest.raises(TopologyError, match=r"decode\.dpe"):
+        Topology.load(path)
+    path.write_text("kv_transfer: sometimes\n")
+    with pytest.raises(TopologyError, match="kv_transfer"):
+        Topology.load(path)
+    path.write_text("prefill: [\n")
+    with pytest.raises(TopologyError, match="not valid YAML"):
+        Topology.load(path)
+    path.write_text("decode:\n  groups: 3\n  dep: 4\n")
+    t = Topology.load(path)
+    assert t.decode.ranks == 12 and t.prefill.dep == 2
