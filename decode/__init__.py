@@ -1,2 +1,3 @@
-"""Decode role: the decode scheduler (pre-allocation queue, waiting-for-KV set, running batch,
-preemption), the decode rank actor, and the receiving side of KV transfers. Not built yet."""
+"""Decode role: the decode scheduler (pre-allocation queue, waiting-for-KV with deadlines,
+running batch, preemption; ``scheduler.py``, ``types.py``) and the decode worker that sends
+prefill jobs, receives the KV, decodes and bills each request (``worker.py``)."""

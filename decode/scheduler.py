@@ -1,16 +1,19 @@
 """The decode rank's scheduler: pre-allocation queue, waiting-for-KV set, running batch.
 
-A decode rank owns a request from routing to its end. Phases (``DecodePhase``), with
-``Request.status`` in brackets::
+A decode rank owns a request from routing to its end. Its phases (``DecodePhase``)::
 
     add_request
-        │
-        ▼          reserve: pages for            kv_arrived: KV is in the pages,
-    QUEUED [WAITING] ─────────────────▶ WAITING_FOR_KV ─────────────────▶ RUNNING [RUNNING]
-    PREEMPTED [PREEMPTED]   the prefill  [WAITING|PREEMPTED]  first token    │ one token per step
-        ▲  ▲  FIFO; the head blocks      │ deadline: expired() reports it   │
-        │  └── front ◀── kv_failed(retry) ┘                                  │ no page for the next
-        └───────── front ◀─────────────────── preempted (pages freed) ◀──────┘ token: newest preempted
+        |
+        v            reserve                 kv_arrived
+    QUEUED     ------------------> WAITING_FOR_KV -------------> RUNNING ----> DecodeFinished
+    PREEMPTED    FIFO, the head     pages reserved,              one token       (update, abort,
+      ^   ^      blocks the rest    deadline (expired)           per step         kv_* failures)
+      |   |                              |                          |
+      |   +------ front <-- kv_failed(retry) ---+                   |
+      +---------- front <-- preempted: no page for the next token, the newest goes
+
+``Request.status`` stays WAITING (PREEMPTED once preempted) until the KV arrives, is RUNNING
+while decoding, then FINISHED_*; aborts and errors both end FINISHED_ABORTED.
 
 Pages: a WAITING_FOR_KV or RUNNING request holds each of its pages alone (refcount 1); a queued
 or preempted one holds none. A WAITING_FOR_KV request's pages are freed only by ``kv_arrived``
@@ -40,6 +43,7 @@ from decode.types import (
     AbortResult,
     DecodeFinished,
     DecodePhase,
+    DecodeSchedulerConfig,
     FinishReason,
     KVNotificationError,
     Reservation,
@@ -48,39 +52,6 @@ from engine.page_allocator import PageAccountingError, PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.request import InvalidRequestError, Request, RequestStatus
 from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecodeSchedulerConfig:
-    """One decode rank's limits. ``max_reservations_in_flight`` caps requests waiting for KV at
-    once; ``max_kv_retries`` caps how often one request's failed transfer is retried."""
-
-    num_pages: int
-    page_size: int = 64
-    max_num_seqs: int = 64
-    max_model_len: int
-    kv_wait_timeout_s: float = 30.0
-    max_reservations_in_flight: int = 64
-    max_kv_retries: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_num_seqs", "max_model_len", "max_reservations_in_flight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
-        timeout = self.kv_wait_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(f"kv_wait_timeout_s must be a positive number of seconds, got {timeout!r}")
-        retries = self.max_kv_retries
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ValueError(f"max_kv_retries must be an integer >= 0, got {retries!r}")
 
 
 @dataclass(eq=False)
@@ -223,7 +194,9 @@ class DecodeScheduler:
             return self._finish(entry, "abort")
         request = entry.request
         if not isinstance(first_token, int) or isinstance(first_token, bool) or first_token < 0:
-            raise KVNotificationError(request_id, "first_token", f"must be a token id >= 0, got {first_token!r}")
+            raise KVNotificationError(
+                request_id, "first_token", f"must be a token id >= 0, got {first_token!r}"
+            )
         if not 0 <= cached_tokens <= entry.num_reserved_tokens:
             raise KVNotificationError(
                 request_id, "cached_tokens", f"{cached_tokens} is outside [0, {entry.num_reserved_tokens}]"
@@ -342,13 +315,10 @@ class DecodeScheduler:
             if entry is None or entry.phase is not DecodePhase.RUNNING:
                 continue
             request = entry.request
-            if chunk.start_position != request.num_computed_tokens or chunk.start_position != (
-                request.num_tokens - 1
-            ):
+            if chunk.start_position != request.num_computed_tokens:
                 raise StaleSchedulerOutputError(
                     f"chunk for {chunk.request_id} starts at {chunk.start_position} but the request has "
-                    f"computed {request.num_computed_tokens} of {request.num_tokens} tokens; "
-                    "apply each output once, in order"
+                    f"computed {request.num_computed_tokens} tokens; apply each output once, in order"
                 )
             if chunk.request_id not in sampled:
                 raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}")
@@ -374,7 +344,9 @@ class DecodeScheduler:
         if len({id(e) for e in held}) != len(held) or {e.request.request_id for e in held} != set(
             self._entries
         ):
-            raise PageAccountingError("queue, waiting-for-KV and running do not hold each request exactly once")
+            raise PageAccountingError(
+                "queue, waiting-for-KV and running do not hold each request exactly once"
+            )
         if len(self._waiting_for_kv) > self.config.max_reservations_in_flight:
             raise PageAccountingError(f"{len(self._waiting_for_kv)} requests wait for KV > the limit")
         arrivals = [e.arrival for e in self._running]
@@ -415,7 +387,11 @@ class DecodeScheduler:
             raise PageAccountingError(f"running {rid} is {request.status.name} with no output or aborting")
         if request.num_computed_tokens != request.num_tokens - 1:
             raise PageAccountingError(f"running {rid} computed {request.num_computed_tokens} tokens")
-        if not math.ceil((request.num_tokens - 1) / size) <= len(pages) <= math.ceil(request.num_tokens / size):
+        if (
+            not math.ceil((request.num_tokens - 1) / size)
+            <= len(pages)
+            <= math.ceil(request.num_tokens / size)
+        ):
             raise PageAccountingError(f"running {rid} has {len(pages)} pages for {request.num_tokens} tokens")
 
     # -- transitions -----------------------------------------------------------------------------
@@ -432,11 +408,11 @@ class DecodeScheduler:
         request = entry.request
         self.kv_cache.free(request.page_ids)
         request.page_ids = []
-        request.num_computed_tokens = 0
 
     def _requeue_front(self, entry: _Entry) -> None:
         """Back to the head of the queue without pages: it is next to be reserved."""
         self._release_pages(entry)
+        entry.request.num_computed_tokens = 0
         entry.phase = DecodePhase.PREEMPTED if entry.request.output_token_ids else DecodePhase.QUEUED
         self._queue.appendleft(entry)
 

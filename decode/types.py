@@ -1,9 +1,10 @@
-"""What the decode scheduler hands its caller: reservations to send prefill jobs for, finished
-records, abort outcomes, the decode-side phase of a request, and the typed errors."""
+"""The decode scheduler's config and what it hands its caller: reservations to send prefill
+jobs for, finished records, abort outcomes, the decode-side phase of a request, typed errors."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -83,3 +84,36 @@ class KVNotificationError(ValueError):
         super().__init__(f"KV notification for {request_id}: {field} {message}")
         self.request_id = request_id
         self.field = field
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeSchedulerConfig:
+    """One decode rank's limits. ``max_reservations_in_flight`` caps requests waiting for KV at
+    once; ``max_kv_retries`` caps how often one request's failed transfer is retried."""
+
+    num_pages: int
+    page_size: int = 64
+    max_num_seqs: int = 64
+    max_model_len: int
+    kv_wait_timeout_s: float = 30.0
+    max_reservations_in_flight: int = 64
+    max_kv_retries: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_num_seqs", "max_model_len", "max_reservations_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
+        timeout = self.kv_wait_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"kv_wait_timeout_s must be a positive number of seconds, got {timeout!r}")
+        retries = self.max_kv_retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ValueError(f"max_kv_retries must be an integer >= 0, got {retries!r}")

@@ -227,9 +227,10 @@ class NixlTransport(KVTransport):
             if ready and all(s == "DONE" for s in states):
                 assert send.notification is not None
                 layers = list(range(self.layout.num_layers)) if send.whole else [self.layout.num_layers - 1]
-                message = encode_message(
-                    DONE, send.request_id, self.rank, **notification_fields(send.notification)
-                )
+                fields = notification_fields(send.notification)
+                # the writes' span so far: from the first post to this last one
+                fields["timings"] = {**fields["timings"], "kv_transfer_s": now - send.stats.start_s}
+                message = encode_message(DONE, send.request_id, self.rank, **fields)
                 send.final = self._post(send, layers, message)
                 send.posted.append(send.final)
             return False

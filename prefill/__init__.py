@@ -1,2 +1,3 @@
-"""Prefill role: the prefill scheduler (token budget, chunking, prefix reuse), the prefill rank
-actor, and the sending side of KV transfers. Not built yet."""
+"""Prefill role: jobs from decode ranks (``job.py``), the prefill scheduler (token budget,
+chunking, prefix reuse, pages held while their KV is sent; ``scheduler.py``) and the prefill
+worker that runs them and writes each layer's KV to the decode rank (``worker.py``)."""

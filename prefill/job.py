@@ -66,7 +66,10 @@ class PrefillJob:
             raise InvalidRequestError(
                 "prompt_token_ids", f"must be a tuple, got {type(self.prompt_token_ids).__name__}"
             )
-        check_prompt(list(self.prompt_token_ids), vocab_size, max_model_len, field="prompt_token_ids")
+        try:
+            check_prompt(list(self.prompt_token_ids), vocab_size, max_model_len)
+        except InvalidRequestError as error:  # one name for the field, whichever rule it broke
+            raise InvalidRequestError("prompt_token_ids", error.message) from None
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequestError(
                 "sampling", f"must be SamplingParams, got {type(self.sampling).__name__}"

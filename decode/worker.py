@@ -1,0 +1,214 @@
+"""A decode rank's work, without the threads and collectives around it.
+
+The decode rank owns a request from routing to its end::
+
+    submit -> queue -> reserve pages -> PrefillJob to a prefill rank (expect its KV)
+           -> KV arrives (first token) -> running batch, one token a step -> finished + bill
+    a failed or late transfer: abort it, then retry on another prefill rank or end with an error
+
+``tick`` polls the transport, hands expired transfers to abort and sends prefill jobs for new
+reservations; ``step`` runs one decode batch. Transfers are named ``<request>#<attempt>`` so a
+retry never meets the notification of an earlier attempt.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from decode.scheduler import DecodeScheduler
+from decode.types import AbortAction, DecodeFinished
+from engine.request import Request
+from engine.runner import ModelRunner
+from kvtransfer.transport import KVTransport
+from kvtransfer.types import KVTransferAborted
+from prefill.job import PrefillJob
+
+
+class PrefillDispatcher(ABC):
+    """Chooses a prefill rank for a job and sends it there."""
+
+    @abstractmethod
+    def choose(self, request: Request) -> str:
+        """The name of the prefill rank to compute ``request``'s KV."""
+
+    @abstractmethod
+    def send(self, prefill_rank: str, job: PrefillJob) -> None: ...
+
+
+@dataclass
+class Bill:
+    """What one request cost and where its time went (seconds, from its arrival on this rank).
+
+    ``kv_transfer_s`` is the sender's span from its first write to posting the last one;
+    ``kv_transfer_exposed_s`` is the wait for the KV beyond the prefill's queue and compute time.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    new_prompt_tokens: int = 0
+    output_tokens: int = 0
+    kv_bytes: int = 0
+    kv_wait_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    kv_transfer_exposed_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    ttft_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    prefill_rank: str | None
+    decode_rank: str
+    bill: Bill
+
+
+@dataclass
+class _Track:
+    arrival: float
+    prefill_rank: str | None = None
+    expect_at: float = 0.0
+    bill: Bill = field(default_factory=Bill)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        rank: str,
+        incarnation: int,
+        scheduler: DecodeScheduler,
+        runner: ModelRunner,
+        transport: KVTransport,
+        dispatcher: PrefillDispatcher,
+        kv_timeout_s: float = 30.0,
+    ) -> None:
+        self.rank, self.incarnation = rank, incarnation
+        self.scheduler = scheduler
+        self.runner = runner
+        self.transport = transport
+        self.dispatcher = dispatcher
+        self.kv_timeout_s = kv_timeout_s
+        self._tracks: dict[str, _Track] = {}
+        self._attempts: dict[str, int] = {}  # request id -> attempt of its current transfer
+        self.results: list[DecodeResult] = []
+
+    def submit(self, requests: list[Request]) -> None:
+        now = time.monotonic()
+        for request in requests:
+            self.scheduler.add_request(request)
+            self._tracks[request.request_id] = _Track(now)
+
+    def abort(self, request_id: str) -> None:
+        result = self.scheduler.abort(request_id)
+        if result.action is AbortAction.CANCEL_TRANSFER:
+            self.transport.abort_receive(f"{request_id}#{self._attempts[request_id]}")
+        elif result.finished is not None:
+            self._finish(result.finished)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        events = self.transport.poll()
+        for got in events.received:
+            request_id, attempt = _split(got.notification.request_id)
+            track = self._tracks.get(request_id)
+            if track is not None:
+                bill, timings = track.bill, got.notification.timings
+                bill.kv_bytes += got.stats.bytes
+                bill.kv_wait_s = now - track.expect_at
+                bill.prefill_queue_s = timings.get("prefill_queue_s", 0.0)
+                bill.prefill_compute_s = timings.get("prefill_compute_s", 0.0)
+                bill.kv_transfer_s = timings.get("kv_transfer_s", 0.0)
+                bill.kv_transfer_exposed_s = max(
+                    bill.kv_wait_s - bill.prefill_queue_s - bill.prefill_compute_s, 0.0
+                )
+                if not bill.token_times_s:
+                    bill.ttft_s = now - track.arrival
+                    bill.token_times_s.append(bill.ttft_s)
+            n = got.notification
+            self._maybe_finish(
+                self.scheduler.kv_arrived(request_id, n.first_token, n.cached_tokens, attempt=attempt)
+            )
+        for failure in events.failed:
+            if failure.role != "recv":
+                continue
+            request_id, attempt = _split(failure.request_id)
+            retry = not isinstance(failure.error, KVTransferAborted) or "prefill" in failure.error.by
+            self._maybe_finish(
+                self.scheduler.kv_failed(request_id, str(failure.error), retry, attempt=attempt)
+            )
+        for request_id in self.scheduler.expired(now):
+            self.transport.abort_receive(f"{request_id}#{self._attempts[request_id]}")
+        for reservation in self.scheduler.reserve(now):
+            request = self.scheduler.get(reservation.request_id)
+            assert request is not None
+            transfer_id = f"{request.request_id}#{reservation.attempt}"
+            self._attempts[request.request_id] = reservation.attempt
+            prefill_rank = self.dispatcher.choose(request)
+            track = self._tracks[request.request_id]
+            track.prefill_rank, track.expect_at = prefill_rank, time.monotonic()
+            self.transport.expect(transfer_id, prefill_rank, reservation.page_ids, self.kv_timeout_s)
+            job = PrefillJob(
+                request_id=transfer_id,
+                prompt_token_ids=tuple(request.all_token_ids[: reservation.num_prompt_tokens]),
+                sampling=request.sampling,
+                output_index=len(request.output_token_ids),
+                destination=reservation.destination(self.rank, self.incarnation),
+                deadline_s=time.time() + self.kv_timeout_s,
+            )
+            self.dispatcher.send(prefill_rank, job)
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.run(plan)
+        now = time.monotonic()
+        requests = [r for r in (self.scheduler.get(c.request_id) for c in plan.chunks) if r is not None]
+        before = [len(r.output_token_ids) for r in requests]
+        finished = self.scheduler.update(plan, sampled)
+        for request, count in zip(requests, before, strict=True):
+            track = self._tracks.get(request.request_id)
+            if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
+                track.bill.token_times_s.append(now - track.arrival)
+        for record in finished:
+            self._finish(record)
+
+    def _maybe_finish(self, finished: DecodeFinished | None) -> None:
+        if finished is not None:
+            self._finish(finished)
+
+    def _finish(self, finished: DecodeFinished) -> None:
+        request = finished.request
+        track = self._tracks.pop(request.request_id, _Track(time.monotonic()))
+        self._attempts.pop(request.request_id, None)
+        bill = track.bill
+        bill.prompt_tokens = request.num_prompt_tokens
+        bill.cached_tokens = request.num_cached_tokens
+        bill.new_prompt_tokens = bill.prompt_tokens - bill.cached_tokens
+        bill.output_tokens = len(request.output_token_ids)
+        bill.e2e_s = time.monotonic() - track.arrival
+        self.results.append(
+            DecodeResult(
+                request.request_id,
+                list(request.output_token_ids),
+                finished.finish_reason,
+                finished.error,
+                track.prefill_rank,
+                self.rank,
+                bill,
+            )
+        )
+
+
+def _split(transfer_id: str) -> tuple[str, int]:
+    request_id, _, attempt = transfer_id.rpartition("#")
+    return request_id, int(attempt)

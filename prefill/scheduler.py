@@ -1,0 +1,410 @@
+"""The prefill rank's scheduler: token budget, chunked prefill, prefix reuse, pages held for transfer.
+
+Each step, ``schedule`` plans one batch under ``max_num_batched_tokens`` and returns the same
+``SchedulerOutput`` the colocated engine uses, so ``ModelRunner`` runs it unchanged::
+
+    1. queued jobs whose deadline passed are dropped (``take_expired`` reports them)
+    2. the job mid-prefill, if any, gets its next chunk
+    3. queued jobs in arrival order: match the prompt against the prefix cache, take pages
+       for the first chunk
+    A chunk is as long as the budget, the prompt and the pages left allow; only the chunk that
+    completes a prompt samples. A chunk that does not complete its prompt ends the plan.
+
+Job lifecycle and page ownership::
+
+    add_job -> QUEUED --schedule--> COMPUTING --update (last chunk)--> TRANSFERRING --transfer_over--> gone
+                 no pages            holds its pages                    still holds them: the
+                                                                        transport reads them
+
+Why no preemption and no deadlock: a chunk cut short by the budget or by the pages ends the
+plan, so at most one job is ever mid-prefill; every other page is held by a transferring job
+(released when its transfer is reported over, and every transfer has a deadline), or is free
+or evictable. ``add_job`` rejects a prompt that needs more pages than the pool has, so the job
+mid-prefill always completes once transfers finish. While it waits, nothing queued starts.
+
+This module moves ids and counts only; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.page_allocator import PageAccountingError, PageAllocator
+from engine.prefix_cache import KVEvent, PrefixCache, block_hashes
+from engine.request import InvalidRequestError
+from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillStatus, PrefillTimings
+
+# Token ids are hashed as signed 64-bit integers; without a vocabulary that is the bound.
+_MAX_TOKEN_ID = 2**63 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillSchedulerConfig:
+    """One prefill rank's limits. ``max_num_batched_tokens`` is the token budget per step and
+    ``max_num_seqs`` the most jobs in one step's batch. With ``vocab_size`` set, token ids of
+    incoming jobs are checked against it."""
+
+    num_pages: int
+    page_size: int = 64
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        vocab = self.vocab_size
+        if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0):
+            raise ValueError(f"vocab_size must be a positive integer or None, got {vocab!r}")
+
+
+class AbortAction(enum.Enum):
+    """What ``abort`` did, and what the caller still owes."""
+
+    UNKNOWN = "unknown"  # no such job here (finished, expired or never added)
+    DEQUEUED = "dequeued"  # was queued: gone, it never held pages
+    STOPPED = "stopped"  # was computing: gone, its pages freed
+    ABORT_TRANSFER = "abort_transfer"  # transferring: abort the transfer, then call transfer_over
+
+
+class PrefillStateError(RuntimeError):
+    """A call that does not fit the job's state, e.g. ``transfer_over`` of a job still computing."""
+
+    def __init__(self, request_id: str, status: PrefillStatus, wanted: str) -> None:
+        super().__init__(f"prefill job {request_id} is {status.name}; {wanted}")
+        self.request_id = request_id
+        self.status = status
+
+
+@dataclass(eq=False)
+class _JobState:
+    """A job's progress; only the scheduler changes it. ``page_ids[i]`` holds positions
+    ``[i*page_size, (i+1)*page_size)``; ``scheduled_end`` is where the planned chunk ends
+    (equal to ``num_computed_tokens`` when no chunk is in flight)."""
+
+    job: PrefillJob
+    arrival_s: float
+    status: PrefillStatus = PrefillStatus.QUEUED
+    page_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    scheduled_end: int = 0
+    start_s: float = 0.0
+
+
+class PrefillScheduler:
+    """Owns its jobs from ``add_job`` until ``transfer_over``, ``abort`` or expiry, and asks
+    ``kv_cache`` (its ``PrefixCache``) for every page. The caller drives it::
+
+        plan = scheduler.schedule(now)
+        done = scheduler.update(plan, runner.run(plan), now)   # start a transfer for each
+        ...                                                    # transport reports one over:
+        scheduler.transfer_over(request_id)
+    """
+
+    def __init__(self, config: PrefillSchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = PrefixCache(
+            PageAllocator(config.num_pages), config.page_size, enabled=config.enable_prefix_caching
+        )
+        # Insertion order is arrival order (admission is FIFO, so computing is in arrival order too).
+        self._queued: OrderedDict[str, _JobState] = OrderedDict()
+        self._computing: dict[str, _JobState] = {}
+        self._transferring: dict[str, _JobState] = {}
+        self._expired: list[PrefillExpired] = []
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_computing(self) -> int:
+        return len(self._computing)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a chunk could take now: free plus evictable."""
+        return self.kv_cache.num_free_pages
+
+    @property
+    def num_queried_tokens(self) -> int:
+        return self.kv_cache.num_queried_tokens
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.kv_cache.num_hit_tokens
+
+    def has_work(self) -> bool:
+        """Whether anything is queued or computing; a plan may still be empty while pages are held
+        by transfers, so the caller keeps polling its transport."""
+        return bool(self._queued or self._computing)
+
+    def status(self, request_id: str) -> PrefillStatus | None:
+        state = self._find(request_id)
+        return None if state is None else state.status
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (``BlockStored``/``BlockRemoved``) since the last call, for the router."""
+        return self.kv_cache.take_events()
+
+    def take_expired(self) -> list[PrefillExpired]:
+        """Jobs dropped since the last call because their deadline passed while queued."""
+        expired, self._expired = self._expired, []
+        return expired
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def add_job(self, job: PrefillJob, now: float) -> None:
+        """Queue ``job``; raise ``InvalidRequestError`` naming the field if it can never run."""
+        config = self.config
+        vocab_size = config.vocab_size if config.vocab_size is not None else _MAX_TOKEN_ID
+        job.validate(vocab_size, config.max_model_len, config.page_size)
+        if self._find(job.request_id) is not None:
+            raise InvalidRequestError("request_id", f"{job.request_id!r} is already in use on this rank")
+        num_pages = job.num_pages(config.page_size)
+        if num_pages > config.num_pages:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"{job.num_prompt_tokens} tokens need {num_pages} pages but the pool has only "
+                f"{config.num_pages}; send it to a rank with a larger pool or shorten it",
+            )
+        self._queued[job.request_id] = _JobState(job=job, arrival_s=now)
+
+    def abort(self, request_id: str) -> AbortAction:
+        """Stop a job. A computing job's pages are freed at once: the transfer only ever reads
+        them, so a new owner may reuse them, but if the actor already began writes for this job
+        it must abort them so the decode side's pages are not written after it frees them. A
+        transferring job keeps its pages until the caller aborts the transfer and reports it
+        with ``transfer_over``. Between ``schedule`` and ``update`` an abort is safe: the chunk in
+        flight writes only pages nothing else can take before the next ``schedule``."""
+        if self._queued.pop(request_id, None) is not None:
+            return AbortAction.DEQUEUED
+        state = self._computing.pop(request_id, None)
+        if state is not None:
+            self.kv_cache.free(state.page_ids)
+            state.page_ids = []
+            return AbortAction.STOPPED
+        if request_id in self._transferring:
+            return AbortAction.ABORT_TRANSFER
+        return AbortAction.UNKNOWN
+
+    def transfer_over(self, request_id: str) -> bool:
+        """Release a transferring job's pages once the transport reports its send completed or
+        failed. Full pages stay cached as evictable; the partial last page is freed. Returns
+        False for an unknown id (e.g. a duplicate report)."""
+        state = self._transferring.pop(request_id, None)
+        if state is None:
+            other = self._find(request_id)
+            if other is not None:
+                raise PrefillStateError(request_id, other.status, "only a transferring job can be over")
+            return False
+        self.kv_cache.free(state.page_ids)
+        state.page_ids = []
+        return True
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Plan one step (see the module docstring). Call ``update`` with it before the next."""
+        for state in self._computing.values():
+            if state.scheduled_end != state.num_computed_tokens:
+                raise StaleSchedulerOutputError(
+                    f"{state.job.request_id} has a chunk in flight; update with the last plan first"
+                )
+        self._drop_expired(now)
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        completes = True
+        for state in list(self._computing.values()):
+            chunk = self._next_chunk(state, budget)
+            if chunk is None:
+                completes = False
+                break
+            chunks.append(chunk)
+            budget -= len(chunk.token_ids)
+            completes = chunk.sample
+            if not completes:
+                break
+        while completes and self._queued and budget > 0 and len(chunks) < self.config.max_num_seqs:
+            chunk = self._admit(next(iter(self._queued.values())), budget, now)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= len(chunk.token_ids)
+            completes = chunk.sample
+        return SchedulerOutput(
+            chunks=tuple(chunks),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=(),
+        )
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int], now: float) -> list[PrefillDone]:
+        """Apply a step: advance computed tokens, cache newly full pages, and move each job whose
+        last chunk ran to ``TRANSFERRING``. ``sampled`` maps every sampling chunk's id to its token;
+        chunks of jobs aborted since ``schedule`` are skipped."""
+        size = self.config.page_size
+        done: list[PrefillDone] = []
+        for chunk in output.chunks:
+            state = self._computing.get(chunk.request_id)
+            if state is None:
+                continue
+            end = chunk.start_position + len(chunk.token_ids)
+            if chunk.start_position != state.num_computed_tokens or end != state.scheduled_end:
+                raise StaleSchedulerOutputError(
+                    f"chunk [{chunk.start_position}, {end}) of {chunk.request_id} is not the one planned "
+                    f"[{state.num_computed_tokens}, {state.scheduled_end}); apply each plan once, in order"
+                )
+            prompt = state.job.prompt_token_ids
+            state.num_computed_tokens = end
+            if end // size > chunk.start_position // size:
+                self.kv_cache.cache_full_pages(
+                    prompt, state.page_ids, end, num_cached_pages_hint=chunk.start_position // size
+                )
+            if not chunk.sample:
+                continue
+            if chunk.request_id not in sampled:
+                raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}, which samples")
+            del self._computing[chunk.request_id]
+            state.status = PrefillStatus.TRANSFERRING
+            self._transferring[chunk.request_id] = state
+            timings = PrefillTimings(queue_s=state.start_s - state.arrival_s, compute_s=now - state.start_s)
+            done.append(
+                PrefillDone(
+                    request_id=chunk.request_id,
+                    first_token=sampled[chunk.request_id],
+                    cached_tokens=state.num_cached_tokens,
+                    src_page_ids=tuple(state.page_ids),
+                    destination=state.job.destination,
+                    timings=timings,
+                )
+            )
+        return done
+
+    def _drop_expired(self, now: float) -> None:
+        for request_id, state in list(self._queued.items()):
+            if now >= state.job.deadline_s:
+                del self._queued[request_id]
+                job = state.job
+                self._expired.append(
+                    PrefillExpired(request_id, job.destination, job.deadline_s, queue_s=now - state.arrival_s)
+                )
+
+    def _admit(self, state: _JobState, budget: int, now: float) -> ScheduledChunk | None:
+        """Match the cached prefix and plan the first chunk; all or nothing."""
+        prompt = state.job.prompt_token_ids
+        page_ids, num_cached = self.kv_cache.match_prefix(prompt)
+        state.page_ids, state.num_computed_tokens, state.scheduled_end = page_ids, num_cached, num_cached
+        chunk = self._next_chunk(state, budget)
+        if chunk is None:
+            self.kv_cache.undo_match(page_ids, len(prompt))
+            state.page_ids, state.num_computed_tokens, state.scheduled_end = [], 0, 0
+            return None
+        del self._queued[state.job.request_id]
+        state.status, state.num_cached_tokens, state.start_s = PrefillStatus.COMPUTING, num_cached, now
+        self._computing[state.job.request_id] = state
+        return chunk
+
+    def _next_chunk(self, state: _JobState, budget: int) -> ScheduledChunk | None:
+        """Take pages for the longest chunk the budget, the prompt and the pool allow; ``None``
+        (nothing taken) when not one more token fits."""
+        size, job = self.config.page_size, state.job
+        start = state.num_computed_tokens
+        reachable = (len(state.page_ids) + self.kv_cache.num_free_pages) * size
+        end = min(job.num_prompt_tokens, start + budget, reachable)
+        if end <= start:
+            return None
+        new_pages = self.kv_cache.allocate(math.ceil(end / size) - len(state.page_ids))
+        if new_pages is None:
+            raise PageAccountingError(f"pages counted free for {job.request_id} could not be allocated")
+        state.page_ids.extend(new_pages)
+        state.scheduled_end = end
+        return ScheduledChunk(
+            request_id=job.request_id,
+            token_ids=job.prompt_token_ids[start:end],
+            start_position=start,
+            page_ids=tuple(state.page_ids),
+            sample=end == job.num_prompt_tokens,
+            sampling=job.sampling,
+            output_index=job.output_index,
+        )
+
+    def _find(self, request_id: str) -> _JobState | None:
+        return (
+            self._queued.get(request_id)
+            or self._computing.get(request_id)
+            or self._transferring.get(request_id)
+        )
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise ``PageAccountingError`` unless jobs and the KV pool agree (O(all tokens): for tests)."""
+        cache = self.kv_cache
+        cache.check_integrity()
+        groups = (
+            (PrefillStatus.QUEUED, self._queued),
+            (PrefillStatus.COMPUTING, self._computing),
+            (PrefillStatus.TRANSFERRING, self._transferring),
+        )
+        seen: set[str] = set()
+        owners: dict[int, int] = {}
+        for status, jobs in groups:
+            for rid, state in jobs.items():
+                if rid in seen or rid != state.job.request_id or state.status != status:
+                    raise PageAccountingError(f"job {rid} is listed twice or under the wrong state")
+                seen.add(rid)
+                self._check_job(state)
+                for page_id in state.page_ids:
+                    owners[page_id] = owners.get(page_id, 0) + 1
+        mid_prefill = [r for r, s in self._computing.items() if s.scheduled_end < s.job.num_prompt_tokens]
+        if len(mid_prefill) > 1:
+            raise PageAccountingError(f"more than one job is mid-prefill: {mid_prefill}")
+        for page_id in range(cache.num_total_pages):
+            count, refcount = owners.get(page_id, 0), cache.refcount(page_id)
+            if count != refcount:
+                raise PageAccountingError(f"page {page_id}: refcount {refcount} but {count} owning jobs")
+            if count > 1 and not cache.is_cached(page_id):
+                raise PageAccountingError(f"page {page_id} is shared by {count} jobs but not cached")
+
+    def _check_job(self, state: _JobState) -> None:
+        cache, size = self.kv_cache, self.config.page_size
+        rid, pages, prompt = state.job.request_id, state.page_ids, state.job.prompt_token_ids
+        computed = state.num_computed_tokens
+        if state.status == PrefillStatus.QUEUED:
+            if pages or computed:
+                raise PageAccountingError(f"queued job {rid} holds pages or computed tokens")
+            return
+        if len(set(pages)) != len(pages):
+            raise PageAccountingError(f"job {rid} lists a page twice: {pages}")
+        if not state.num_cached_tokens <= computed <= state.scheduled_end <= len(prompt):
+            raise PageAccountingError(
+                f"job {rid}: cached {state.num_cached_tokens}, computed {computed}, "
+                f"planned {state.scheduled_end} of {len(prompt)} tokens"
+            )
+        if len(pages) != math.ceil(state.scheduled_end / size):
+            raise PageAccountingError(f"job {rid}: {len(pages)} pages for {state.scheduled_end} tokens")
+        if state.status == PrefillStatus.TRANSFERRING and computed != len(prompt):
+            raise PageAccountingError(f"transferring job {rid} computed only {computed} of {len(prompt)}")
+        for page_id, expected in zip(pages, block_hashes(prompt[:computed], size), strict=False):
+            cached = cache.cached_hash(page_id)
+            if cached is not None and cached != expected:
+                raise PageAccountingError(f"job {rid} uses cached page {page_id} of another prefix")

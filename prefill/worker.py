@@ -1,0 +1,128 @@
+"""A prefill rank's work, without the threads and collectives around it: jobs in, KV out.
+
+One ``step`` plans a batch (:class:`PrefillScheduler`), opens a transfer for every job whose
+last chunk is in it, runs the model with a per-layer hook that posts each layer's writes as soon
+as that layer's KV is in the pool (layer-wise mode), samples the first tokens and hands the
+notifications to the transport. ``tick`` polls the transport and gives a job's pages back once
+its transfer is over. With ``whole`` transfers every layer goes at the end, in one transfer.
+
+On a GPU the hook must follow the layer's kernels (a CUDA event) before posting; on a CPU the
+forward is synchronous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from engine.runner import ModelRunner
+from kvtransfer.transport import KVTransport, TransferFailure
+from kvtransfer.types import KVNotification, KVTransferError, TransferStats
+from prefill.job import PrefillJob
+from prefill.scheduler import AbortAction, PrefillScheduler
+
+
+@dataclass
+class PrefillWorkerStats:
+    steps: int = 0
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    kv_bytes_sent: int = 0
+    transfer_s: float = 0.0
+    transfer_exposed_s: float = 0.0
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        scheduler: PrefillScheduler,
+        runner: ModelRunner,
+        transport: KVTransport,
+        layerwise: bool = True,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.transport = transport
+        self.layerwise = layerwise
+        self.transfer_timeout_s = transfer_timeout_s
+        self.stats = PrefillWorkerStats()
+        self._jobs: dict[str, PrefillJob] = {}
+        self.sent: list[TransferStats] = []
+        self.failures: list[TransferFailure] = []
+
+    def submit(self, jobs: list[PrefillJob]) -> None:
+        """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
+        turned into this process's monotonic clock here."""
+        now, wall = time.monotonic(), time.time()
+        for job in jobs:
+            job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
+            self.scheduler.add_job(job, now)
+            self._jobs[job.request_id] = job
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is AbortAction.ABORT_TRANSFER:
+            self.transport.abort_send(request_id)
+        else:
+            self._jobs.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def tick(self) -> None:
+        """Poll the transport: a finished or failed send gives its pages back."""
+        events = self.transport.poll()
+        for stats in events.sent:
+            self.scheduler.transfer_over(stats.request_id)
+            self._jobs.pop(stats.request_id, None)
+            self.stats.jobs_done += 1
+            self.stats.kv_bytes_sent += stats.bytes
+            self.stats.transfer_s += stats.duration_s
+            self.stats.transfer_exposed_s += stats.exposed_s
+            self.sent.append(stats)
+        for failure in events.failed:
+            if failure.role == "send":
+                self.scheduler.transfer_over(failure.request_id)
+                self._jobs.pop(failure.request_id, None)
+                self.stats.jobs_failed += 1
+                self.failures.append(failure)
+        for expired in self.scheduler.take_expired():
+            self._jobs.pop(expired.request_id, None)
+
+    def step(self) -> None:
+        """One step; with nothing planned the model still runs on an empty batch when the runner
+        is one of a DEP group (its MoE layers serve the other ranks)."""
+        now = time.monotonic()
+        plan = self.scheduler.schedule(now)
+        finishing: list[str] = []
+        for chunk in plan.chunks:
+            if not chunk.sample:
+                continue
+            job = self._jobs[chunk.request_id]
+            try:
+                self.transport.begin_send(
+                    chunk.request_id, job.destination, chunk.page_ids, self.transfer_timeout_s
+                )
+                finishing.append(chunk.request_id)
+            except KVTransferError as error:  # e.g. the decode rank restarted: nowhere to write
+                self.failures.append(TransferFailure(chunk.request_id, "send", error))
+        if not self.layerwise:
+            for request_id in finishing:
+                self.transport.send_all_layers(request_id)
+
+        def post_layer(layer: int) -> None:
+            for request_id in finishing:
+                self.transport.send_layer(request_id, layer)
+
+        sampled = self.runner.run(plan, post_layer if self.layerwise and finishing else None)
+        compute_done = time.monotonic()
+        for done in self.scheduler.update(plan, sampled, compute_done):
+            if done.request_id not in finishing:  # its transfer could not start
+                self.scheduler.transfer_over(done.request_id)
+                self._jobs.pop(done.request_id, None)
+                continue
+            timings = {"prefill_queue_s": done.timings.queue_s, "prefill_compute_s": done.timings.compute_s}
+            notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
+            self.transport.finish_send(done.request_id, notification, compute_done)
+        self.stats.steps += 1

@@ -1,0 +1,145 @@
+"""A prefill worker and a decode worker joined by real NIXL transfers, in one process: the
+disaggregated path gives the colocated engine's tokens, reuses prefixes, and survives a decode
+pool too small for all requests at once, with every page accounted for at the end."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.scheduler import DecodeScheduler
+from decode.types import DecodeSchedulerConfig
+from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
+from engine.colocated import ColocatedEngine, EngineConfig
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+from kvtransfer.metadata import InMemoryMetadataStore
+from kvtransfer.nixl_transport import NixlTransport
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.deepseek import DeepseekV3
+from model.kv_pool import KVPool
+from model.make_tiny import make_tiny_checkpoint
+from prefill.job import PrefillJob
+from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from prefill.worker import PrefillWorker
+
+PAGE = 8
+
+
+class _Direct(PrefillDispatcher):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def choose(self, request: Request) -> str:
+        return "prefill-0"
+
+    def send(self, prefill_rank: str, job: PrefillJob) -> None:
+        self.worker.submit([job])
+
+
+def _model(path: Path) -> DeepseekV3:
+    cfg = ModelConfig.from_dir(path)
+    model = DeepseekV3(cfg, torch.float64)
+    model.load_weights(load_checkpoint(path, cfg, torch.float64))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("disagg") / "tiny", seed=0)
+
+
+def _workers(tiny: Path, decode_pages: int, layerwise: bool) -> tuple[PrefillWorker, DecodeWorker]:
+    store = InMemoryMetadataStore()
+    p_model, d_model = _model(tiny), _model(tiny)
+    cfg = p_model.cfg
+    p_pool = KVPool(cfg, 64, PAGE, torch.float64)
+    d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64)
+    prefill = PrefillWorker(
+        PrefillScheduler(
+            PrefillSchedulerConfig(
+                num_pages=64,
+                page_size=PAGE,
+                max_num_batched_tokens=64,
+                max_model_len=512,
+                vocab_size=cfg.vocab_size,
+            )
+        ),
+        ModelRunner(p_model, p_pool),
+        NixlTransport("prefill-0", 1, p_pool.layout, store),
+        layerwise=layerwise,
+    )
+    decode = DecodeWorker(
+        "decode-0",
+        1,
+        DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
+        ModelRunner(d_model, d_pool),
+        NixlTransport("decode-0", 1, d_pool.layout, store),
+        _Direct(prefill),
+    )
+    return prefill, decode
+
+
+def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, DecodeResult]:
+    decode.submit(requests)
+    for _ in range(5000):
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        decode.step()
+        if len(decode.results) == len(requests) and not prefill.scheduler.num_transferring:
+            break
+        prefill.tick()
+    done = {r.request_id: r for r in decode.results}
+    decode.results.clear()
+    assert len(done) == len(requests)
+    return done
+
+
+def _requests(prompts: list[list[int]], sampling: list[SamplingParams], tag: str) -> list[Request]:
+    return [
+        Request(f"{tag}{i}", p, s, frozenset({257}), 512)
+        for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole-request"])
+def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: bool) -> None:
+    rng = random.Random(0)
+    system = [rng.randrange(256) for _ in range(20)]  # a shared prefix, as a chat's system prompt
+    prompts = [system + [rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(256)] for _ in range(2)]
+    sampling = [
+        SamplingParams(max_tokens=12, ignore_eos=True) if i % 2 else
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=256))
+    expected = [o.token_ids for o in engine.generate(prompts, sampling)]
+
+    # a decode pool of 12 pages: requests wait for pages in its pre-allocation queue
+    prefill, decode = _workers(tiny, decode_pages=12, layerwise=layerwise)
+    first = _run(
+        prefill, decode, _requests(prompts[:1], sampling[:1], "warm")
+    )  # puts the prefix in the cache
+    assert first["warm0"].token_ids == expected[0]
+    done = _run(prefill, decode, _requests(prompts, sampling, "r"))
+    assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == expected
+    for i in range(1, 6):  # the shared prefix came from the prefill rank's cache
+        bill = done[f"r{i}"].bill
+        assert bill.cached_tokens >= 16 and bill.new_prompt_tokens == len(prompts[i]) - bill.cached_tokens
+        assert bill.kv_bytes > 0 and bill.ttft_s > 0 and len(bill.token_times_s) == bill.output_tokens == 12
+        assert bill.token_times_s == sorted(bill.token_times_s) and bill.token_times_s[0] == bill.ttft_s
+        assert done[f"r{i}"].prefill_rank == "prefill-0" and done[f"r{i}"].finish_reason == "length"
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 12
+    assert prefill.scheduler.num_free_pages == 64
+    assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
+    prefill.transport.close()
+    decode.transport.close()
