@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -84,24 +85,15 @@ class DEPGroup:
         self._pg = place_group(f"{cfg.group_id}-{self.incarnation}", cfg.size, resources)
         bundle = resources.bundle()
         self._actors = [
-            DEPRankActor.options(  # type: ignore[attr-defined]
+            self._actor_class()
+            .options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=rank
                 ),
-            ).remote(
-                RankSpec(
-                    cfg.model_dir,
-                    cfg.dtype,
-                    cfg.group_id,
-                    self.incarnation,
-                    rank,
-                    cfg.size,
-                    cfg.engine,
-                    cfg.collective_timeout_s,
-                )
             )
+            .remote(self._spec(rank))
             for rank in range(cfg.size)
         ]
         try:
@@ -114,6 +106,20 @@ class DEPGroup:
         self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
         self.state = GroupState.READY
 
+    def _actor_class(self) -> Any:
+        return DEPRankActor
+
+    def _spec(self, rank: int) -> Any:
+        cfg = self.config
+        return RankSpec(cfg.model_dir, cfg.dtype, cfg.group_id, self.incarnation, rank, cfg.size, cfg.engine,
+                        cfg.collective_timeout_s)  # fmt: skip
+
+    def _submit_call(self, actor: Any, requests: list[RankRequest]) -> Any:
+        return actor.submit.remote(requests)
+
+    def _error_result(self, request_id: str, message: str) -> Any:
+        return FinishedRequest(request_id, [], 0, 0, "error", message)
+
     def submit(self, rank: int, requests: list[RankRequest]) -> None:
         """Queue requests on one rank (validated there: ``InvalidRequestError`` for bad input)."""
         if self.state is not GroupState.READY:
@@ -121,7 +127,7 @@ class DEPGroup:
         if not 0 <= rank < self.config.size:
             raise ValueError(f"rank {rank} is not in DEP group {self.group_id} of {self.config.size} ranks")
         try:
-            ray.get(self._actors[rank].submit.remote(requests))
+            ray.get(self._submit_call(self._actors[rank], requests))
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
         for r in requests:
@@ -134,7 +140,7 @@ class DEPGroup:
                 by_rank.setdefault(self._in_flight[request_id], []).append(request_id)
         ray.get([self._actors[rank].abort.remote(ids) for rank, ids in by_rank.items()])
 
-    def poll(self, wait_s: float = 0.5) -> list[FinishedRequest]:
+    def poll(self, wait_s: float = 0.5) -> list[Any]:
         """Finished requests of every rank (waiting up to ``wait_s`` for some). Finds a failed
         rank: the group is marked failed and torn down, and every request still in flight on any
         rank comes back with :class:`GroupFailed`'s message naming the cause."""
@@ -144,7 +150,7 @@ class DEPGroup:
             a.collect.remote(wait_s): rank for rank, a in enumerate(self._actors)
         }
         ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 5.0)
-        finished: list[FinishedRequest] = []
+        finished: list[Any] = []
         deaths: list[str] = []
         errors: list[str] = []
         for ref, rank in refs.items():
@@ -182,7 +188,7 @@ class DEPGroup:
         self._in_flight.clear()
         return results
 
-    def run_to_completion(self, timeout_s: float) -> list[FinishedRequest]:
+    def run_to_completion(self, timeout_s: float) -> list[Any]:
         """Poll until nothing is in flight (or ``timeout_s`` passes, raising ``TimeoutError``)."""
         deadline = time.monotonic() + timeout_s
         results: list[FinishedRequest] = []

@@ -114,7 +114,33 @@ class DecodeWorker:
             self._finish(result.finished)
 
     def has_work(self) -> bool:
+        """A batch to decode this step; requests only waiting for their KV need no step."""
+        return self.scheduler.num_running > 0
+
+    def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_results(self) -> list[DecodeResult]:
+        out, self.results = self.results, []
+        return out
+
+    def fail_all(self, reason: str) -> list[DecodeResult]:
+        """End every request this rank holds with ``reason`` (its group is going down)."""
+        for request_id in list(self._tracks):
+            request = self.scheduler.get(request_id)
+            self.results.append(
+                DecodeResult(
+                    request_id,
+                    list(request.output_token_ids) if request else [],
+                    "error",
+                    reason,
+                    self._tracks[request_id].prefill_rank,
+                    self.rank,
+                    self._tracks[request_id].bill,
+                )
+            )
+        self._tracks.clear()
+        return self.take_results()
 
     def tick(self) -> None:
         now = time.monotonic()

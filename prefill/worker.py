@@ -70,6 +70,13 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def take_results(self) -> list[object]:
+        """A prefill rank reports to decode ranks through the transport, not through results."""
+        return []
+
+    def fail_all(self, reason: str) -> list[object]:
+        return []
+
     def tick(self) -> None:
         """Poll the transport: a finished or failed send gives its pages back."""
         events = self.transport.poll()

@@ -1,0 +1,221 @@
+"""The Ray actor of one prefill or decode rank of a DEP group.
+
+Lifecycle, as for the colocated rank (``cluster/rank_actor.py``): ``rendezvous_address`` (rank 0)
+-> ``setup`` on every rank at once -> ``run`` (the lockstep loop; returns only when stopped or
+failed) -> ``submit_jobs`` (prefill) or ``submit_requests`` (decode), ``abort``, ``collect``.
+A decode rank is told the prefill ranks with ``set_prefill_ranks`` and sends them jobs directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from decode.scheduler import DecodeScheduler
+from decode.types import DecodeSchedulerConfig
+from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
+from engine.colocated import DTYPES
+from engine.dep import ExpertParallelDispatcher, expert_slice
+from engine.dep_rank import RankRequest
+from engine.request import Request, check_prompt
+from engine.role_loop import RoleRankLoop
+from engine.runner import ModelRunner
+from kvtransfer.metadata import RayMetadataStore
+from kvtransfer.nixl_transport import NixlTransport
+from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
+from model.deepseek import DeepseekV3
+from model.kv_pool import KVPool
+from prefill.job import PrefillJob
+from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from prefill.worker import PrefillWorker
+
+
+@dataclass(frozen=True)
+class RoleRankSpec:
+    role: str  # "prefill" or "decode"
+    name: str  # this rank's name for transfers and placement, e.g. "decode0-r1"
+    model_dir: str
+    dtype: str
+    group_id: str
+    incarnation: int
+    rank: int
+    world_size: int
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    layerwise: bool = True
+    kv_timeout_s: float = 30.0
+    collective_timeout_s: float = 60.0
+
+
+class _RayPrefillDispatcher(PrefillDispatcher):
+    """Round-robin over the prefill ranks it was told of; a job goes by a fire-and-forget call."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[str, Any] = {}
+        self._next = itertools.count()
+
+    def choose(self, request: Request) -> str:
+        names = sorted(self.ranks)
+        if not names:
+            raise RuntimeError("no prefill rank is known to this decode rank")
+        return names[next(self._next) % len(names)]
+
+    def send(self, prefill_rank: str, job: PrefillJob) -> None:
+        self.ranks[prefill_rank].submit_jobs.remote([job])
+
+
+@ray.remote(max_concurrency=4)  # type: ignore[call-overload]
+class RoleRankActor:
+    def __init__(self, spec: RoleRankSpec) -> None:
+        self.spec = spec
+        torch.set_num_threads(int(os.environ.get("TANDEM_RANK_THREADS", "1")))
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._stop = threading.Event()
+        self._loop: RoleRankLoop | None = None
+        self._worker: PrefillWorker | DecodeWorker | None = None
+        self._prefill_dispatcher = _RayPrefillDispatcher()
+        self._cfg: ModelConfig | None = None
+
+    def rendezvous_address(self) -> str:
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"{host}:{port}"
+
+    def setup(self, master: str) -> str:
+        spec = self.spec
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
+        self._cfg = cfg = ModelConfig.from_dir(spec.model_dir)
+        dtype = DTYPES[spec.dtype]
+        dispatcher = ExpertParallelDispatcher(spec.rank, spec.world_size, cfg.n_routed_experts)
+        experts = expert_slice(cfg.n_routed_experts, spec.rank, spec.world_size)
+        model = DeepseekV3(cfg, dtype, self.device, experts=experts, dispatcher=dispatcher)
+        model.load_weights(load_checkpoint(spec.model_dir, cfg, dtype, expert_filter=model.owns_expert))
+        pool = KVPool(cfg, spec.num_pages, spec.page_size, dtype, self.device)
+        runner = ModelRunner(model, pool, lockstep=True)
+        transport = NixlTransport(spec.name, spec.incarnation, pool.layout, RayMetadataStore())
+        worker: PrefillWorker | DecodeWorker
+        if spec.role == "prefill":
+            scheduler = PrefillScheduler(
+                PrefillSchedulerConfig(
+                    num_pages=spec.num_pages,
+                    page_size=spec.page_size,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    max_model_len=cfg.max_position_embeddings,
+                    vocab_size=cfg.vocab_size,
+                )
+            )
+            worker = PrefillWorker(scheduler, runner, transport, spec.layerwise, spec.kv_timeout_s)
+        else:
+            decode = DecodeScheduler(
+                DecodeSchedulerConfig(
+                    num_pages=spec.num_pages,
+                    page_size=spec.page_size,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_model_len=cfg.max_position_embeddings,
+                    kv_wait_timeout_s=spec.kv_timeout_s,
+                )
+            )
+            worker = DecodeWorker(
+                spec.name,
+                spec.incarnation,
+                decode,
+                runner,
+                transport,
+                self._prefill_dispatcher,
+                spec.kv_timeout_s,
+            )
+        self._worker = worker
+        self._loop = RoleRankLoop(worker, spec.rank, dispatcher, self.device)
+        return spec.name
+
+    def set_prefill_ranks(self, ranks: dict[str, Any]) -> None:
+        self._prefill_dispatcher.ranks = dict(ranks)
+
+    def run(self) -> str:
+        self._require().run(self._stop)
+        return "stopped"
+
+    def submit_jobs(self, jobs: list[PrefillJob]) -> None:
+        cfg = self._config()
+        for job in jobs:
+            job.validate(cfg.vocab_size, cfg.max_position_embeddings, self.spec.page_size)
+        self._require().post(lambda worker: worker.submit(jobs))
+
+    def submit_requests(self, requests: list[RankRequest]) -> None:
+        cfg = self._config()
+        for r in requests:
+            r.sampling.validate()
+            check_prompt(r.prompt_token_ids, cfg.vocab_size, cfg.max_position_embeddings)
+        eos = frozenset(cfg.eos_token_ids)
+        built = [
+            Request(r.request_id, list(r.prompt_token_ids), r.sampling, eos, cfg.max_position_embeddings)
+            for r in requests
+        ]
+        self._require().post(lambda worker: worker.submit(built))
+
+    def abort(self, request_ids: list[str]) -> None:
+        def abort_all(worker: Any) -> None:
+            for request_id in request_ids:
+                worker.abort(request_id)
+
+        self._require().post(abort_all)
+
+    def collect(self, timeout_s: float) -> list[DecodeResult]:
+        return self._require().collect(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        loop = self._require()
+        worker = self._worker
+        out: dict[str, Any] = {"name": self.spec.name, "role": self.spec.role, "steps": loop.steps}
+        if isinstance(worker, PrefillWorker):
+            s = worker.scheduler
+            out |= {"queued": s.num_queued, "computing": s.num_computing, "transferring": s.num_transferring,
+                    "free_pages": s.num_free_pages, "kv_bytes_sent": worker.stats.kv_bytes_sent}  # fmt: skip
+        elif isinstance(worker, DecodeWorker):
+            d = worker.scheduler
+            out |= {"queued": d.num_queued, "waiting_for_kv": d.num_waiting_for_kv, "running": d.num_running,
+                    "free_pages": d.num_free_pages}  # fmt: skip
+        if worker is not None:
+            out["in_flight"] = worker.transport.in_flight()
+        out["total_pages"] = self.spec.num_pages
+        return out
+
+    def check_integrity(self) -> None:
+        """Page accounting; call while the group is idle."""
+        self._require()
+        assert self._worker is not None
+        self._worker.scheduler.check_integrity()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _config(self) -> ModelConfig:
+        if self._cfg is None:
+            raise RuntimeError(f"rank {self.spec.name} is not set up")
+        return self._cfg
+
+    def _require(self) -> RoleRankLoop:
+        if self._loop is None:
+            raise RuntimeError(f"rank {self.spec.name} is not set up")
+        return self._loop
