@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--dep", type=int, default=None, help="run as one DEP group of this many Ray actors")
+    gen.add_argument("--preset", default=None, help="run disaggregated on a topology of deploy/presets")
+    gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.topology import TopologyError
     from model.checkpoint import CheckpointError
     from model.config import ModelConfigError
     from model.kernels.backend import UnknownKernelBackend
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except (
+        TopologyError,
         CliError,
         InvalidRequestError,
         ModelConfigError,
@@ -172,6 +176,11 @@ def _generate(args: argparse.Namespace) -> int:
             raise InvalidRequestError("--prompt", "is empty")
         specs = [PromptSpec(args.prompt, None, base)]
     engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages)
+    modes = [m for m in ("dep", "preset", "topology") if getattr(args, m) is not None]
+    if len(modes) > 1:
+        raise InvalidRequestError(f"--{modes[1]}", f"cannot be combined with --{modes[0]}")
+    if args.preset is not None or args.topology is not None:
+        return _generate_disaggregated(args, specs, engine_config)
     if args.dep is not None:
         return _generate_dep(args, specs, engine_config)
     engine = ColocatedEngine.from_model_dir(args.model, DTYPES[args.dtype], engine_config)
@@ -201,6 +210,48 @@ def _print_outputs(as_json: bool, outputs: list[tuple[list[int], str, int, int, 
     else:
         for o in outputs:
             print(o[1])
+
+
+def _generate_disaggregated(
+    args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
+) -> int:
+    from cluster.disagg_generate import generate_on_cluster, result_record
+    from cluster.topology import Topology
+    from engine.request import check_prompt
+    from model.config import ModelConfig
+    from model.tokenizer import Tokenizer
+
+    topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
+    cfg = ModelConfig.from_dir(args.model)
+    tokenizer = Tokenizer.from_dir(args.model)
+    prompts = _encode(specs, tokenizer)
+    for prompt in prompts:  # rejected here, before any actor starts
+        check_prompt(prompt, cfg.vocab_size, engine_config.context_len(cfg))
+    results = generate_on_cluster(
+        topology, str(args.model), prompts, [s.sampling for s in specs], args.dtype, args.address
+    )
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise CliError(errors[0])
+    rows = [
+        (
+            r.token_ids,
+            tokenizer.decode(r.token_ids),
+            r.bill.prompt_tokens,
+            r.bill.cached_tokens,
+            r.finish_reason,
+        )
+        for r in results
+    ]
+    if args.json:
+        keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
+        outputs = [
+            dict(zip(keys, row, strict=True)) | result_record(r) for row, r in zip(rows, results, strict=True)
+        ]
+        print(json.dumps({"outputs": outputs}))
+    else:
+        _print_outputs(False, rows)
+    return 0
 
 
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:

@@ -48,7 +48,7 @@ class Topology(BaseModel):
     decode: PoolSpec = Field(default_factory=lambda: PoolSpec(), description="the decode pool")
     kv_transfer: str = Field("layerwise", pattern="^(layerwise|whole)$", description="layerwise or whole")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
-    cpus_per_rank: float = Field(0.1, gt=0, description="CPU share of a rank on machines without GPUs")
+    cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
 
     @staticmethod
     def load(path: Path) -> Topology:

@@ -1,0 +1,64 @@
+"""``tandem generate --preset NAME`` (or ``--topology FILE``): start a disaggregated cluster, run
+the prompts through it, stop it, and report each output with its placement and bill."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.cluster import Cluster
+from cluster.ray_bootstrap import init_ray
+from cluster.topology import Topology
+from decode.worker import DecodeResult
+from engine.dep_rank import RankRequest
+from engine.request import SamplingParams
+
+
+def _where(rank_name: str | None) -> dict[str, Any] | None:
+    if not rank_name:
+        return None
+    group, _, rank = rank_name.rpartition("-r")
+    return {"group": group, "rank": int(rank)}
+
+
+def result_record(result: DecodeResult) -> dict[str, Any]:
+    bill = result.bill
+    return {
+        "placement": {"prefill": _where(result.prefill_rank), "decode": _where(result.decode_rank)},
+        "bill": {
+            "prompt_tokens": bill.prompt_tokens,
+            "cached_tokens": bill.cached_tokens,
+            "new_prompt_tokens": bill.new_prompt_tokens,
+            "output_tokens": bill.output_tokens,
+            "kv_bytes": bill.kv_bytes,
+            "kv_transfer_s": round(bill.kv_transfer_s, 6),
+            "kv_transfer_exposed_s": round(bill.kv_transfer_exposed_s, 6),
+            "prefill_queue_s": round(bill.prefill_queue_s, 6),
+            "prefill_compute_s": round(bill.prefill_compute_s, 6),
+            "ttft_s": round(bill.ttft_s, 6),
+            "token_times_s": [round(t, 6) for t in bill.token_times_s],
+            "e2e_s": round(bill.e2e_s, 6),
+        },
+    }
+
+
+def generate_on_cluster(
+    topology: Topology,
+    model_dir: str,
+    prompts: list[list[int]],
+    sampling: list[SamplingParams],
+    dtype: str = "float32",
+    address: str | None = None,
+    timeout_s: float = 600.0,
+) -> list[DecodeResult]:
+    init_ray(address)
+    cluster = Cluster(topology, model_dir, dtype)
+    try:
+        cluster.start()
+        requests = [
+            RankRequest(f"req-{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
+        ]
+        cluster.submit(requests)
+        done = cluster.run_to_completion({r.request_id for r in requests}, timeout_s)
+    finally:
+        cluster.stop()
+    return [done[f"req-{i}"] for i in range(len(prompts))]
