@@ -117,6 +117,10 @@ class DEPGroup:
     def _submit_call(self, actor: Any, requests: list[RankRequest]) -> Any:
         return actor.submit.remote(requests)
 
+    def _signals_rank_failure(self, result: Any) -> bool:
+        """A colocated rank reports errors only when its loop failed."""
+        return result.error is not None
+
     def _error_result(self, request_id: str, message: str) -> Any:
         return FinishedRequest(request_id, [], 0, 0, "error", message)
 
@@ -170,7 +174,7 @@ class DEPGroup:
                 deaths.append(f"rank {rank} died")
             except Exception as exc:
                 errors.append(f"rank {rank}: {_cause(exc)}")
-        errors += [r.error for r in finished if r.error]
+        errors += [r.error for r in finished if self._signals_rank_failure(r)]
         if deaths or errors:
             # a dead rank is the cause; its peers' collective errors are the consequence
             self._fail(sorted(set(deaths))[0] if deaths else errors[0])

@@ -55,6 +55,11 @@ class RoleGroup(DEPGroup):
     def _submit_call(self, actor: Any, requests: list[RankRequest]) -> Any:
         return actor.submit_requests.remote(requests)
 
+    def _signals_rank_failure(self, result: Any) -> bool:
+        """A request's own error (a failed transfer) is no rank failure; a failed loop ends its
+        ``run`` call, which the group watches."""
+        return False
+
     def _error_result(self, request_id: str, message: str) -> DecodeResult:
         return DecodeResult(request_id, [], "error", message, None, "", Bill())
 

@@ -132,10 +132,16 @@ class NixlTransport(KVTransport):
         problem = self.layout.compatible_with(meta.layout)
         if problem:
             raise KVTransferError(request_id, f"pool of {rank} cannot take this pool's pages: {problem}")
-        if cached is not None:
-            self.agent.remove_remote_agent(cached.meta.agent_name)
-        self.agent.add_remote_agent(meta.agent_metadata)
-        dlist = self.agent.prep_xfer_dlist(meta.agent_name, _page_descs(meta.layout), meta.layout.mem_type)
+        try:
+            if cached is not None:
+                self.agent.remove_remote_agent(cached.meta.agent_name)
+                del self._peers[rank]
+            self.agent.add_remote_agent(meta.agent_metadata)
+            dlist = self.agent.prep_xfer_dlist(
+                meta.agent_name, _page_descs(meta.layout), meta.layout.mem_type
+            )
+        except Exception as exc:  # NIXL's own errors: the peer's agent cannot be reached
+            raise KVTransferError(request_id, f"cannot reach {rank} ({type(exc).__name__}: {exc})") from exc
         self._peers[rank] = peer = _Peer(meta, dlist)
         return peer
 

@@ -118,7 +118,8 @@ def test_a_prefill_rank_dying_never_leaves_a_request_hanging(tiny: Path) -> None
         assert time.monotonic() - start < 30
         for result in done.values():  # each either failed with a clear error or was retried and served
             assert result.error is None or "KV transfer" in result.error, result.error
-        assert cluster.status()["prefill0"].startswith("failed")
+        assert cluster.status()["prefill0"].startswith("failed"), cluster.status()
+        assert cluster.decode[0].failure is None, cluster.decode[0].failure
         assert cluster.heal() == ["prefill0"]
         assert cluster.status()["prefill0"] == "ready (incarnation 2)"
         cluster.submit([RankRequest("after", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])
