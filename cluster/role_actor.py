@@ -26,6 +26,7 @@ from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
 from engine.colocated import DTYPES
 from engine.dep import ExpertParallelDispatcher, expert_slice
 from engine.dep_rank import RankRequest
+from engine.prefix_cache import block_hash
 from engine.request import Request, check_prompt
 from engine.role_loop import RoleRankLoop
 from engine.runner import ModelRunner
@@ -60,9 +61,13 @@ class RoleRankSpec:
 
 
 class _RayPrefillDispatcher(PrefillDispatcher):
-    """Round-robin over the prefill ranks it was told of; a job goes by a fire-and-forget call."""
+    """Prefix affinity until the cache-aware router takes over: a prompt with a full first page
+    goes to the prefill rank its first block hash picks (so prompts that share a system prompt
+    meet the same prefix cache); shorter prompts go round-robin. A job goes by a fire-and-forget
+    call."""
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
         self.ranks: dict[str, Any] = {}
         self._next = itertools.count()
 
@@ -70,6 +75,9 @@ class _RayPrefillDispatcher(PrefillDispatcher):
         names = sorted(self.ranks)
         if not names:
             raise RuntimeError("no prefill rank is known to this decode rank")
+        prompt = request.prompt_token_ids
+        if len(prompt) > self.page_size:
+            return names[block_hash(None, prompt[: self.page_size]) % len(names)]
         return names[next(self._next) % len(names)]
 
     def send(self, prefill_rank: str, job: PrefillJob) -> None:
@@ -85,7 +93,7 @@ class RoleRankActor:
         self._stop = threading.Event()
         self._loop: RoleRankLoop | None = None
         self._worker: PrefillWorker | DecodeWorker | None = None
-        self._prefill_dispatcher = _RayPrefillDispatcher()
+        self._prefill_dispatcher = _RayPrefillDispatcher(spec.page_size)
         self._cfg: ModelConfig | None = None
 
     def rendezvous_address(self) -> str:
