@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     dep.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     dep.add_argument("--json", action="store_true")
+    dis = bench.add_parser("disagg", help="TTFT and ITL: disaggregated against colocated")
+    dis.add_argument("--model", type=Path, required=True)
+    dis.add_argument("--preset", default="local")
+    dis.add_argument("--concurrency", default="1,16", help="comma-separated")
+    dis.add_argument("--requests", type=int, default=16)
+    dis.add_argument("--prompt-tokens", type=int, default=128)
+    dis.add_argument("--output-tokens", type=int, default=16)
+    dis.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
+    dis.add_argument("--json", action="store_true")
     kv = bench.add_parser("kvtransfer", help="NIXL transfer speed between two actors against memcpy")
     kv.add_argument("--size-mib", type=int, default=256)
     kv.add_argument("--repeats", type=int, default=3)
@@ -116,6 +125,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench" and args.bench_command == "disagg":
+        from bench.disagg_bench import run_disagg_bench
+
+        result = run_disagg_bench(
+            args.model,
+            args.preset,
+            [int(c) for c in args.concurrency.split(",")],
+            args.requests,
+            args.prompt_tokens,
+            args.output_tokens,
+            address=args.address,
+        )
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
     if args.command == "bench" and args.bench_command == "kvtransfer":
         from bench.kvtransfer_bench import run_kvtransfer_bench
 

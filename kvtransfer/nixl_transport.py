@@ -114,6 +114,7 @@ class NixlTransport(KVTransport):
         self.late_messages_dropped = 0
         self.messages_undeliverable = 0
         self._ended: OrderedDict[str, None] = OrderedDict()  # recent sends, for late calls
+        self._aborted_before_begin: OrderedDict[str, str] = OrderedDict()  # id -> who aborted
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
         )
@@ -159,6 +160,8 @@ class NixlTransport(KVTransport):
     ) -> None:
         if request_id in self._sends:
             raise KVTransferError(request_id, "a transfer with this request id is already in flight")
+        if request_id in self._aborted_before_begin:  # the receiver gave its pages up already
+            raise KVTransferAborted(request_id, self._aborted_before_begin.pop(request_id))
         if len(src_page_ids) != len(dest.page_ids):
             raise KVTransferError(
                 request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
@@ -313,7 +316,11 @@ class NixlTransport(KVTransport):
                 send.error = KVTransferAborted(request_id, f"decode rank {msg['sender']}")
             self._message(agent_name, ABORT_ACK, request_id)
             return
-        if kind == ABORT and request_id not in self._recvs:  # over on this side: nothing to stop
+        if kind == ABORT and request_id not in self._recvs:  # nothing in flight here to stop
+            if request_id not in self._ended:  # not begun yet: refuse it when it is
+                self._aborted_before_begin[request_id] = f"decode rank {msg['sender']}"
+                if len(self._aborted_before_begin) > 4096:
+                    self._aborted_before_begin.popitem(last=False)
             self._message(agent_name, ABORT_ACK, request_id)
             return
         recv = self._recvs.get(request_id)

@@ -67,6 +67,10 @@ class PrefillWorker:
         else:
             self._jobs.pop(request_id, None)
 
+    def pending(self) -> int:
+        """Jobs this rank still holds (queued, computing or transferring)."""
+        return len(self._jobs)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -143,3 +143,14 @@ def test_large_presets_match_the_colocated_engine(tiny: Path, preset: str) -> No
         _check(cluster, tiny, _chats(seed=3))
     finally:
         cluster.stop()
+
+
+def test_disagg_benchmark_reports_ttft_itl_and_exposed_share(tiny: Path) -> None:
+    from bench.disagg_bench import run_disagg_bench
+
+    result = run_disagg_bench(tiny, "local", [2], requests=2, prompt_tokens=16, output_tokens=3)
+    (row,) = result["runs"]
+    for config in ("colocated", "disaggregated_layerwise", "disaggregated_whole"):
+        assert row[config]["ttft_ms_mean"] > 0 and row[config]["itl_ms_mean"] > 0
+    for mode in ("layerwise", "whole"):
+        assert 0 <= row[f"disaggregated_{mode}"]["kv_exposed_share_of_ttft"] <= 1

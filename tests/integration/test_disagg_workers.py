@@ -18,6 +18,7 @@ from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from kvtransfer.metadata import InMemoryMetadataStore
 from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.types import KVTransferAborted
 from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
 from model.deepseek import DeepseekV3
@@ -140,6 +141,56 @@ def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: 
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 12
     assert prefill.scheduler.num_free_pages == 64
+    assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def _drive(
+    prefill: PrefillWorker, decode: DecodeWorker, until: int, steps: int = 3000
+) -> dict[str, DecodeResult]:
+    done: dict[str, DecodeResult] = {}
+    for _ in range(steps):
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        decode.step()
+        done |= {r.request_id: r for r in decode.take_results()}
+        if len(done) >= until and not prefill.pending() and decode.transport.in_flight() == (0, 0):
+            break
+    return done
+
+
+def test_abort_at_every_stage_frees_every_page(tiny: Path) -> None:
+    prefill, decode = _workers(tiny, decode_pages=8, layerwise=True)
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    # "running" holds 5 of the 8 decode pages once it decodes; "queued" (4 pages) then waits
+    decode.submit(_requests([[7] * 40], [long], "running"))
+    for _ in range(3000):
+        _drive(prefill, decode, until=0, steps=1)
+        if decode.scheduler.num_running:
+            break
+    assert decode.scheduler.num_running == 1 and decode.scheduler.num_free_pages < 4
+    decode.submit(_requests([[9] * 30], [long], "queued"))
+    decode.tick()
+    assert decode.scheduler.num_queued == 1
+    decode.abort("queued0")  # waiting for pages
+    decode.abort("running0")  # decoding
+    # waiting for KV: the job was sent but the prefill rank has not started it
+    decode.submit(_requests([[5] * 12], [long], "kv"))
+    decode.tick()
+    assert decode.scheduler.num_waiting_for_kv == 1 and prefill.pending() == 1
+    decode.abort("kv0")
+    done = _drive(prefill, decode, until=3)
+    assert {r: done[r].finish_reason for r in ("queued0", "running0", "kv0")} == dict.fromkeys(
+        ("queued0", "running0", "kv0"), "abort"
+    )
+    # the prefill rank never wrote into the pages the decode rank gave up
+    assert prefill.failures and isinstance(prefill.failures[-1].error, KVTransferAborted)
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 8 and prefill.scheduler.num_free_pages == 64
     assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
     prefill.transport.close()
     decode.transport.close()

@@ -1,0 +1,129 @@
+"""Time to first token and inter-token latency: disaggregated (layer-wise and whole-request KV
+transfer) against the colocated engine, on the same machine, at several concurrencies.
+
+Every configuration serves the same requests (random prompts, greedy, ``ignore_eos``): at
+concurrency ``c``, rounds of ``c`` requests submitted together until ``requests`` have run.
+TTFT is from submission to the first token; ITL is the mean gap between a request's tokens; the
+exposed share is the part of TTFT spent waiting for KV beyond the prefill's own queue and compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.cluster import Cluster
+from cluster.ray_bootstrap import init_ray
+from cluster.topology import Topology
+from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+from engine.dep_rank import RankRequest
+from engine.request import SamplingParams
+from model.config import ModelConfig
+
+
+def _summary(ttft: list[float], itl: list[float], exposed: list[float] | None = None) -> dict[str, Any]:
+    out = {
+        "ttft_ms_mean": round(1000 * statistics.mean(ttft), 2),
+        "ttft_ms_p50": round(1000 * statistics.median(ttft), 2),
+        "itl_ms_mean": round(1000 * statistics.mean(itl), 2) if itl else None,
+    }
+    if exposed is not None:
+        out["kv_exposed_share_of_ttft"] = round(
+            statistics.mean(e / t for e, t in zip(exposed, ttft, strict=True)), 4
+        )
+    return out
+
+
+def _itl(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def _colocated(
+    model_dir: Path, dtype: str, rounds: list[list[list[int]]], sampling: SamplingParams
+) -> dict[str, Any]:
+    engine = ColocatedEngine.from_model_dir(model_dir, DTYPES[dtype], EngineConfig())
+    ttft: list[float] = []
+    itl: list[float] = []
+    for prompts in rounds:
+        start = time.monotonic()
+        ids = [engine.add_request(p, sampling) for p in prompts]
+        seen = dict.fromkeys(ids, 0)
+        times: dict[str, list[float]] = {i: [] for i in ids}
+        while engine.scheduler.has_unfinished_requests():
+            finished = {r.request_id: r for r in engine.step()}
+            now = time.monotonic() - start
+            for i in ids:
+                request = finished.get(i) or engine.scheduler.get_request(i)
+                count = len(request.output_token_ids) if request is not None else seen[i]
+                times[i] += [now] * (count - seen[i])
+                seen[i] = count
+        for i in ids:
+            ttft.append(times[i][0])
+            itl += _itl(times[i])
+    return _summary(ttft, itl)
+
+
+def _disaggregated(
+    model_dir: Path, dtype: str, topology: Topology, rounds: list[list[list[int]]], sampling: SamplingParams
+) -> dict[str, Any]:
+    cluster = Cluster(topology, str(model_dir), dtype)
+    cluster.start()
+    ttft: list[float] = []
+    itl: list[float] = []
+    exposed: list[float] = []
+    try:
+        n = 0
+        for prompts in rounds:
+            batch = [RankRequest(f"b{n + i}", p, sampling) for i, p in enumerate(prompts)]
+            n += len(batch)
+            cluster.submit(batch)
+            done = cluster.run_to_completion({r.request_id for r in batch}, timeout_s=600)
+            for result in done.values():
+                if result.error:
+                    raise RuntimeError(result.error)
+                ttft.append(result.bill.ttft_s)
+                itl += _itl(result.bill.token_times_s)
+                exposed.append(result.bill.kv_transfer_exposed_s)
+    finally:
+        cluster.stop()
+    return _summary(ttft, itl, exposed)
+
+
+def run_disagg_bench(
+    model_dir: Path,
+    preset: str = "local",
+    concurrencies: list[int] | None = None,
+    requests: int = 16,
+    prompt_tokens: int = 128,
+    output_tokens: int = 16,
+    dtype: str = "float32",
+    address: str | None = None,
+) -> dict[str, Any]:
+    init_ray(address)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    rng = random.Random(0)
+    sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    base = Topology.preset(preset)
+    runs = []
+    for c in concurrencies or [1, 16]:
+        prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(max(requests, c))]
+        rounds = [prompts[i : i + c] for i in range(0, len(prompts), c)]
+        row: dict[str, Any] = {"concurrency": c, "requests": len(prompts)}
+        row["colocated"] = _colocated(model_dir, dtype, rounds, sampling)
+        for mode in ("layerwise", "whole"):
+            topology = base.model_copy(update={"kv_transfer": mode})
+            row[f"disaggregated_{mode}"] = _disaggregated(model_dir, dtype, topology, rounds, sampling)
+        runs.append(row)
+    return {
+        "model": str(model_dir),
+        "preset": preset,
+        "dtype": dtype,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "prompts": "random, none shares a prefix",
+        "runs": runs,
+    }
