@@ -37,6 +37,7 @@ class Cluster:
         self.decode = [group("decode", i, topology.decode) for i in range(topology.decode.groups)]
         self._next_decode = itertools.count()
         self._placement: dict[str, tuple[int, int]] = {}  # request id -> (decode group, rank)
+        self._draining: set[str] = set()
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -48,15 +49,46 @@ class Cluster:
         self._send_membership()
 
     def _send_membership(self) -> None:
+        """Tell every live decode rank the prefill ranks that take jobs (ready, not draining)."""
         ranks: dict[str, Any] = {}
         for g in self.prefill:
-            if g.state is GroupState.READY:
+            if g.state is GroupState.READY and g.group_id not in self._draining:
                 ranks |= g.named_actors()
-        ray.get([a.set_prefill_ranks.remote(ranks) for g in self.decode for a in g.actors])
+        ray.get(
+            [
+                a.set_prefill_ranks.remote(ranks)
+                for g in self.decode
+                if g.state is GroupState.READY
+                for a in g.actors
+            ]
+        )
+
+    def membership(self) -> dict[str, list[str]]:
+        """Rank names of the groups that take work, by role (what a frontend routes over)."""
+        live = [g for g in self.groups if g.state is GroupState.READY and g.group_id not in self._draining]
+        return {
+            role: [n for g in live if g.role == role for n in g.named_actors()]
+            for role in ("prefill", "decode")
+        }
+
+    def drain(self, group_id: str) -> None:
+        """Stop sending a group new work; what it has runs to the end. (A later ``stop_group``
+        removes it once idle.)"""
+        if group_id not in {g.group_id for g in self.groups}:
+            raise ValueError(f"no group {group_id!r}; groups: {sorted(g.group_id for g in self.groups)}")
+        self._draining.add(group_id)
+        self._send_membership()
 
     def submit(self, requests: list[RankRequest]) -> None:
-        """Spread requests over the decode ranks, round-robin."""
-        ranks = [(gi, r) for gi, g in enumerate(self.decode) for r in range(g.config.size)]
+        """Spread requests over the decode ranks of groups that take work, round-robin."""
+        ranks = [
+            (gi, r)
+            for gi, g in enumerate(self.decode)
+            if g.state is GroupState.READY and g.group_id not in self._draining
+            for r in range(g.config.size)
+        ]
+        if not ranks:
+            raise RuntimeError(f"no decode group takes work: {self.status()}")
         by_rank: dict[tuple[int, int], list[RankRequest]] = {}
         for request in requests:
             where = ranks[next(self._next_decode) % len(ranks)]
@@ -106,11 +138,76 @@ class Cluster:
                 g.check_integrity()
 
     def status(self) -> dict[str, str]:
-        return {g.group_id: f"{g.state.value} (incarnation {g.incarnation})" for g in self.groups}
+        def state(g: RoleGroup) -> str:
+            return (
+                "draining" if g.group_id in self._draining and g.state is GroupState.READY else g.state.value
+            )
+
+        return {g.group_id: f"{state(g)} (incarnation {g.incarnation})" for g in self.groups}
 
     def stop(self) -> None:
         for g in self.groups:
             g.stop()
 
 
-Controller = ray.remote(Cluster)
+@ray.remote(max_concurrency=8)  # type: ignore[call-overload]
+class Controller:
+    """The cluster as a named Ray actor (``tandem-controller``): frontends and tools find it by
+    name. A watch thread collects results and rebuilds failed groups every ``health_interval_s``."""
+
+    def __init__(
+        self, topology: Topology, model_dir: str, dtype: str = "float32", health_interval_s: float = 0.5
+    ):
+        import threading
+
+        self.cluster = Cluster(topology, model_dir, dtype)
+        self.health_interval_s = health_interval_s
+        self._lock = threading.Lock()
+        self._results: dict[str, DecodeResult] = {}
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_loop, daemon=True)
+        self.rebuilt: list[str] = []
+
+    def start(self) -> dict[str, str]:
+        with self._lock:
+            self.cluster.start()
+        self._watch.start()
+        return self.cluster.status()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                for result in self.cluster.poll(0.02):
+                    self._results[result.request_id] = result
+                self.rebuilt += self.cluster.heal()
+            self._stop.wait(0.01 if self._results else self.health_interval_s / 10)
+
+    def submit(self, requests: list[RankRequest]) -> None:
+        with self._lock:
+            self.cluster.submit(requests)
+
+    def results(self, request_ids: list[str], timeout_s: float) -> dict[str, DecodeResult]:
+        """Wait for these requests' results (those done within ``timeout_s``), removing them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if all(i in self._results for i in request_ids) or time.monotonic() > deadline:
+                    return {i: self._results.pop(i) for i in request_ids if i in self._results}
+            time.sleep(0.01)
+
+    def status(self) -> dict[str, str]:
+        with self._lock:
+            return self.cluster.status()
+
+    def membership(self) -> dict[str, list[str]]:
+        with self._lock:
+            return self.cluster.membership()
+
+    def drain(self, group_id: str) -> None:
+        with self._lock:
+            self.cluster.drain(group_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.cluster.stop()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.cluster import Cluster
+import ray
+
+from cluster.cluster import CONTROLLER_NAME, Controller
 from cluster.ray_bootstrap import init_ray
 from cluster.topology import Topology
 from decode.worker import DecodeResult
@@ -51,14 +53,18 @@ def generate_on_cluster(
     timeout_s: float = 600.0,
 ) -> list[DecodeResult]:
     init_ray(address)
-    cluster = Cluster(topology, model_dir, dtype)
+    controller = Controller.options(name=CONTROLLER_NAME).remote(topology, model_dir, dtype)  # type: ignore[attr-defined]
     try:
-        cluster.start()
-        requests = [
-            RankRequest(f"req-{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
-        ]
-        cluster.submit(requests)
-        done = cluster.run_to_completion({r.request_id for r in requests}, timeout_s)
+        ray.get(controller.start.remote())
+        pairs = enumerate(zip(prompts, sampling, strict=True))
+        requests = [RankRequest(f"req-{i}", p, s) for i, (p, s) in pairs]
+        ray.get(controller.submit.remote(requests))
+        ids = [r.request_id for r in requests]
+        done: dict[str, DecodeResult] = ray.get(controller.results.remote(ids, timeout_s))
+        missing = [i for i in ids if i not in done]
+        if missing:
+            raise TimeoutError(f"{len(missing)} requests unfinished after {timeout_s:.0f}s")
     finally:
-        cluster.stop()
+        ray.get(controller.stop.remote())
+        ray.kill(controller)
     return [done[f"req-{i}"] for i in range(len(prompts))]

@@ -154,3 +154,62 @@ def test_disagg_benchmark_reports_ttft_itl_and_exposed_share(tiny: Path) -> None
         assert row[config]["ttft_ms_mean"] > 0 and row[config]["itl_ms_mean"] > 0
     for mode in ("layerwise", "whole"):
         assert 0 <= row[f"disaggregated_{mode}"]["kv_exposed_share_of_ttft"] <= 1
+
+
+def test_generate_preset_through_the_named_controller(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from cluster.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    lines = [
+        {"prompt": "Hello, Tandem"},
+        {"prompt_ids": [5, 6, 7]},
+        {"prompt": "x" * 40, "seed": 3, "temperature": 0.7},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines))
+    base = [
+        "generate",
+        "--model",
+        str(tiny),
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+    ]
+    base += ["--dtype", "float64", "--json"]
+    assert main([*base, "--preset", "local"]) == 0
+    disaggregated = json.loads(capsys.readouterr().out)["outputs"]
+    assert main(base) == 0
+    colocated = json.loads(capsys.readouterr().out)["outputs"]
+    assert [o["token_ids"] for o in disaggregated] == [o["token_ids"] for o in colocated]
+    for out in disaggregated:
+        bill = out["bill"]
+        assert bill["cached_tokens"] + bill["new_prompt_tokens"] == out["prompt_tokens"]
+        assert len(bill["token_times_s"]) == 5 and bill["ttft_s"] == bill["token_times_s"][0]
+        assert (
+            out["placement"]["prefill"]["group"] == "prefill0"
+            and out["placement"]["decode"]["group"] == "decode0"
+        )
+
+
+def test_membership_and_draining(tiny: Path) -> None:
+    cluster = Cluster(_topology("local"), str(tiny), "float64")
+    cluster.start()
+    try:
+        assert cluster.membership() == {
+            "prefill": ["prefill0-r0", "prefill0-r1"],
+            "decode": ["decode0-r0", "decode0-r1"],
+        }
+        cluster.drain("prefill0")
+        assert cluster.membership()["prefill"] == [] and cluster.status()["prefill0"].startswith("draining")
+        cluster.drain("decode0")
+        with pytest.raises(RuntimeError, match="no decode group takes work"):
+            cluster.submit([RankRequest("x", [1, 2], SamplingParams(max_tokens=2))])
+        with pytest.raises(ValueError, match="no group 'decode9'"):
+            cluster.drain("decode9")
+    finally:
+        cluster.stop()
