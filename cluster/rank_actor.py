@@ -9,21 +9,15 @@ group watches it to learn of a death) -> ``submit`` / ``collect`` / ``abort`` wh
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 
 import ray
 import torch
-import torch.distributed as dist
 
-from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
-from engine.dep import ExpertParallelDispatcher, expert_slice
+from cluster.rank_setup import join_group, load_rank_model, rendezvous_address
+from engine.colocated import ColocatedEngine, EngineConfig
 from engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.deepseek import DeepseekV3
 
 
 @dataclass(frozen=True)
@@ -53,31 +47,17 @@ class DEPRankActor:
         self._loop: DEPRankLoop | None = None
 
     def rendezvous_address(self) -> str:
-        """``host:port`` for the group's torch.distributed rendezvous, on this (rank 0's) node."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"{host}:{port}"
+        return rendezvous_address()
 
     def setup(self, master: str) -> int:
         spec = self.spec
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master}",
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.collective_timeout_s),
+        join_group(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
+        _, model, dispatcher = load_rank_model(
+            spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
         )
-        cfg = ModelConfig.from_dir(spec.model_dir)
-        dtype = DTYPES[spec.dtype]
-        dispatcher = ExpertParallelDispatcher(spec.rank, spec.world_size, cfg.n_routed_experts)
-        experts = expert_slice(cfg.n_routed_experts, spec.rank, spec.world_size)
-        model = DeepseekV3(cfg, dtype, self.device, experts=experts, dispatcher=dispatcher)
-        model.load_weights(load_checkpoint(spec.model_dir, cfg, dtype, expert_filter=model.owns_expert))
         engine = ColocatedEngine(model, spec.engine, lockstep=True)
         self._loop = DEPRankLoop(engine, spec.rank, dispatcher)
-        return len(experts)
+        return len(dispatcher.local)
 
     def run(self) -> str:
         loop = self._require()

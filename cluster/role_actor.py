@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
+from cluster.rank_setup import join_group, load_rank_model, rendezvous_address
 from decode.scheduler import DecodeScheduler
 from decode.types import DecodeSchedulerConfig
 from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
 from engine.colocated import DTYPES
-from engine.dep import ExpertParallelDispatcher, expert_slice
 from engine.dep_rank import RankRequest
 from engine.prefix_cache import block_hash
 from engine.request import Request, check_prompt
@@ -32,9 +29,7 @@ from engine.role_loop import RoleRankLoop
 from engine.runner import ModelRunner
 from kvtransfer.metadata import RayMetadataStore
 from kvtransfer.nixl_transport import NixlTransport
-from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
-from model.deepseek import DeepseekV3
 from model.kv_pool import KVPool
 from prefill.job import PrefillJob
 from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
@@ -97,27 +92,16 @@ class RoleRankActor:
         self._cfg: ModelConfig | None = None
 
     def rendezvous_address(self) -> str:
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"{host}:{port}"
+        return rendezvous_address()
 
     def setup(self, master: str) -> str:
         spec = self.spec
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master}",
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.collective_timeout_s),
+        join_group(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
+        cfg, model, dispatcher = load_rank_model(
+            spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
         )
-        self._cfg = cfg = ModelConfig.from_dir(spec.model_dir)
+        self._cfg = cfg
         dtype = DTYPES[spec.dtype]
-        dispatcher = ExpertParallelDispatcher(spec.rank, spec.world_size, cfg.n_routed_experts)
-        experts = expert_slice(cfg.n_routed_experts, spec.rank, spec.world_size)
-        model = DeepseekV3(cfg, dtype, self.device, experts=experts, dispatcher=dispatcher)
-        model.load_weights(load_checkpoint(spec.model_dir, cfg, dtype, expert_filter=model.owns_expert))
         pool = KVPool(cfg, spec.num_pages, spec.page_size, dtype, self.device)
         runner = ModelRunner(model, pool, lockstep=True)
         transport = NixlTransport(spec.name, spec.incarnation, pool.layout, RayMetadataStore())

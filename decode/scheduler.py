@@ -51,7 +51,7 @@ from decode.types import (
 from engine.page_allocator import PageAccountingError, PageAllocator
 from engine.prefix_cache import PrefixCache
 from engine.request import InvalidRequestError, Request, RequestStatus
-from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError, admit_new_request
 
 
 @dataclass(eq=False)
@@ -122,30 +122,7 @@ class DecodeScheduler:
         config = self.config
         if request.request_id in self._entries:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        request.sampling.validate()
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt", "must contain at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt):
-            raise InvalidRequestError("prompt", "token ids must be integers >= 0")
-        max_model_len = min(request.max_model_len or config.max_model_len, config.max_model_len)
-        if len(prompt) >= max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
-            )
-        if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
-            raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
-        # The last sampled token's KV is never computed, hence the - 1.
-        max_kv_tokens = min(len(prompt) + request.sampling.max_tokens, max_model_len) - 1
-        pages_needed = math.ceil(max_kv_tokens / config.page_size)
-        if pages_needed > config.num_pages:
-            raise InvalidRequestError(
-                "prompt",
-                f"prompt plus max_tokens needs {pages_needed} pages but the pool has only "
-                f"{config.num_pages}; shorten the prompt or lower max_tokens",
-            )
-        request.max_model_len = max_model_len
-        request.num_computed_tokens = 0
+        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages)
         entry = _Entry(request, next(self._counter))
         self._entries[request.request_id] = entry
         self._queue.append(entry)

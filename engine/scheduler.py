@@ -121,30 +121,7 @@ class Scheduler:
         config = self.config
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        request.sampling.validate()
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt", "must contain at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt):
-            raise InvalidRequestError("prompt", "token ids must be integers >= 0")
-        max_model_len = min(request.max_model_len or config.max_model_len, config.max_model_len)
-        if len(prompt) >= max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
-            )
-        if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
-            raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
-        # The last sampled token's KV is never computed, hence the - 1.
-        max_kv_tokens = min(len(prompt) + request.sampling.max_tokens, max_model_len) - 1
-        pages_needed = math.ceil(max_kv_tokens / config.page_size)
-        if pages_needed > config.num_pages:
-            raise InvalidRequestError(
-                "prompt",
-                f"prompt plus max_tokens needs {pages_needed} pages but the pool has only "
-                f"{config.num_pages}; shorten the prompt or lower max_tokens",
-            )
-        request.max_model_len = max_model_len
-        request.num_computed_tokens = 0
+        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages)
         self._requests[request.request_id] = request
         self._arrival[request.request_id] = next(self._counter)
         self._waiting.append(request)
@@ -346,3 +323,32 @@ class Scheduler:
         request.status = status
         del self._requests[request.request_id]
         del self._arrival[request.request_id]
+
+
+def admit_new_request(request: Request, max_model_len_cap: int, page_size: int, num_pages: int) -> None:
+    """Check a new request against a rank's limits (``InvalidRequestError`` naming the field) and
+    prepare it: its context capped at ``max_model_len_cap``, nothing computed yet."""
+    request.sampling.validate()
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidRequestError("prompt", "must contain at least one token")
+    if any(not isinstance(t, int) or t < 0 for t in prompt):
+        raise InvalidRequestError("prompt", "token ids must be integers >= 0")
+    max_model_len = min(request.max_model_len or max_model_len_cap, max_model_len_cap)
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
+        )
+    if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
+        raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
+    # The last sampled token's KV is never computed, hence the - 1.
+    max_kv_tokens = min(len(prompt) + request.sampling.max_tokens, max_model_len) - 1
+    pages_needed = math.ceil(max_kv_tokens / page_size)
+    if pages_needed > num_pages:
+        raise InvalidRequestError(
+            "prompt",
+            f"prompt plus max_tokens needs {pages_needed} pages but the pool has only "
+            f"{num_pages}; shorten the prompt or lower max_tokens",
+        )
+    request.max_model_len = max_model_len
+    request.num_computed_tokens = 0
