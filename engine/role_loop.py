@@ -10,7 +10,6 @@ transport) runs every iteration, even when the group does not step.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -105,12 +104,3 @@ class RoleRankLoop:
             with self._results_ready:
                 self._results.extend(results)
                 self._results_ready.notify_all()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
