@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeats", type=int, default=3)
     kv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     kv.add_argument("--json", action="store_true")
+    rb = bench.add_parser("router", help="Mooncake trace through the router over simulated prefill ranks")
+    rb.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    rb.add_argument("--prefill-ranks", type=int, default=8)
+    rb.add_argument("--capacity-blocks", type=int, default=None, help="per-rank cache, 512-token blocks")
+    rb.add_argument("--prefill-tokens-per-s", type=float, default=None, help="uncached tokens/s per rank")
+    rb.add_argument("--policy", default=None, help="prefill policy (default cache_aware)")
+    rb.add_argument("--json", action="store_true")
     return parser
 
 
@@ -146,6 +153,22 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise InvalidRequestError("--size-mib", f"must be at least 1, got {args.size_mib}")
         result = run_kvtransfer_bench(args.size_mib, args.repeats, args.address)
         print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if args.command == "bench" and args.bench_command == "router":
+        from bench import router_bench
+
+        options = {
+            "capacity_blocks": args.capacity_blocks,
+            "prefill_tokens_per_s": args.prefill_tokens_per_s,
+            "policy": args.policy,
+        }
+        try:
+            result = router_bench.run_router_bench(
+                args.trace, args.prefill_ranks, **{k: v for k, v in options.items() if v is not None}
+            )
+        except ValueError as exc:  # TraceError, a bad option or an unknown policy
+            raise CliError(str(exc)) from exc
+        print(json.dumps(result) if args.json else router_bench.format_report(result))
         return 0
     if args.command == "bench" and args.bench_command == "dep":
         from bench.dep_bench import run_dep_bench

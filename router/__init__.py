@@ -1,2 +1,12 @@
-"""Cache-aware router: a block-hash index per prefill rank fed by KV events, load tracking, and
-the prefill and decode choice. Pure Python, testable without Ray. Not built yet."""
+"""Cache-aware router: where each request's prefill and decode run. Pure Python, no Ray.
+
+::
+
+    KV events (per prefill rank) ──▶ BlockIndex      hash -> ranks holding it
+    route(...) ──▶ match prompt's block hashes ──▶ PrefillPolicy (cache_aware, round_robin, ...)
+                                                    │  + LoadTracker (in-flight tokens per rank)
+                                                    ▼
+                   choose_decode_rank (free pages, in-flight requests) ──▶ RouteDecision
+
+``router.router.Router`` is the one object a frontend holds; the other modules are its parts.
+"""

@@ -1,0 +1,15 @@
+"""Least-loaded prefill choice: fewest in-flight new tokens, blind to what the ranks cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.policy import PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery, least_loaded
+
+
+class LeastLoadedPolicy(PrefillPolicy):
+    name = "least_loaded"
+    branches = ("least_loaded",)
+
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice:
+        return PrefillChoice(least_loaded(candidates).rank, "least_loaded")

@@ -1,0 +1,26 @@
+"""Prefill policies by name."""
+
+from __future__ import annotations
+
+from router.cache_aware import CacheAwarePolicy
+from router.least_loaded import LeastLoadedPolicy
+from router.policy import PolicyConfig, PrefillPolicy
+from router.round_robin import RoundRobinPolicy
+
+DEFAULT_POLICY = CacheAwarePolicy.name
+PREFILL_POLICIES: dict[str, type[PrefillPolicy]] = {
+    policy.name: policy for policy in (CacheAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy)
+}
+
+
+class UnknownPolicy(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown prefill policy {name!r}; choose one of {sorted(PREFILL_POLICIES)}")
+        self.name = name
+
+
+def make_prefill_policy(name: str = DEFAULT_POLICY, config: PolicyConfig | None = None) -> PrefillPolicy:
+    policy = PREFILL_POLICIES.get(name)
+    if policy is None:
+        raise UnknownPolicy(name)
+    return policy(config or PolicyConfig())

@@ -1,0 +1,21 @@
+"""Round-robin prefill choice: each rank in turn, blind to caches and load (the baseline)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.policy import PolicyConfig, PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery
+
+
+class RoundRobinPolicy(PrefillPolicy):
+    name = "round_robin"
+    branches = ("round_robin",)
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._turn = 0
+
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice:
+        chosen = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return PrefillChoice(chosen.rank, "round_robin")

@@ -1,0 +1,232 @@
+"""The router a frontend holds: one call per request picks its prefill rank and its decode rank.
+
+::
+
+    set_ranks(prefill, decode)       membership; ranks that leave are forgotten
+    apply_events(rank, events)       a prefill rank's KV events -> BlockIndex
+    update_decode_stats(rank, ...)   a decode rank's report     -> LoadTracker
+    route(request_id, ...)           -> RouteDecision; counts the request's load
+    prefill_done / finished / abort  -> drop the load (each idempotent)
+
+Not thread-safe: the frontend calls it from one event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.prefix_cache import KVEvent
+from router.decode_choice import DecodeCandidate, choose_decode_rank
+from router.index import BlockIndex, IndexIntegrityError
+from router.load import LoadTracker
+from router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
+from router.registry import DEFAULT_POLICY, make_prefill_policy
+
+
+class NoRankAvailable(RuntimeError):
+    """No rank of ``role`` is known to the router: start one, or wait for one to join."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no {role} rank is available to route to; add {role} ranks with set_ranks")
+        self.role = role
+
+
+class DuplicateRequestId(ValueError):
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} is already routed and not finished; ids must be unique")
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = DEFAULT_POLICY
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    # Output tokens a decode rank must have room for beyond the prompt, at most max_new_tokens.
+    decode_output_reserve_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.decode_output_reserve_tokens < 0:
+            raise ValueError(f"decode_output_reserve_tokens < 0: {self.decode_output_reserve_tokens}")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    prefill_rank: str
+    decode_rank: str
+    matched_blocks: int  # on prefill_rank, capped by the one-token rule
+    predicted_cached_tokens: int  # matched_blocks * page_size: what the rank's own match will find
+    branch: str  # the policy branch that chose prefill_rank
+    decode_pages: int  # pages promised on decode_rank
+
+
+@dataclass(frozen=True)
+class RouterLoads:
+    prefill_tokens: dict[str, int]  # in-flight new tokens per prefill rank
+    decode_requests: dict[str, int]  # in-flight requests per decode rank
+    decode_promised_pages: dict[str, int]
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, policy: PrefillPolicy | None = None) -> None:
+        """``policy`` overrides ``config.policy`` (for a policy that is not registered)."""
+        self.config = config or RouterConfig()
+        self.policy = policy or make_prefill_policy(self.config.policy, self.config.policy_config)
+        self._index = BlockIndex()
+        self._load = LoadTracker()
+        self._prefill_ranks: list[str] = []
+        self._prefill_set: frozenset[str] = frozenset()
+        self._decode_ranks: list[str] = []
+        self._counters: dict[str, int] = dict.fromkeys(
+            ["requests_routed", "matched_blocks", "queried_blocks", "events_applied", "events_dropped"], 0
+        )
+        for branch in self.policy.branches:
+            self._counters[f"branch_{branch}"] = 0
+
+    @property
+    def prefill_ranks(self) -> list[str]:
+        return list(self._prefill_ranks)
+
+    @property
+    def decode_ranks(self) -> list[str]:
+        return list(self._decode_ranks)
+
+    def set_ranks(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        """Route to exactly these ranks from now on. A prefill rank that left loses its index
+        entries (it must send a fresh snapshot if it returns); any rank that left stops
+        counting load."""
+        prefill_set = frozenset(prefill)
+        for rank in self._prefill_ranks:
+            if rank not in prefill_set:
+                self._index.remove_rank(rank)
+        self._prefill_set = prefill_set
+        self._prefill_ranks, self._decode_ranks = sorted(prefill_set), sorted(set(decode))
+        self._load.set_ranks(self._prefill_ranks, self._decode_ranks)
+
+    def apply_events(self, rank: str, events: Iterable[KVEvent]) -> None:
+        """Apply a prefill rank's events in order. Events of a rank not in the prefill set are
+        dropped (late events of a rank that left must not bring it back)."""
+        if rank not in self._prefill_set:
+            self._counters["events_dropped"] += sum(1 for _ in events)
+            return
+        for event in events:
+            self._index.apply(rank, event)
+            self._counters["events_applied"] += 1
+
+    def update_decode_stats(self, rank: str, free_pages: int, running: int, total_pages: int) -> None:
+        self._load.update_decode_stats(rank, free_pages, running, total_pages)
+
+    def route(
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        num_prompt_tokens: int,
+        page_size: int,
+        max_new_tokens: int,
+    ) -> RouteDecision:
+        """Pick both ranks for a request and count its load against them.
+
+        ``block_hashes`` are the chained hashes of the prompt's full pages
+        (``engine.prefix_cache.block_hashes``). Raises ``NoRankAvailable`` when a role has no
+        rank and ``DuplicateRequestId`` when ``request_id`` is still in flight.
+        """
+        if num_prompt_tokens < 1 or page_size < 1 or max_new_tokens < 0:
+            raise ValueError(f"bad request: {num_prompt_tokens=} {page_size=} {max_new_tokens=}")
+        if len(block_hashes) > num_prompt_tokens // page_size:
+            full_pages = num_prompt_tokens // page_size
+            raise ValueError(f"{len(block_hashes)} block hashes for a prompt of {full_pages} full pages")
+        if not self._prefill_ranks:
+            raise NoRankAvailable("prefill")
+        if not self._decode_ranks:
+            raise NoRankAvailable("decode")
+        if request_id in self._load:
+            raise DuplicateRequestId(request_id)
+
+        max_reusable = (num_prompt_tokens - 1) // page_size
+        matched = self._index.match(block_hashes[:max_reusable])
+        query = PrefillQuery(num_prompt_tokens, len(block_hashes), max_reusable, page_size)
+        load, index = self._load, self._index
+        candidates = [
+            PrefillCandidate(
+                rank,
+                matched.get(rank, 0),
+                load.prefill_tokens(rank),
+                load.routed_tokens(rank),
+                index.num_blocks(rank),
+            )
+            for rank in self._prefill_ranks
+        ]
+        choice = self.policy.choose(query, candidates)
+        if choice.rank not in self._prefill_set:
+            raise ValueError(f"policy {self.policy.name} chose {choice.rank!r}, which is not a prefill rank")
+        matched_blocks = matched.get(choice.rank, 0)
+        cached_tokens = matched_blocks * page_size
+
+        reserve = min(max_new_tokens, self.config.decode_output_reserve_tokens)
+        pages = math.ceil((num_prompt_tokens + reserve) / page_size)
+        decode = choose_decode_rank([self._decode_candidate(rank) for rank in self._decode_ranks], pages)
+
+        self._load.add(request_id, choice.rank, num_prompt_tokens - cached_tokens, decode.rank, pages)
+        counters = self._counters
+        counters["requests_routed"] += 1
+        counters["matched_blocks"] += matched_blocks
+        counters["queried_blocks"] += len(block_hashes)
+        key = f"branch_{choice.branch}"
+        counters[key] = counters.get(key, 0) + 1
+        return RouteDecision(choice.rank, decode.rank, matched_blocks, cached_tokens, choice.branch, pages)
+
+    def prefill_done(self, request_id: str) -> None:
+        """The request's prefill finished (or failed): its tokens leave the prefill load."""
+        self._load.prefill_done(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request finished: nothing of it counts any more."""
+        self._load.finish(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._load.finish(request_id)
+
+    def counters(self) -> dict[str, int]:
+        """``requests_routed``, ``matched_blocks`` and ``queried_blocks`` (totals over routed
+        requests), ``events_applied``/``events_dropped``, and ``branch_<name>`` per branch."""
+        return dict(self._counters)
+
+    def loads(self) -> RouterLoads:
+        return RouterLoads(
+            self._load.prefill_loads(),
+            self._load.decode_loads(),
+            {rank: self._load.promised_pages(rank) for rank in self._decode_ranks},
+        )
+
+    def cached_blocks(self) -> dict[str, int]:
+        """Blocks each prefill rank caches, as its events tell."""
+        return {rank: self._index.num_blocks(rank) for rank in self._prefill_ranks}
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks each prefill rank holds (uncapped), for ranks holding any."""
+        return self._index.match(block_hashes)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._load.num_in_flight
+
+    def check_integrity(self) -> None:
+        """Raise unless the index and the loads are consistent with each other and the ranks."""
+        self._index.check_integrity()
+        self._load.check_integrity()
+        stray = set(self._index.ranks) - set(self._prefill_ranks)
+        if stray:
+            raise IndexIntegrityError(f"index holds blocks of non-prefill ranks {sorted(stray)}")
+        branches = sum(v for k, v in self._counters.items() if k.startswith("branch_"))
+        routed = self._counters["requests_routed"]
+        if branches != routed:
+            raise AssertionError(f"{branches} branch decisions for {routed} requests")
+
+    def _decode_candidate(self, rank: str) -> DecodeCandidate:
+        stats = self._load.decode_stats(rank)
+        in_flight = self._load.decode_requests(rank)
+        if stats is None:
+            return DecodeCandidate(rank, in_flight, math.inf)
+        free = stats.free_pages - self._load.promised_pages(rank)
+        return DecodeCandidate(rank, max(in_flight, stats.running), free)
