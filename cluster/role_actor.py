@@ -4,6 +4,11 @@ Lifecycle, as for the colocated rank (``cluster/rank_actor.py``): ``rendezvous_a
 -> ``setup`` on every rank at once -> ``run`` (the lockstep loop; returns only when stopped or
 failed) -> ``submit_jobs`` (prefill) or ``submit_requests`` (decode), ``abort``, ``collect``.
 A decode rank is told the prefill ranks with ``set_prefill_ranks`` and sends them jobs directly.
+
+Pushes leave from the loop thread at the end of an iteration, as fire-and-forget calls on named
+frontend actors: a decode rank sends each frontend one :class:`StreamBatch` of its requests' new
+tokens and results; a prefill rank sends each subscribed frontend its KV events
+(``subscribe_kv_events`` returns the starting snapshot).
 """
 
 from __future__ import annotations
@@ -20,18 +25,20 @@ import torch
 from cluster.rank_setup import join_group, load_rank_model, rendezvous_address
 from decode.scheduler import DecodeScheduler
 from decode.types import DecodeSchedulerConfig
-from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
+from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher, Routing
 from engine.colocated import DTYPES
 from engine.dep_rank import RankRequest
 from engine.prefix_cache import block_hash
 from engine.request import Request, check_prompt
 from engine.role_loop import RoleRankLoop
 from engine.runner import ModelRunner
+from engine.scheduler import admit_new_request
 from kvtransfer.metadata import RayMetadataStore
 from kvtransfer.nixl_transport import NixlTransport
 from model.config import ModelConfig
 from model.kv_pool import KVPool
 from prefill.job import PrefillJob
+from prefill.kv_events import KVEventBatch, KVEventPublisher
 from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from prefill.worker import PrefillWorker
 
@@ -56,17 +63,19 @@ class RoleRankSpec:
 
 
 class _RayPrefillDispatcher(PrefillDispatcher):
-    """Prefix affinity until the cache-aware router takes over: a prompt with a full first page
-    goes to the prefill rank its first block hash picks (so prompts that share a system prompt
-    meet the same prefix cache); shorter prompts go round-robin. A job goes by a fire-and-forget
-    call."""
+    """The router's choice when it made one and the rank is known; otherwise (requests from no
+    router, and retries) prefix affinity: a prompt with a full first page goes to the prefill rank
+    its first block hash picks (so prompts that share a system prompt meet the same prefix
+    cache); shorter prompts go round-robin. A job goes by a fire-and-forget call."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.ranks: dict[str, Any] = {}
         self._next = itertools.count()
 
-    def choose(self, request: Request) -> str:
+    def choose(self, request: Request, preferred: str | None = None) -> str:
+        if preferred is not None and preferred in self.ranks:
+            return preferred
         names = sorted(self.ranks)
         if not names:
             raise RuntimeError("no prefill rank is known to this decode rank")
@@ -90,6 +99,8 @@ class RoleRankActor:
         self._worker: PrefillWorker | DecodeWorker | None = None
         self._prefill_dispatcher = _RayPrefillDispatcher(spec.page_size)
         self._cfg: ModelConfig | None = None
+        self._kv_events = KVEventPublisher(spec.name, spec.page_size)
+        self._frontends: dict[str, Any] = {}  # name -> actor handle, for pushes
 
     def rendezvous_address(self) -> str:
         return rendezvous_address()
@@ -138,8 +149,44 @@ class RoleRankActor:
                 spec.kv_timeout_s,
             )
         self._worker = worker
-        self._loop = RoleRankLoop(worker, spec.rank, dispatcher, self.device)
+        self._loop = RoleRankLoop(worker, spec.rank, dispatcher, self.device, after_iteration=self._push)
         return spec.name
+
+    def _push(self) -> None:
+        """Loop thread, end of an iteration: streams to frontends, KV events to subscribers."""
+        worker = self._worker
+        if isinstance(worker, DecodeWorker):
+            for frontend, batch in worker.take_pushes().items():
+                self._send(frontend, "push_stream", batch)
+        elif isinstance(worker, PrefillWorker):
+            for subscriber, events in self._kv_events.publish(worker.scheduler.take_events()).items():
+                if not self._send(subscriber, "push_kv_events", events):
+                    self._kv_events.unsubscribe(subscriber)
+
+    def _send(self, frontend: str, method: str, payload: Any) -> bool:
+        """Fire-and-forget ``frontend.method(payload)``; False when no such actor lives."""
+        handle = self._frontends.get(frontend)
+        if handle is None:
+            try:
+                handle = self._frontends[frontend] = ray.get_actor(frontend)
+            except ValueError:
+                return False
+        try:
+            getattr(handle, method).remote(payload)
+        except ray.exceptions.RayActorError:
+            self._frontends.pop(frontend, None)
+            return False
+        return True
+
+    def subscribe_kv_events(self, subscriber: str) -> KVEventBatch:
+        """Send this prefill rank's KV events to the named actor from now on; the snapshot."""
+
+        def subscribe(worker: Any) -> KVEventBatch:
+            return self._kv_events.subscribe(subscriber, worker.scheduler.kv_cache.cached_block_hashes())
+
+        if self.spec.role != "prefill":
+            raise ValueError(f"rank {self.spec.name} is a {self.spec.role} rank: it has no KV events")
+        return self._require().call(subscribe, timeout_s=30.0)
 
     def set_prefill_ranks(self, ranks: dict[str, Any]) -> None:
         self._prefill_dispatcher.ranks = dict(ranks)
@@ -164,7 +211,10 @@ class RoleRankActor:
             Request(r.request_id, list(r.prompt_token_ids), r.sampling, eos, cfg.max_position_embeddings)
             for r in requests
         ]
-        self._require().post(lambda worker: worker.submit(built))
+        for request in built:  # here, not on the loop thread: a bad request must not fail the rank
+            admit_new_request(request, cfg.max_position_embeddings, self.spec.page_size, self.spec.num_pages)
+        routing = {r.request_id: Routing(r.prefill_rank, r.frontend) for r in requests}
+        self._require().post(lambda worker: worker.submit(built, routing))
 
     def abort(self, request_ids: list[str]) -> None:
         def abort_all(worker: Any) -> None:
@@ -183,7 +233,8 @@ class RoleRankActor:
         if isinstance(worker, PrefillWorker):
             s = worker.scheduler
             out |= {"queued": s.num_queued, "computing": s.num_computing, "transferring": s.num_transferring,
-                    "free_pages": s.num_free_pages, "kv_bytes_sent": worker.stats.kv_bytes_sent}  # fmt: skip
+                    "free_pages": s.num_free_pages, "kv_bytes_sent": worker.stats.kv_bytes_sent,
+                    "cached_pages": s.kv_cache.num_cached_pages}  # fmt: skip
         elif isinstance(worker, DecodeWorker):
             d = worker.scheduler
             out |= {"queued": d.num_queued, "waiting_for_kv": d.num_waiting_for_kv, "running": d.num_running,
@@ -193,11 +244,10 @@ class RoleRankActor:
         out["total_pages"] = self.spec.num_pages
         return out
 
-    def check_integrity(self) -> None:
-        """Page accounting; call while the group is idle."""
-        self._require()
-        assert self._worker is not None
-        self._worker.scheduler.check_integrity()
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """Page accounting, checked on the loop thread between two iterations; raises
+        ``PageAccountingError`` when it does not hold."""
+        self._require().call(lambda worker: worker.scheduler.check_integrity(), timeout_s)
 
     def stop(self) -> None:
         self._stop.set()

@@ -6,6 +6,11 @@ The decode rank owns a request from routing to its end::
            -> KV arrives (first token) -> running batch, one token a step -> finished + bill
     a failed or late transfer: abort it, then retry on another prefill rank or end with an error
 
+A request submitted with a :class:`Routing` goes first to the prefill rank its router chose, and
+its tokens are streamed: every new token (with its wall-clock time) and finally its result are
+gathered per frontend in :meth:`take_pushes`, one batch per frontend per loop iteration.
+Requests without a frontend report through :meth:`take_results`.
+
 ``tick`` polls the transport, hands expired transfers to abort and sends prefill jobs for new
 reservations; ``step`` runs one decode batch. Transfers are named ``<request>#<attempt>`` so a
 retry never meets the notification of an earlier attempt.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from decode.scheduler import DecodeScheduler
@@ -30,8 +36,9 @@ class PrefillDispatcher(ABC):
     """Chooses a prefill rank for a job and sends it there."""
 
     @abstractmethod
-    def choose(self, request: Request) -> str:
-        """The name of the prefill rank to compute ``request``'s KV."""
+    def choose(self, request: Request, preferred: str | None = None) -> str:
+        """The name of the prefill rank to compute ``request``'s KV: ``preferred`` (the router's
+        choice) when this rank knows it, else one of its own choosing."""
 
     @abstractmethod
     def send(self, prefill_rank: str, job: PrefillJob) -> None: ...
@@ -53,10 +60,12 @@ class Bill:
     kv_wait_s: float = 0.0
     kv_transfer_s: float = 0.0
     kv_transfer_exposed_s: float = 0.0
+    reservation_wait_s: float = 0.0
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     ttft_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
+    decode_s: float = 0.0
     e2e_s: float = 0.0
 
 
@@ -71,11 +80,41 @@ class DecodeResult:
     bill: Bill
 
 
+@dataclass(frozen=True)
+class Routing:
+    """Where a request came from and the prefill rank its router chose."""
+
+    prefill_rank: str | None = None
+    frontend: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output tokens of one request: indices ``start_index`` onwards, with the wall-clock
+    time (Unix seconds) each became known on the decode rank."""
+
+    request_id: str
+    start_index: int
+    token_ids: tuple[int, ...]
+    times_unix_s: tuple[float, ...]
+
+
+@dataclass
+class StreamBatch:
+    """What one decode rank pushes to one frontend after a loop iteration."""
+
+    decode_rank: str
+    deltas: list[TokenDelta] = field(default_factory=list)
+    finished: list[DecodeResult] = field(default_factory=list)
+
+
 @dataclass
 class _Track:
     arrival: float
+    routing: Routing = field(default_factory=Routing)
     prefill_rank: str | None = None
     expect_at: float = 0.0
+    streamed: int = 0  # output tokens already pushed to the frontend
     bill: Bill = field(default_factory=Bill)
 
 
@@ -99,12 +138,13 @@ class DecodeWorker:
         self._tracks: dict[str, _Track] = {}
         self._attempts: dict[str, int] = {}  # request id -> attempt of its current transfer
         self.results: list[DecodeResult] = []
+        self._pushes: dict[str, StreamBatch] = {}
 
-    def submit(self, requests: list[Request]) -> None:
+    def submit(self, requests: list[Request], routing: Mapping[str, Routing] | None = None) -> None:
         now = time.monotonic()
         for request in requests:
             self.scheduler.add_request(request)
-            self._tracks[request.request_id] = _Track(now)
+            self._tracks[request.request_id] = _Track(now, (routing or {}).get(request.request_id, Routing()))
 
     def abort(self, request_id: str) -> None:
         result = self.scheduler.abort(request_id)
@@ -124,23 +164,45 @@ class DecodeWorker:
         out, self.results = self.results, []
         return out
 
+    def take_pushes(self) -> dict[str, StreamBatch]:
+        """Token deltas and results of streamed requests since the last call, by frontend."""
+        out, self._pushes = self._pushes, {}
+        return out
+
     def fail_all(self, reason: str) -> list[DecodeResult]:
         """End every request this rank holds with ``reason`` (its group is going down)."""
-        for request_id in list(self._tracks):
+        for request_id, track in list(self._tracks.items()):
             request = self.scheduler.get(request_id)
-            self.results.append(
-                DecodeResult(
-                    request_id,
-                    list(request.output_token_ids) if request else [],
-                    "error",
-                    reason,
-                    self._tracks[request_id].prefill_rank,
-                    self.rank,
-                    self._tracks[request_id].bill,
-                )
+            tokens = list(request.output_token_ids) if request else []
+            prefill_rank = track.prefill_rank
+            self._report(
+                track, DecodeResult(request_id, tokens, "error", reason, prefill_rank, self.rank, track.bill)
             )
         self._tracks.clear()
         return self.take_results()
+
+    def _report(self, track: _Track, result: DecodeResult) -> None:
+        frontend = track.routing.frontend
+        if frontend is None:
+            self.results.append(result)
+        else:
+            self._batch(frontend).finished.append(result)
+
+    def _batch(self, frontend: str) -> StreamBatch:
+        batch = self._pushes.get(frontend)
+        if batch is None:
+            batch = self._pushes[frontend] = StreamBatch(self.rank)
+        return batch
+
+    def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
+        frontend = track.routing.frontend
+        outputs = request.output_token_ids
+        if frontend is None or len(outputs) <= track.streamed:
+            return
+        new = tuple(outputs[track.streamed :])
+        delta = TokenDelta(request.request_id, track.streamed, new, (now_unix_s,) * len(new))
+        self._batch(frontend).deltas.append(delta)
+        track.streamed = len(outputs)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -162,9 +224,11 @@ class DecodeWorker:
                     bill.ttft_s = now - track.arrival
                     bill.token_times_s.append(bill.ttft_s)
             n = got.notification
-            self._maybe_finish(
-                self.scheduler.kv_arrived(request_id, n.first_token, n.cached_tokens, attempt=attempt)
-            )
+            finished = self.scheduler.kv_arrived(request_id, n.first_token, n.cached_tokens, attempt=attempt)
+            request = self.scheduler.get(request_id)
+            if track is not None and request is not None:
+                self._stream_new_tokens(request, track, time.time())
+            self._maybe_finish(finished)
         for failure in events.failed:
             if failure.role != "recv":
                 continue
@@ -180,9 +244,13 @@ class DecodeWorker:
             assert request is not None
             transfer_id = f"{request.request_id}#{reservation.attempt}"
             self._attempts[request.request_id] = reservation.attempt
-            prefill_rank = self.dispatcher.choose(request)
             track = self._tracks[request.request_id]
+            # the router's choice holds for the first attempt; a retry goes where this rank likes
+            preferred = track.routing.prefill_rank if reservation.attempt <= 1 else None
+            prefill_rank = self.dispatcher.choose(request, preferred)
             track.prefill_rank, track.expect_at = prefill_rank, time.monotonic()
+            if reservation.attempt <= 1:
+                track.bill.reservation_wait_s = track.expect_at - track.arrival
             self.transport.expect(transfer_id, prefill_rank, reservation.page_ids, self.kv_timeout_s)
             job = PrefillJob(
                 request_id=transfer_id,
@@ -197,7 +265,7 @@ class DecodeWorker:
     def step(self) -> None:
         plan = self.scheduler.schedule()
         sampled = self.runner.run(plan)
-        now = time.monotonic()
+        now, now_unix_s = time.monotonic(), time.time()
         requests = [r for r in (self.scheduler.get(c.request_id) for c in plan.chunks) if r is not None]
         before = [len(r.output_token_ids) for r in requests]
         finished = self.scheduler.update(plan, sampled)
@@ -205,6 +273,7 @@ class DecodeWorker:
             track = self._tracks.get(request.request_id)
             if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
                 track.bill.token_times_s.append(now - track.arrival)
+                self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
 
@@ -216,13 +285,16 @@ class DecodeWorker:
         request = finished.request
         track = self._tracks.pop(request.request_id, _Track(time.monotonic()))
         self._attempts.pop(request.request_id, None)
+        self._stream_new_tokens(request, track, time.time())
         bill = track.bill
         bill.prompt_tokens = request.num_prompt_tokens
         bill.cached_tokens = request.num_cached_tokens
         bill.new_prompt_tokens = bill.prompt_tokens - bill.cached_tokens
         bill.output_tokens = len(request.output_token_ids)
         bill.e2e_s = time.monotonic() - track.arrival
-        self.results.append(
+        bill.decode_s = max(bill.e2e_s - bill.ttft_s, 0.0) if bill.token_times_s else 0.0
+        self._report(
+            track,
             DecodeResult(
                 request.request_id,
                 list(request.output_token_ids),
@@ -231,7 +303,7 @@ class DecodeWorker:
                 track.prefill_rank,
                 self.rank,
                 bill,
-            )
+            ),
         )
 
 

@@ -25,9 +25,15 @@ from engine.request import Request, SamplingParams
 
 @dataclass(frozen=True)
 class RankRequest:
+    """A request addressed to a rank. ``prefill_rank`` is the router's choice of prefill rank
+    (disaggregated decode ranks only); with ``frontend`` set, the decode rank streams the tokens
+    and the result to that named frontend actor instead of reporting them through ``collect``."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    prefill_rank: str | None = None
+    frontend: str | None = None
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,10 @@ class PrefixCache:
     def num_cached_pages(self) -> int:
         return len(self._hash_to_page)
 
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash cached now (a subscriber's starting snapshot before the events)."""
+        return list(self._hash_to_page)
+
     @property
     def num_evictable_pages(self) -> int:
         return len(self._evictable)

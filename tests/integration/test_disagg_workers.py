@@ -35,7 +35,7 @@ class _Direct(PrefillDispatcher):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
-    def choose(self, request: Request) -> str:
+    def choose(self, request: Request, preferred: str | None = None) -> str:
         return "prefill-0"
 
     def send(self, prefill_rank: str, job: PrefillJob) -> None:

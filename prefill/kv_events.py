@@ -1,0 +1,54 @@
+"""A prefill rank's KV events, fanned out to the frontends whose routers index its prefix cache.
+
+A subscriber starts from a snapshot (every block hash cached at that moment, ``seq`` 0, with
+``reset`` set: forget what you knew of this rank) and then receives each later batch of events
+with ``seq`` 1, 2, ... Snapshot and batches are made on the rank's loop thread, so no event falls
+between them; a subscriber applies batches in ``seq`` order and subscribes again after a gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.prefix_cache import AllBlocksCleared, BlockStored, KVEvent
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    rank: str
+    seq: int
+    reset: bool
+    events: list[KVEvent] = field(default_factory=list)
+
+
+class KVEventPublisher:
+    def __init__(self, rank: str, page_size: int) -> None:
+        self.rank = rank
+        self.page_size = page_size
+        self._next_seq: dict[str, int] = {}  # subscriber -> seq of its next batch
+
+    @property
+    def subscribers(self) -> list[str]:
+        return sorted(self._next_seq)
+
+    def subscribe(self, subscriber: str, cached_block_hashes: list[int]) -> KVEventBatch:
+        """(Re)start ``subscriber`` from a snapshot of the cache."""
+        self._next_seq[subscriber] = 1
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if cached_block_hashes:
+            # the index needs only the hashes; chaining is already in each hash
+            events.append(BlockStored(tuple(cached_block_hashes), None, self.page_size))
+        return KVEventBatch(self.rank, 0, True, events)
+
+    def unsubscribe(self, subscriber: str) -> None:
+        self._next_seq.pop(subscriber, None)
+
+    def publish(self, events: list[KVEvent]) -> dict[str, KVEventBatch]:
+        """The batch each subscriber gets for ``events`` (nothing when there are none)."""
+        if not events:
+            return {}
+        out: dict[str, KVEventBatch] = {}
+        for subscriber, seq in self._next_seq.items():
+            out[subscriber] = KVEventBatch(self.rank, seq, False, list(events))
+            self._next_seq[subscriber] = seq + 1
+        return out
