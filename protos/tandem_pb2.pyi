@@ -1,0 +1,234 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "model", "text", "token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenTiming(_message.Message):
+    __slots__ = ("index", "server_time_s", "gap_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    server_time_s: float
+    gap_s: float
+    def __init__(self, index: _Optional[int] = ..., server_time_s: _Optional[float] = ..., gap_s: _Optional[float] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("token_ids", "text", "timings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    timings: _containers.RepeatedCompositeFieldContainer[TokenTiming]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[TokenTiming, _Mapping]]] = ...) -> None: ...
+
+class Latency(_message.Message):
+    __slots__ = ("queue_s", "routing_s", "reservation_wait_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s", "ttft_s", "decode_s", "e2e_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    routing_s: float
+    reservation_wait_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    kv_transfer_s: float
+    kv_transfer_exposed_s: float
+    ttft_s: float
+    decode_s: float
+    e2e_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., routing_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+
+class Bill(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    new_prompt_tokens: int
+    output_tokens: int
+    kv_bytes: int
+    latency: Latency
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("prefill_group", "prefill_rank", "decode_group", "decode_rank", "predicted_cached_tokens", "route_branch")
+    PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    prefill_group: str
+    prefill_rank: str
+    decode_group: str
+    decode_rank: str
+    predicted_cached_tokens: int
+    route_branch: str
+    def __init__(self, prefill_group: _Optional[str] = ..., prefill_rank: _Optional[str] = ..., decode_group: _Optional[str] = ..., decode_rank: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., route_branch: _Optional[str] = ...) -> None: ...
+
+class Summary(_message.Message):
+    __slots__ = ("finish_reason", "error", "bill", "placement", "token_ids", "text")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BILL_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    error: str
+    bill: Bill
+    placement: Placement
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., bill: _Optional[_Union[Bill, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "chunk", "summary")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: Chunk
+    summary: Summary
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
+    COMPUTING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    queued: int
+    running: int
+    waiting_for_kv: int
+    computing: int
+    transferring: int
+    free_pages: int
+    total_pages: int
+    cached_pages: int
+    transfers_in_flight: int
+    routed_prefill_tokens: int
+    routed_requests: int
+    indexed_blocks: int
+    integrity: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ...) -> None: ...
+
+class GroupStatus(_message.Message):
+    __slots__ = ("group_id", "role", "state", "incarnation", "ranks")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    role: str
+    state: str
+    incarnation: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests")
+    class RouterCountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    ready: bool
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
+    router_counters: _containers.ScalarMap[str, int]
+    running_requests: int
+    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ...) -> None: ...

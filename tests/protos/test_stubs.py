@@ -1,0 +1,23 @@
+"""The committed gRPC stubs are what ``python -m protos.generate`` writes from the proto."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from protos.generate import ROOT, STUBS, generate
+
+
+def test_stubs_match_the_proto(tmp_path: Path) -> None:
+    generate(tmp_path)
+    for name in STUBS:
+        fresh = (tmp_path / name).read_text()
+        committed = (ROOT / "protos" / name).read_text()
+        assert fresh == committed, f"protos/{name} is stale: run `python -m protos.generate`"
+
+
+def test_service_is_described() -> None:
+    from protos import tandem_pb2
+
+    service = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"]
+    assert {m.name for m in service.methods} == {"Generate", "Abort", "ClusterStatus"}
+    assert service.methods_by_name["Generate"].server_streaming
