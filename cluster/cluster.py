@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,6 +23,28 @@ from decode.worker import DecodeResult
 from engine.dep_rank import RankRequest
 
 CONTROLLER_NAME = "tandem-controller"
+
+
+@dataclass(frozen=True)
+class GroupView:
+    group_id: str
+    role: str
+    state: str  # starting, ready, draining, failed or stopped
+    incarnation: int
+    ranks: list[str]
+
+
+@dataclass(frozen=True)
+class RoutingView:
+    """What a frontend routes over: the rank actors of groups that take work, by role, and
+    every group's state. A rebuilt group's ranks keep their names and get new handles."""
+
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    groups: list[GroupView]
+    page_size: int
+    prefill_capacity_tokens: int  # KV one prefill rank holds: a prompt's ceiling
+    decode_capacity_tokens: int  # KV one decode rank holds: prompt + output's ceiling
 
 
 class Cluster:
@@ -70,6 +93,27 @@ class Cluster:
             role: [n for g in live if g.role == role for n in g.named_actors()]
             for role in ("prefill", "decode")
         }
+
+    def routing_view(self) -> RoutingView:
+        def state(g: RoleGroup) -> str:
+            draining = g.group_id in self._draining and g.state is GroupState.READY
+            return "draining" if draining else g.state.value
+
+        live = [g for g in self.groups if g.state is GroupState.READY and g.group_id not in self._draining]
+        views = [
+            GroupView(
+                g.group_id, g.role, state(g), g.incarnation, [g.rank_name(r) for r in range(g.config.size)]
+            )
+            for g in self.groups
+        ]
+        return RoutingView(
+            prefill={n: a for g in live if g.role == "prefill" for n, a in g.named_actors().items()},
+            decode={n: a for g in live if g.role == "decode" for n, a in g.named_actors().items()},
+            groups=views,
+            page_size=self.topology.prefill.page_size,
+            prefill_capacity_tokens=self.topology.prefill.num_pages * self.topology.prefill.page_size,
+            decode_capacity_tokens=self.topology.decode.num_pages * self.topology.decode.page_size,
+        )
 
     def drain(self, group_id: str) -> None:
         """Stop sending a group new work; what it has runs to the end. (A later ``stop_group``
@@ -138,12 +182,7 @@ class Cluster:
                 g.check_integrity()
 
     def status(self) -> dict[str, str]:
-        def state(g: RoleGroup) -> str:
-            return (
-                "draining" if g.group_id in self._draining and g.state is GroupState.READY else g.state.value
-            )
-
-        return {g.group_id: f"{state(g)} (incarnation {g.incarnation})" for g in self.groups}
+        return {v.group_id: f"{v.state} (incarnation {v.incarnation})" for v in self.routing_view().groups}
 
     def stop(self) -> None:
         for g in self.groups:
@@ -202,6 +241,10 @@ class Controller:
     def membership(self) -> dict[str, list[str]]:
         with self._lock:
             return self.cluster.membership()
+
+    def routing_view(self) -> RoutingView:
+        with self._lock:
+            return self.cluster.routing_view()
 
     def drain(self, group_id: str) -> None:
         with self._lock:

@@ -50,6 +50,11 @@ class Topology(BaseModel):
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
 
+    def describe(self) -> str:
+        """E.g. ``local: 1xDEP2 prefill + 1xDEP2 decode``."""
+        p, d = self.prefill, self.decode
+        return f"{self.name}: {p.groups}xDEP{p.dep} prefill + {d.groups}xDEP{d.dep} decode"
+
     @staticmethod
     def load(path: Path) -> Topology:
         try:

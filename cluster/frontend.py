@@ -1,0 +1,427 @@
+"""The frontend: an async Ray actor that hosts the gRPC server, tokenises, routes and streams.
+
+::
+
+    Generate ─▶ validate (grpc_service) ─▶ route (router/) ─▶ decode rank.submit_requests
+                                                                   │ one StreamBatch a step
+    client ◀── chunks + summary ◀── RequestStream ◀── push_stream ◀┘
+    prefill ranks ── push_kv_events ─▶ the router's block-hash index
+
+A refresh task asks the controller for the ranks that take work (``routing_view``), subscribes
+to every new prefill rank's KV events, reads the decode ranks' free pages for the router, ends
+the streams of ranks whose group failed, and keeps the health service in step: SERVING only
+while both pools have a rank that takes work and every prefill rank's index is loaded.
+
+Invariant: a stream is in ``streams`` from admission until its generator ends; when it ends
+before the ranks reported the end (client cancel, deadline) the decode rank is told to abort,
+which frees its pages and the prefill rank's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.cluster import CONTROLLER_NAME, RoutingView
+from cluster.request_stream import RequestStream, Route, StreamChunk, StreamSummary
+from decode.worker import StreamBatch
+from engine.dep_rank import RankRequest
+from engine.prefix_cache import block_hashes
+from engine.request import InvalidRequestError, SamplingParams
+from prefill.kv_events import KVEventBatch
+from router.router import NoRankAvailable, Router
+
+log = logging.getLogger(__name__)
+
+FRONTEND_NAME = "tandem-frontend"
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model_dir: str
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    max_running_requests: int = 256
+    auth_token: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    refresh_s: float = 0.2
+    controller: str = CONTROLLER_NAME
+    name: str = FRONTEND_NAME
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A validated request (the servicer builds it from the protobuf)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class FrontendUnavailable(Exception):
+    """No pool is ready to take the request (UNAVAILABLE)."""
+
+
+class FrontendOverloaded(Exception):
+    """The frontend runs as many requests as it may (RESOURCE_EXHAUSTED)."""
+
+
+class DuplicateRequest(Exception):
+    """A running request has this id (ALREADY_EXISTS)."""
+
+
+@dataclass
+class RankStatusView:
+    name: str
+    role: str
+    stats: dict[str, Any]
+    routed_prefill_tokens: int = 0
+    routed_requests: int = 0
+    indexed_blocks: int = 0
+    integrity: str = ""
+
+
+@dataclass
+class GroupStatusView:
+    group_id: str
+    role: str
+    state: str
+    incarnation: int
+    ranks: list[RankStatusView] = field(default_factory=list)
+
+
+@dataclass
+class StatusView:
+    model: str
+    ready: bool
+    groups: list[GroupStatusView]
+    router_counters: dict[str, int]
+    running_requests: int
+
+
+@dataclass
+class _Running:
+    stream: RequestStream
+    decode_rank: str
+    decode_key: tuple[str, int]  # (rank, incarnation) it was sent to
+
+
+class FrontendCore:
+    """Everything but the gRPC server: tokenizer, router, streams, rank handles."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        from model.config import ModelConfig
+        from model.tokenizer import Tokenizer
+
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        self.router = Router()
+        self.view: RoutingView | None = None
+        self.running: dict[str, _Running] = {}
+        self.ready = False
+        self._incarnations: dict[str, int] = {}  # rank -> incarnation in the current view
+        self._subscribed: dict[str, int] = {}  # prefill rank -> incarnation whose events we follow
+        self._next_seq: dict[str, int] = {}
+        self._early: dict[str, dict[int, KVEventBatch]] = {}  # batches ahead of their turn
+
+    # ---- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return uuid.uuid4().hex
+
+    async def generate(self, spec: GenerateSpec) -> AsyncGenerator[StreamChunk | StreamSummary, None]:
+        view = self.view
+        if not self.ready or view is None:
+            raise FrontendUnavailable("the cluster is not ready: no prefill or no decode rank takes work")
+        if spec.request_id in self.running:
+            raise DuplicateRequest(f"request_id: {spec.request_id!r} is already running")
+        if len(self.running) >= self.config.max_running_requests:
+            raise FrontendOverloaded(
+                f"{len(self.running)} requests are running, the most this frontend takes "
+                f"(max_running_requests={self.config.max_running_requests}); retry later"
+            )
+        prompt = spec.prompt_token_ids
+        self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
+        stream = RequestStream(spec.request_id, len(prompt), spec.sampling.max_tokens, self.tokenizer)
+        routed_at = time.time()
+        try:
+            decision = self.router.route(
+                spec.request_id,
+                block_hashes(prompt, view.page_size),
+                len(prompt),
+                view.page_size,
+                spec.sampling.max_tokens,
+            )
+        except NoRankAvailable as exc:
+            raise FrontendUnavailable(str(exc)) from None
+        stream.route = Route(
+            decision.prefill_rank,
+            decision.decode_rank,
+            decision.predicted_cached_tokens,
+            decision.branch,
+            queue_s=routed_at - stream.arrival_unix_s,
+            routing_s=time.time() - routed_at,
+        )
+        rank = decision.decode_rank
+        running = _Running(stream, rank, (rank, self._incarnations.get(rank, -1)))
+        self.running[spec.request_id] = running
+        handle = view.decode[rank]
+        submitted = False
+        try:
+            request = RankRequest(
+                spec.request_id, prompt, spec.sampling, decision.prefill_rank, self.config.name
+            )
+            try:
+                await handle.submit_requests.remote([request])
+            except ray.exceptions.RayError as exc:
+                stream.fail(f"decode rank {rank} did not take the request: {exc}", rank)
+            else:
+                submitted = True
+            while True:
+                item = await stream.queue.get()
+                yield item
+                if isinstance(item, StreamSummary):
+                    return
+        finally:
+            if submitted and not stream.finished:  # cancelled or past its deadline
+                stream.finished = True
+                with contextlib.suppress(ray.exceptions.RayError):
+                    handle.abort.remote([spec.request_id])
+            self.router.finished(spec.request_id)
+            self.running.pop(spec.request_id, None)
+
+    def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
+        """A request no rank could ever hold is refused here, naming the field to change."""
+        if prompt_tokens > view.prefill_capacity_tokens:
+            raise InvalidRequestError(
+                "prompt",
+                f"{prompt_tokens} tokens exceed a prefill rank's KV pool of {view.prefill_capacity_tokens}",
+            )
+        # the last sampled token's KV is never stored, hence the - 1
+        kv_tokens = min(prompt_tokens + max_tokens, self.model_config.max_position_embeddings) - 1
+        size = view.page_size
+        if -(-kv_tokens // size) * size > view.decode_capacity_tokens:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) need more KV than a "
+                f"decode rank holds ({view.decode_capacity_tokens} tokens); lower max_tokens",
+            )
+
+    def abort(self, request_id: str) -> bool:
+        running = self.running.get(request_id)
+        if running is None or self.view is None:
+            return False
+        handle = self.view.decode.get(running.decode_rank)
+        if handle is None:
+            running.stream.fail("aborted; its decode rank no longer takes work", running.decode_rank)
+        else:
+            handle.abort.remote([request_id])
+        return True
+
+    def on_stream(self, batch: StreamBatch) -> None:
+        for delta in batch.deltas:
+            running = self.running.get(delta.request_id)
+            if running is not None:
+                if delta.start_index == 0:
+                    self.router.prefill_done(delta.request_id)
+                running.stream.on_delta(delta)
+        for result in batch.finished:
+            running = self.running.get(result.request_id)
+            if running is not None and not running.stream.finished:
+                self.router.prefill_done(result.request_id)
+                running.stream.on_result(result)
+
+    # ---- KV events ------------------------------------------------------------------------
+    def on_kv_events(self, batch: KVEventBatch) -> None:
+        """Apply batches in ``seq`` order; a batch ahead of its turn waits for the missing ones."""
+        rank = batch.rank
+        if rank not in self._subscribed:
+            return
+        expected = self._next_seq.get(rank, 0)
+        if batch.seq < expected:
+            return
+        early = self._early.setdefault(rank, {})
+        early[batch.seq] = batch
+        while expected in early:
+            ready = early.pop(expected)
+            self.router.apply_events(rank, ready.events)
+            expected += 1
+        self._next_seq[rank] = expected
+        if len(early) > 1000:  # a batch was lost: start over from a snapshot
+            log.warning("prefill rank %s: KV event batch %d never came; resubscribing", rank, expected)
+            self._subscribed.pop(rank, None)
+            early.clear()
+
+    async def _subscribe(self, rank: str, incarnation: int, handle: Any) -> None:
+        self._subscribed[rank] = incarnation
+        self._next_seq[rank] = 0
+        self._early[rank] = {
+            s: b for s, b in self._early.get(rank, {}).items() if s >= 1
+        }  # pushes may beat the snapshot
+        snapshot: KVEventBatch = await handle.subscribe_kv_events.remote(self.config.name)
+        self.on_kv_events(snapshot)
+
+    # ---- membership -----------------------------------------------------------------------
+    async def refresh(self, controller: Any) -> None:
+        view: RoutingView = await controller.routing_view.remote()
+        incarnations = {rank: g.incarnation for g in view.groups for rank in g.ranks}
+        states = {rank: g.state for g in view.groups for rank in g.ranks}
+        self.view, self._incarnations = view, incarnations
+        self.router.set_ranks(sorted(view.prefill), sorted(view.decode))
+        for rank in list(self._subscribed):
+            if rank not in view.prefill:
+                self._subscribed.pop(rank)
+        subscriptions = [
+            self._subscribe(rank, incarnations[rank], handle)
+            for rank, handle in view.prefill.items()
+            if self._subscribed.get(rank) != incarnations[rank]
+        ]
+        if subscriptions:
+            outcomes = await asyncio.gather(*subscriptions, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, Exception):
+                    log.warning("KV event subscription failed: %s", outcome)
+        await self._read_decode_stats(view)
+        # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
+        # by itself: end it here
+        for running in list(self.running.values()):
+            rank, incarnation = running.decode_key
+            gone = (
+                states.get(rank) in ("failed", "stopped")
+                or incarnations.get(rank, incarnation) != incarnation
+            )
+            if gone and not running.stream.finished:
+                running.stream.fail(f"decode rank {rank} failed while serving the request", rank)
+        self.ready = (
+            bool(view.prefill)
+            and bool(view.decode)
+            and all(self._subscribed.get(rank) == incarnations[rank] for rank in view.prefill)
+        )
+
+    async def _read_decode_stats(self, view: RoutingView) -> None:
+        names = sorted(view.decode)
+        replies = await asyncio.gather(
+            *[view.decode[n].stats.remote() for n in names], return_exceptions=True
+        )
+        for name, stats in zip(names, replies, strict=True):
+            if isinstance(stats, dict):
+                self.router.update_decode_stats(
+                    name,
+                    stats["free_pages"],
+                    stats["running"] + stats["waiting_for_kv"],
+                    stats["total_pages"],
+                )
+
+    async def status(self, check_integrity: bool) -> StatusView:
+        view = self.view
+        if view is None:
+            return StatusView(self.config.model_name, False, [], self.router.counters(), len(self.running))
+        loads, blocks = self.router.loads(), self.router.cached_blocks()
+        groups: list[GroupStatusView] = []
+        handles = view.prefill | view.decode
+        for g in view.groups:
+            group = GroupStatusView(g.group_id, g.role, g.state, g.incarnation)
+            for rank in g.ranks:
+                handle = handles.get(rank)
+                status = RankStatusView(rank, g.role, {})
+                if handle is not None:
+                    try:
+                        status.stats = await handle.stats.remote()
+                        if check_integrity:
+                            await handle.check_integrity.remote()
+                            status.integrity = "ok"
+                    except ray.exceptions.RayError as exc:
+                        status.integrity = str(exc).strip().splitlines()[-1]
+                status.routed_prefill_tokens = loads.prefill_tokens.get(rank, 0)
+                status.routed_requests = loads.decode_requests.get(rank, 0)
+                status.indexed_blocks = blocks.get(rank, 0)
+                group.ranks.append(status)
+            groups.append(group)
+        return StatusView(
+            self.config.model_name, self.ready, groups, self.router.counters(), len(self.running)
+        )
+
+
+@ray.remote(num_cpus=0)
+class Frontend:
+    """The gRPC server as a named async Ray actor; ranks push streams and KV events to it."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.core = FrontendCore(config)
+        self._server: Any = None
+        self._health: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._serving: bool | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind the port and start serving (NOT_SERVING until the pools are ready); the port."""
+        from cluster.grpc_service import build_server
+
+        self._server, self._health, self.port = build_server(self.core)
+        await self._server.start()
+        await self._set_health(False)
+        self._tasks.append(asyncio.create_task(self._refresh_loop()))
+        return self.port
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.core.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.core.ready
+
+    async def push_stream(self, batch: StreamBatch) -> None:
+        self.core.on_stream(batch)
+
+    async def push_kv_events(self, batch: KVEventBatch) -> None:
+        self.core.on_kv_events(batch)
+
+    async def router_state(self) -> dict[str, Any]:
+        """Counters, loads and indexed blocks per prefill rank (for tests and tools)."""
+        router = self.core.router
+        return {
+            "counters": router.counters(),
+            "loads": router.loads(),
+            "cached_blocks": router.cached_blocks(),
+        }
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._server is not None:
+            await self._set_health(False)
+            await self._server.stop(grace_s)
+
+    async def _refresh_loop(self) -> None:
+        controller: Any = None
+        while True:
+            try:
+                if controller is None:  # the frontend may start before the controller
+                    controller = ray.get_actor(self.config.controller)
+                await self.core.refresh(controller)
+            except ValueError:
+                self.core.ready = False
+            except ray.exceptions.RayError as exc:
+                log.warning("refresh failed: %s", exc)
+                self.core.ready, controller = False, None
+            await self._set_health(self.core.ready)
+            await asyncio.sleep(self.config.refresh_s)
+
+    async def _set_health(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        from cluster.grpc_service import set_serving
+
+        await set_serving(self._health, serving)
+        self._serving = serving

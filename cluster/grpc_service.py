@@ -1,0 +1,254 @@
+"""The gRPC edge: protobuf in, validated dataclasses to :class:`FrontendCore`, protobuf out.
+
+Status codes: a bad field -> INVALID_ARGUMENT naming it (``sampling.top_p: must be in (0, 1]``);
+a running request id -> ALREADY_EXISTS; the frontend full -> RESOURCE_EXHAUSTED; no pool ready
+-> UNAVAILABLE; a missing or wrong bearer token -> UNAUTHENTICATED (``grpc_auth``). The server
+also carries ``grpc.health.v1`` and server reflection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.grpc_auth import BearerTokenInterceptor, server_credentials
+from cluster.request_stream import StreamChunk, StreamSummary
+from engine.request import InvalidRequestError, SamplingParams, check_prompt
+from protos import tandem_pb2, tandem_pb2_grpc
+
+if TYPE_CHECKING:
+    from cluster.frontend import FrontendCore, StatusView
+
+SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+MAX_REQUEST_ID_CHARS = 128
+
+
+def build_server(core: FrontendCore) -> tuple[Any, Any, int]:
+    """An unstarted ``grpc.aio`` server with the Tandem, health and reflection services; the
+    server, its health servicer and the bound port."""
+    config = core.config
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors)
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert_file or config.tls_key_file:
+        if not (config.tls_cert_file and config.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        port = server.add_secure_port(address, server_credentials(config.tls_cert_file, config.tls_key_file))
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return server, health_servicer, port
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
+
+
+class TandemServicer(tandem_pb2_grpc.TandemServicer):
+    def __init__(self, core: FrontendCore) -> None:
+        self.core = core
+
+    async def Generate(
+        self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        from cluster.frontend import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
+
+        try:
+            spec = self._spec(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            async with contextlib.aclosing(self.core.generate(spec)) as items:
+                async for item in items:
+                    yield _response(spec.request_id, item)
+        except FrontendOverloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except FrontendUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except DuplicateRequest as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except InvalidRequestError as exc:  # limits of the running pools
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Abort(
+        self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> tandem_pb2.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is empty")
+        return tandem_pb2.AbortResponse(found=self.core.abort(request.request_id))
+
+    async def ClusterStatus(
+        self, request: tandem_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> tandem_pb2.ClusterStatusResponse:
+        return _status(await self.core.status(request.check_integrity))
+
+    # ---- validation -----------------------------------------------------------------------
+    def _spec(self, request: tandem_pb2.GenerateRequest) -> Any:
+        from cluster.frontend import GenerateSpec
+
+        core = self.core
+        request_id = request.request_id or core.new_request_id()
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        if "#" in request_id or not request_id.isprintable():
+            raise InvalidRequestError("request_id", "must be printable and must not contain '#'")
+        if request.model and request.model != core.config.model_name:
+            raise InvalidRequestError(
+                "model", f"unknown model {request.model!r}; this server serves {core.config.model_name!r}"
+            )
+        which = request.WhichOneof("prompt")
+        cfg = core.model_config
+        if which == "text":
+            if not request.text:
+                raise InvalidRequestError("text", "is empty")
+            prompt = core.tokenizer.encode(request.text)
+            field = "text"
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+            field = "token_ids"
+        else:
+            raise InvalidRequestError("prompt", "expected text or token_ids")
+        if not prompt:
+            raise InvalidRequestError(field, "is empty")
+        sampling = _sampling(request.sampling if request.HasField("sampling") else None, cfg.vocab_size)
+        try:
+            check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings, field=field)
+        except InvalidRequestError as exc:  # named by this API's field, whichever check failed
+            raise InvalidRequestError(field, str(exc).split(": ", 1)[1]) from None
+        return GenerateSpec(request_id, prompt, sampling)
+
+
+def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
+    if message is None:
+        raise InvalidRequestError("sampling", "is missing (sampling.max_tokens is required)")
+    if not math.isfinite(message.temperature):
+        raise InvalidRequestError("sampling.temperature", f"must be finite, got {message.temperature}")
+    stops = tuple(message.stop_token_ids)
+    bad = [t for t in stops if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    sampling = SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=float(message.temperature),
+        top_p=float(message.top_p) if message.HasField("top_p") else 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop_token_ids=stops,
+        ignore_eos=message.ignore_eos,
+    )
+    try:
+        sampling.validate()
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    return sampling
+
+
+# ---- protobuf out ---------------------------------------------------------------------------
+def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.GenerateResponse:
+    if isinstance(item, StreamChunk):
+        chunk = tandem_pb2.Chunk(
+            token_ids=item.token_ids,
+            text=item.text,
+            timings=[
+                tandem_pb2.TokenTiming(index=t.index, server_time_s=t.server_time_s, gap_s=t.gap_s)
+                for t in item.timings
+            ],
+        )
+        return tandem_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
+    bill, route = item.bill, item.route
+    latency = tandem_pb2.Latency(
+        queue_s=route.queue_s if route else 0.0,
+        routing_s=route.routing_s if route else 0.0,
+        reservation_wait_s=bill.reservation_wait_s,
+        prefill_queue_s=bill.prefill_queue_s,
+        prefill_compute_s=bill.prefill_compute_s,
+        kv_transfer_s=bill.kv_transfer_s,
+        kv_transfer_exposed_s=bill.kv_transfer_exposed_s,
+        ttft_s=item.ttft_s,
+        decode_s=max(item.e2e_s - item.ttft_s, 0.0) if item.token_ids else 0.0,
+        e2e_s=item.e2e_s,
+    )
+    prompt_tokens = bill.prompt_tokens
+    summary = tandem_pb2.Summary(
+        finish_reason=item.finish_reason,
+        error=item.error or "",
+        bill=tandem_pb2.Bill(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=bill.cached_tokens,
+            new_prompt_tokens=prompt_tokens - bill.cached_tokens,
+            output_tokens=len(item.token_ids),
+            kv_bytes=bill.kv_bytes,
+            latency=latency,
+        ),
+        placement=tandem_pb2.Placement(
+            prefill_group=_group(item.prefill_rank),
+            prefill_rank=item.prefill_rank or "",
+            decode_group=_group(item.decode_rank),
+            decode_rank=item.decode_rank,
+            predicted_cached_tokens=route.predicted_cached_tokens if route else 0,
+            route_branch=route.branch if route else "",
+        ),
+        token_ids=item.token_ids,
+        text=item.text,
+    )
+    return tandem_pb2.GenerateResponse(request_id=request_id, summary=summary)
+
+
+def _group(rank: str | None) -> str:
+    return rank.rsplit("-r", 1)[0] if rank else ""
+
+
+def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
+    def count(stats: dict[str, Any], key: str) -> int:
+        value = stats.get(key, 0)
+        return sum(value) if isinstance(value, tuple | list) else int(value)  # in_flight: (sends, receives)
+
+    groups = []
+    for g in view.groups:
+        ranks = [
+            tandem_pb2.RankStatus(
+                name=r.name,
+                role=r.role,
+                queued=count(r.stats, "queued"),
+                running=count(r.stats, "running"),
+                waiting_for_kv=count(r.stats, "waiting_for_kv"),
+                computing=count(r.stats, "computing"),
+                transferring=count(r.stats, "transferring"),
+                free_pages=count(r.stats, "free_pages"),
+                total_pages=count(r.stats, "total_pages"),
+                cached_pages=count(r.stats, "cached_pages"),
+                transfers_in_flight=count(r.stats, "in_flight"),
+                routed_prefill_tokens=r.routed_prefill_tokens,
+                routed_requests=r.routed_requests,
+                indexed_blocks=r.indexed_blocks,
+                integrity=r.integrity,
+            )
+            for r in g.ranks
+        ]
+        groups.append(
+            tandem_pb2.GroupStatus(
+                group_id=g.group_id, role=g.role, state=g.state, incarnation=g.incarnation, ranks=ranks
+            )
+        )
+    return tandem_pb2.ClusterStatusResponse(
+        model=view.model,
+        ready=view.ready,
+        groups=groups,
+        router_counters=view.router_counters,
+        running_requests=view.running_requests,
+    )

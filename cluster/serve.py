@@ -1,0 +1,139 @@
+"""``tandem serve``: the cluster (controller + pools) and the gRPC frontend, until interrupted.
+
+Start-up: Ray (embedded, or ``--address``) -> the controller starts every group -> the frontend
+binds its port and waits until both pools are ready -> one "serving" line on stdout. SIGINT or
+SIGTERM stops the frontend first (health NOT_SERVING, running calls get a grace period), then
+the groups, then Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import ray
+
+from cluster.cluster import CONTROLLER_NAME, Controller
+from cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
+from cluster.ray_bootstrap import init_ray, shutdown_ray
+from cluster.topology import Topology
+
+TINY_SEED = 0
+
+
+def default_model_dir() -> Path:
+    """Where ``serve`` keeps the tiny model it makes when given none."""
+    cache = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+    return cache / f"tiny-seed{TINY_SEED}"
+
+
+def ensure_tiny_model() -> Path:
+    from model.make_tiny import make_tiny_checkpoint
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        make_tiny_checkpoint(path, seed=TINY_SEED)
+    return path
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    topology: Topology
+    model_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    dtype: str = "float32"
+    address: str | None = None
+    model_name: str | None = None
+    auth_token: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    max_running_requests: int = 256
+    ready_timeout_s: float = 600.0
+
+
+class Server:
+    """The running service; :meth:`stop` takes it down in order."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.model_dir = options.model_dir or ensure_tiny_model()
+        self.model_name = options.model_name or self.model_dir.name
+        self.controller: Any = None
+        self.frontend: Any = None
+        self.port = 0
+
+    def start(self) -> int:
+        o = self.options
+        init_ray(o.address)
+        self.controller = Controller.options(name=CONTROLLER_NAME).remote(  # type: ignore[attr-defined]
+            o.topology, str(self.model_dir), o.dtype
+        )
+        try:
+            ray.get(self.controller.start.remote())
+            config = FrontendConfig(
+                model_dir=str(self.model_dir),
+                model_name=self.model_name,
+                host=o.host,
+                port=o.port,
+                max_running_requests=o.max_running_requests,
+                auth_token=o.auth_token,
+                tls_cert_file=o.tls_cert_file,
+                tls_key_file=o.tls_key_file,
+            )
+            self.frontend = Frontend.options(name=FRONTEND_NAME).remote(config)  # type: ignore[attr-defined]
+            self.port = ray.get(self.frontend.start.remote())
+            if not ray.get(self.frontend.wait_ready.remote(o.ready_timeout_s)):
+                raise TimeoutError(f"the pools were not ready within {o.ready_timeout_s:.0f} s")
+        except BaseException:
+            self.stop()
+            raise
+        return self.port
+
+    def stop(self) -> None:
+        if self.frontend is not None:
+            try:
+                ray.get(self.frontend.stop.remote())
+            finally:
+                ray.kill(self.frontend)
+                self.frontend = None
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.stop.remote())
+            finally:
+                ray.kill(self.controller)
+                self.controller = None
+
+
+def serve(options: ServeOptions) -> int:
+    """Run until SIGINT or SIGTERM; 0 after a clean shutdown."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    server = Server(options)
+    previous: dict[int, Any] = {}
+    try:
+        port = server.start()
+        # after Ray's start-up, which installs its own SIGTERM handler in this process
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        print(
+            f"tandem: serving {server.model_name} on {options.host}:{port} "
+            f"({options.topology.describe()}); Ctrl-C stops",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+        print("tandem: shutting down", flush=True)
+    finally:
+        server.stop()
+        shutdown_ray()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

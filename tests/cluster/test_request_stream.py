@@ -1,0 +1,71 @@
+"""A request's stream at the frontend: deltas put in order, chunks with timings, the result's
+tokens authoritative."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.request_stream import RequestStream, StreamChunk, StreamSummary
+from decode.worker import Bill, DecodeResult, TokenDelta
+from model.make_tiny import make_tiny_checkpoint
+from model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(make_tiny_checkpoint(tmp_path_factory.mktemp("stream") / "tiny"))
+
+
+def _drain(stream: RequestStream) -> list[StreamChunk | StreamSummary]:
+    items = []
+    while not stream.queue.empty():
+        items.append(stream.queue.get_nowait())
+    return items
+
+
+def _stream(tokenizer: Tokenizer) -> RequestStream:
+    async def make() -> RequestStream:  # the queue belongs to a running loop
+        return RequestStream("r", prompt_tokens=3, max_tokens=6, tokenizer=tokenizer, arrival_unix_s=100.0)
+
+    return asyncio.run(make())
+
+
+def test_deltas_out_of_order_and_repeated_come_out_once_in_order(tokenizer: Tokenizer) -> None:
+    stream = _stream(tokenizer)
+    ids = tokenizer.encode("hello")
+    assert stream.on_delta(TokenDelta("r", 2, tuple(ids[2:4]), (100.3, 100.3))) is None  # a gap: held
+    first = stream.on_delta(TokenDelta("r", 0, tuple(ids[:2]), (100.1, 100.2)))
+    assert first is not None
+    assert first.token_ids == ids[:4]  # the held tokens follow at once
+    assert [t.index for t in first.timings] == [0, 1, 2, 3]
+    assert [round(t.gap_s, 6) for t in first.timings] == [0.1, 0.1, 0.1, 0.0]
+    assert stream.on_delta(TokenDelta("r", 1, tuple(ids[1:3]), (100.2, 100.3))) is None  # a repeat
+    result = DecodeResult("r", ids, "length", None, "prefill0-r0", "decode0-r1", Bill(prompt_tokens=3))
+    summary = stream.on_result(result)
+    items = _drain(stream)
+    assert items[-1] is summary and summary.token_ids == ids and summary.text == "hello"
+    chunks = [i for i in items if isinstance(i, StreamChunk)]
+    assert [t for c in chunks for t in c.token_ids] == ids  # the last token came only with the result
+    assert "".join(c.text for c in chunks) == "hello"
+    assert summary.ttft_s == pytest.approx(0.1)
+    assert stream.on_delta(TokenDelta("r", 5, (1,), (101.0,))) is None  # after the end: ignored
+
+
+def test_a_character_split_across_tokens_is_held_until_complete(tokenizer: Tokenizer) -> None:
+    stream = _stream(tokenizer)
+    ids = tokenizer.encode("é")[-2:]  # two byte-level tokens (after the BOS)
+    assert len(ids) == 2
+    chunk = stream.on_delta(TokenDelta("r", 0, (ids[0],), (100.1,)))
+    assert chunk is not None and chunk.text == "" and chunk.token_ids == [ids[0]]
+    chunk = stream.on_delta(TokenDelta("r", 1, (ids[1],), (100.2,)))
+    assert chunk is not None and chunk.text == "é"
+
+
+def test_a_failure_ends_the_stream_with_the_tokens_so_far(tokenizer: Tokenizer) -> None:
+    stream = _stream(tokenizer)
+    stream.on_delta(TokenDelta("r", 0, (65, 66), (100.1, 100.2)))
+    summary = stream.fail("decode rank decode0-r0 failed", "decode0-r0")
+    assert summary.finish_reason == "error" and summary.error == "decode rank decode0-r0 failed"
+    assert summary.token_ids == [65, 66] and stream.finished

@@ -1,0 +1,123 @@
+"""``tandem serve`` and ``tandem client`` as processes: the README's main job, end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.colocated import ColocatedEngine, EngineConfig
+from engine.request import SamplingParams
+
+CLI = [sys.executable, "-m", "cluster.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tandem(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "no-such-preset"], "no preset 'no-such-preset'"),
+        (["--model", "/no/such/model"], "--model: /no/such/model holds no config.json"),
+        (["--port", "70000"], "--port: must be in [0, 65535]"),
+        (["--tls-cert", "cert.pem"], "--tls-key"),
+        (["--auth-token-file", "/no/such/token"], "--auth-token-file: cannot read /no/such/token"),
+    ],
+)
+def test_serve_refuses_bad_arguments_before_starting(args: list[str], message: str) -> None:
+    result = _tandem("serve", *args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and result.stderr.startswith("tandem: error:")
+
+
+def test_serve_streams_to_the_client_and_shuts_down_cleanly(tmp_path: Path) -> None:
+    port = _free_port()
+    env = os.environ | {"TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+    server = subprocess.Popen(
+        [*CLI, "serve", "--preset", "local", "--port", str(port), "--dtype", "float64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout or []], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        seen = []
+        while not any("tandem: serving" in line for line in seen):
+            assert server.poll() is None and time.monotonic() < deadline, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        assert f"on 127.0.0.1:{port}" in seen[-1] and "tiny-seed0" in seen[-1]
+        addr = ["--addr", f"127.0.0.1:{port}"]
+
+        prompts = tmp_path / "prompts.jsonl"
+        rows = [{"prompt": f"turn {i}: hello"} for i in range(4)] + [{"prompt_ids": [5, 6, 7], "seed": 3}]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = _tandem(
+            "client", "generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--ignore-eos",
+            "--temperature", "0.7", "--seed", "11", "--concurrency", "5", "--json", *addr,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        outputs = json.loads(out.stdout)["outputs"]
+        engine = ColocatedEngine.from_model_dir(
+            tmp_path / "cache" / "tiny-seed0", torch.float64, EngineConfig()
+        )
+        texts = [r.get("prompt") for r in rows]
+        token_ids = [engine.tokenizer.encode(t) if t else [5, 6, 7] for t in texts]
+        seeds = [11, 11, 11, 11, 3]
+        sampling = [SamplingParams(max_tokens=5, temperature=0.7, seed=s, ignore_eos=True) for s in seeds]
+        expected = engine.generate(token_ids, sampling)
+        assert [o["token_ids"] for o in outputs] == [e.token_ids for e in expected]
+        for o in outputs:
+            assert o["finish_reason"] == "length" and o["prompt_tokens"] == o["bill"]["prompt_tokens"]
+            assert (
+                o["placement"]["prefill_group"] == "prefill0" and o["placement"]["decode_group"] == "decode0"
+            )
+            assert o["bill"]["output_tokens"] == 5 and o["bill"]["latency"]["ttft_s"] > 0
+
+        streamed = _tandem("client", "generate", "hello", "--max-tokens", "3", "--stream", *addr)
+        assert streamed.returncode == 0, streamed.stderr
+        assert "finish=" in streamed.stdout and "prefill=prefill0-r" in streamed.stdout
+
+        bad = _tandem("client", "generate", "hello", "--max-tokens", "3", "--top-p", "2", *addr)
+        assert bad.returncode == 2 and "top_p" in bad.stderr
+
+        status = _tandem("client", "status", "--check-integrity", *addr)
+        assert status.returncode == 0, status.stderr
+        ranks = [r for g in json.loads(status.stdout)["groups"] for r in g["ranks"]]
+        assert len(ranks) == 4 and all(r["integrity"] == "ok" for r in ranks)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    rest = []
+    while not lines.empty():
+        rest.append(lines.get())
+    assert code == 0, "".join(rest)
+    assert any("shutting down" in line for line in rest)
