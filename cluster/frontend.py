@@ -41,6 +41,19 @@ from router.router import NoRankAvailable, Router
 
 log = logging.getLogger(__name__)
 
+
+async def _abort_after(submit: Any, running: _Running) -> None:
+    """Abort once the submit has landed (an abort that overtook it would find nothing)."""
+    with contextlib.suppress(ray.exceptions.RayError):
+        await submit
+    running.send_abort()
+
+
+def _last_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
 FRONTEND_NAME = "tandem-frontend"
 
 
@@ -66,6 +79,7 @@ class GenerateSpec:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    arrival_unix_s: float = field(default_factory=time.time)  # when the call reached the server
 
 
 class FrontendUnavailable(Exception):
@@ -111,9 +125,21 @@ class StatusView:
 
 @dataclass
 class _Running:
+    """A request from admission to the end of its stream. ``rank_request_id`` is the id the
+    ranks know it by: the client's id plus a unique suffix, so that a client may reuse an id the
+    moment its stream ends while the ranks still wind the old one down."""
+
     stream: RequestStream
+    rank_request_id: str
     decode_rank: str
     decode_key: tuple[str, int]  # (rank, incarnation) it was sent to
+    handle: Any  # the decode rank's actor
+    submitting: bool = True
+    abort_requested: bool = False
+
+    def send_abort(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.handle.abort.remote([self.rank_request_id])
 
 
 class FrontendCore:
@@ -128,12 +154,15 @@ class FrontendCore:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.router = Router()
         self.view: RoutingView | None = None
-        self.running: dict[str, _Running] = {}
+        self.running: dict[str, _Running] = {}  # by the client's request id
+        self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
         self.ready = False
         self._incarnations: dict[str, int] = {}  # rank -> incarnation in the current view
         self._subscribed: dict[str, int] = {}  # prefill rank -> incarnation whose events we follow
         self._next_seq: dict[str, int] = {}
         self._early: dict[str, dict[int, KVEventBatch]] = {}  # batches ahead of their turn
+        self._subscribing: set[str] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -152,11 +181,14 @@ class FrontendCore:
             )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
-        stream = RequestStream(spec.request_id, len(prompt), spec.sampling.max_tokens, self.tokenizer)
+        stream = RequestStream(
+            spec.request_id, len(prompt), spec.sampling.max_tokens, self.tokenizer, spec.arrival_unix_s
+        )
+        rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.time()
         try:
             decision = self.router.route(
-                spec.request_id,
+                rank_request_id,
                 block_hashes(prompt, view.page_size),
                 len(prompt),
                 view.page_size,
@@ -173,32 +205,35 @@ class FrontendCore:
             routing_s=time.time() - routed_at,
         )
         rank = decision.decode_rank
-        running = _Running(stream, rank, (rank, self._incarnations.get(rank, -1)))
-        self.running[spec.request_id] = running
-        handle = view.decode[rank]
-        submitted = False
+        key = (rank, self._incarnations.get(rank, -1))
+        running = _Running(stream, rank_request_id, rank, key, view.decode[rank])
+        self.running[spec.request_id] = self._by_rank_id[rank_request_id] = running
+        request = RankRequest(rank_request_id, prompt, spec.sampling, decision.prefill_rank, self.config.name)
+        submit = running.handle.submit_requests.remote([request])
         try:
-            request = RankRequest(
-                spec.request_id, prompt, spec.sampling, decision.prefill_rank, self.config.name
-            )
             try:
-                await handle.submit_requests.remote([request])
+                await asyncio.shield(submit)  # a cancel here leaves the submit to finish first
             except ray.exceptions.RayError as exc:
-                stream.fail(f"decode rank {rank} did not take the request: {exc}", rank)
-            else:
-                submitted = True
+                stream.fail(f"decode rank {rank} did not take the request: {_last_line(exc)}", rank)
+            running.submitting = False
+            if running.abort_requested and not stream.finished:
+                running.send_abort()  # an Abort that came while the submit was on its way
             while True:
                 item = await stream.queue.get()
                 yield item
                 if isinstance(item, StreamSummary):
                     return
         finally:
-            if submitted and not stream.finished:  # cancelled or past its deadline
+            if not stream.finished:  # the client cancelled, or its deadline passed
                 stream.finished = True
-                with contextlib.suppress(ray.exceptions.RayError):
-                    handle.abort.remote([spec.request_id])
-            self.router.finished(spec.request_id)
+                if running.submitting:
+                    self._tasks.add(task := asyncio.ensure_future(_abort_after(submit, running)))
+                    task.add_done_callback(self._tasks.discard)
+                else:
+                    running.send_abort()
+            self.router.finished(rank_request_id)
             self.running.pop(spec.request_id, None)
+            self._by_rank_id.pop(rank_request_id, None)
 
     def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
         """A request no rank could ever hold is refused here, naming the field to change."""
@@ -218,34 +253,41 @@ class FrontendCore:
             )
 
     def abort(self, request_id: str) -> bool:
+        """Abort a running request (by the client's id); its stream ends when the rank reports
+        the abort. False when no such request runs here."""
         running = self.running.get(request_id)
-        if running is None or self.view is None:
+        if running is None:
             return False
-        handle = self.view.decode.get(running.decode_rank)
-        if handle is None:
-            running.stream.fail("aborted; its decode rank no longer takes work", running.decode_rank)
-        else:
-            handle.abort.remote([request_id])
+        running.abort_requested = True
+        if not running.submitting:
+            running.send_abort()
         return True
 
     def on_stream(self, batch: StreamBatch) -> None:
         for delta in batch.deltas:
-            running = self.running.get(delta.request_id)
+            running = self._by_rank_id.get(delta.request_id)
             if running is not None:
                 if delta.start_index == 0:
                     self.router.prefill_done(delta.request_id)
                 running.stream.on_delta(delta)
         for result in batch.finished:
-            running = self.running.get(result.request_id)
+            running = self._by_rank_id.get(result.request_id)
             if running is not None and not running.stream.finished:
                 self.router.prefill_done(result.request_id)
                 running.stream.on_result(result)
 
+    def fail_rank(self, rank: str, why: str) -> None:
+        """End every stream a decode rank held: it is gone and will report nothing."""
+        for running in list(self.running.values()):
+            if running.decode_rank == rank and not running.stream.finished:
+                running.stream.fail(why, rank)
+
     # ---- KV events ------------------------------------------------------------------------
     def on_kv_events(self, batch: KVEventBatch) -> None:
-        """Apply batches in ``seq`` order; a batch ahead of its turn waits for the missing ones."""
+        """Apply batches in ``seq`` order; a batch ahead of its turn waits for the missing ones.
+        Batches of another incarnation of the rank (a stale push) are dropped."""
         rank = batch.rank
-        if rank not in self._subscribed:
+        if self._subscribed.get(rank) != batch.incarnation:
             return
         expected = self._next_seq.get(rank, 0)
         if batch.seq < expected:
@@ -257,22 +299,35 @@ class FrontendCore:
             self.router.apply_events(rank, ready.events)
             expected += 1
         self._next_seq[rank] = expected
-        if len(early) > 1000:  # a batch was lost: start over from a snapshot
+        if len(early) > 1000:  # a batch was lost: start over from a snapshot at the next refresh
             log.warning("prefill rank %s: KV event batch %d never came; resubscribing", rank, expected)
-            self._subscribed.pop(rank, None)
-            early.clear()
+            self._forget_subscription(rank)
 
     async def _subscribe(self, rank: str, incarnation: int, handle: Any) -> None:
         self._subscribed[rank] = incarnation
         self._next_seq[rank] = 0
-        self._early[rank] = {
-            s: b for s, b in self._early.get(rank, {}).items() if s >= 1
-        }  # pushes may beat the snapshot
-        snapshot: KVEventBatch = await handle.subscribe_kv_events.remote(self.config.name)
+        self._early[rank] = {}
+        try:
+            snapshot: KVEventBatch = await handle.subscribe_kv_events.remote(self.config.name)
+        except Exception as exc:
+            log.warning("prefill rank %s: KV event subscription failed: %s", rank, _last_line(exc))
+            if self._subscribed.get(rank) == incarnation:
+                self._forget_subscription(rank)
+            return
+        finally:
+            self._subscribing.discard(rank)
         self.on_kv_events(snapshot)
+
+    def _forget_subscription(self, rank: str) -> None:
+        self._subscribed.pop(rank, None)
+        self._next_seq.pop(rank, None)
+        self._early.pop(rank, None)
 
     # ---- membership -----------------------------------------------------------------------
     async def refresh(self, controller: Any) -> None:
+        """One look at the controller's view: ranks to route over, KV subscriptions to start
+        (in the background: a busy rank answers late), decode ranks' free pages, and the streams
+        of decode ranks that went down."""
         view: RoutingView = await controller.routing_view.remote()
         incarnations = {rank: g.incarnation for g in view.groups for rank in g.ranks}
         states = {rank: g.state for g in view.groups for rank in g.ranks}
@@ -280,17 +335,14 @@ class FrontendCore:
         self.router.set_ranks(sorted(view.prefill), sorted(view.decode))
         for rank in list(self._subscribed):
             if rank not in view.prefill:
-                self._subscribed.pop(rank)
-        subscriptions = [
-            self._subscribe(rank, incarnations[rank], handle)
-            for rank, handle in view.prefill.items()
-            if self._subscribed.get(rank) != incarnations[rank]
-        ]
-        if subscriptions:
-            outcomes = await asyncio.gather(*subscriptions, return_exceptions=True)
-            for outcome in outcomes:
-                if isinstance(outcome, Exception):
-                    log.warning("KV event subscription failed: %s", outcome)
+                self._forget_subscription(rank)
+        for rank, handle in view.prefill.items():
+            if self._subscribed.get(rank) != incarnations[rank] and rank not in self._subscribing:
+                self._subscribing.add(rank)
+                self._tasks.add(
+                    task := asyncio.ensure_future(self._subscribe(rank, incarnations[rank], handle))
+                )
+                task.add_done_callback(self._tasks.discard)
         await self._read_decode_stats(view)
         # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
         # by itself: end it here
@@ -302,10 +354,9 @@ class FrontendCore:
             )
             if gone and not running.stream.finished:
                 running.stream.fail(f"decode rank {rank} failed while serving the request", rank)
+        # routing to a prefill rank whose index is still loading costs cache hits, not tokens
         self.ready = (
-            bool(view.prefill)
-            and bool(view.decode)
-            and all(self._subscribed.get(rank) == incarnations[rank] for rank in view.prefill)
+            bool(view.prefill) and bool(view.decode) and bool(self._subscribed.keys() & view.prefill.keys())
         )
 
     async def _read_decode_stats(self, view: RoutingView) -> None:
@@ -314,13 +365,11 @@ class FrontendCore:
             *[view.decode[n].stats.remote() for n in names], return_exceptions=True
         )
         for name, stats in zip(names, replies, strict=True):
-            if isinstance(stats, dict):
-                self.router.update_decode_stats(
-                    name,
-                    stats["free_pages"],
-                    stats["running"] + stats["waiting_for_kv"],
-                    stats["total_pages"],
-                )
+            if isinstance(stats, ray.exceptions.RayActorError):
+                self.fail_rank(name, f"decode rank {name} died while serving the request")
+            elif isinstance(stats, dict):
+                running = stats["running"] + stats["waiting_for_kv"]
+                self.router.update_decode_stats(name, stats["free_pages"], running, stats["total_pages"])
 
     async def status(self, check_integrity: bool) -> StatusView:
         view = self.view
@@ -399,6 +448,11 @@ class Frontend:
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in self._tasks:
             task.cancel()
+        view = self.core.view
+        if view is not None:  # the prefill ranks stop pushing KV events here
+            for handle in view.prefill.values():
+                with contextlib.suppress(ray.exceptions.RayError):
+                    handle.unsubscribe_kv_events.remote(self.config.name)
         if self._server is not None:
             await self._set_health(False)
             await self._server.stop(grace_s)
@@ -408,13 +462,18 @@ class Frontend:
         while True:
             try:
                 if controller is None:  # the frontend may start before the controller
-                    controller = ray.get_actor(self.config.controller)
-                await self.core.refresh(controller)
-            except ValueError:
-                self.core.ready = False
+                    try:
+                        controller = ray.get_actor(self.config.controller)
+                    except ValueError:
+                        self.core.ready = False
+                if controller is not None:
+                    await self.core.refresh(controller)
             except ray.exceptions.RayError as exc:
-                log.warning("refresh failed: %s", exc)
+                log.warning("refresh failed: %s", _last_line(exc))
                 self.core.ready, controller = False, None
+            except Exception:  # keep refreshing; never leave health SERVING on a frozen view
+                log.exception("refresh failed")
+                self.core.ready = False
             await self._set_health(self.core.ready)
             await asyncio.sleep(self.config.refresh_s)
 

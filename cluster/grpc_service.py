@@ -8,8 +8,10 @@ also carries ``grpc.health.v1`` and server reflection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 MAX_REQUEST_ID_CHARS = 128
+INLINE_TOKENIZE_CHARS = 16384
 
 
 def build_server(core: FrontendCore) -> tuple[Any, Any, int]:
@@ -34,7 +37,8 @@ def build_server(core: FrontendCore) -> tuple[Any, Any, int]:
     server, its health servicer and the bound port."""
     config = core.config
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # no SO_REUSEPORT: a second server on a taken port must fail, not share its clients
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -66,8 +70,9 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         from cluster.frontend import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
 
+        arrival_unix_s = time.time()
         try:
-            spec = self._spec(request)
+            spec = await self._spec(request, arrival_unix_s)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -96,7 +101,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return _status(await self.core.status(request.check_integrity))
 
     # ---- validation -----------------------------------------------------------------------
-    def _spec(self, request: tandem_pb2.GenerateRequest) -> Any:
+    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_unix_s: float) -> Any:
         from cluster.frontend import GenerateSpec
 
         core = self.core
@@ -114,7 +119,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         if which == "text":
             if not request.text:
                 raise InvalidRequestError("text", "is empty")
-            prompt = core.tokenizer.encode(request.text)
+            if len(request.text) > INLINE_TOKENIZE_CHARS:  # keep the event loop for the streams
+                prompt = await asyncio.to_thread(core.tokenizer.encode, request.text)
+            else:
+                prompt = core.tokenizer.encode(request.text)
             field = "text"
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
@@ -128,7 +136,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings, field=field)
         except InvalidRequestError as exc:  # named by this API's field, whichever check failed
             raise InvalidRequestError(field, str(exc).split(": ", 1)[1]) from None
-        return GenerateSpec(request_id, prompt, sampling)
+        return GenerateSpec(request_id, prompt, sampling, arrival_unix_s)
 
 
 def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:

@@ -103,6 +103,8 @@ class RequestStream:
     def on_result(self, result: DecodeResult) -> StreamSummary:
         """End the stream with ``result``: any tokens not streamed yet, then the summary."""
         now = time.time()
+        if result.bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
+            result.bill.prompt_tokens = result.bill.new_prompt_tokens = self.prompt_tokens
         for index in range(self._next_index, len(result.token_ids)):
             self._pending.setdefault(index, (result.token_ids[index], now))
         chunk = self._drain()
@@ -122,7 +124,8 @@ class RequestStream:
             route=self.route,
             prefill_rank=result.prefill_rank,
             decode_rank=result.decode_rank,
-            ttft_s=(first - self.arrival_unix_s) if first is not None else 0.0,
+            # the decode rank's clock against the frontend's: never below zero
+            ttft_s=max(first - self.arrival_unix_s, 0.0) if first is not None else 0.0,
             e2e_s=now - self.arrival_unix_s,
         )
         self.finished = True
@@ -131,7 +134,8 @@ class RequestStream:
 
     def fail(self, reason: str, decode_rank: str = "") -> StreamSummary:
         """End the stream with an error the ranks did not report (e.g. its rank is gone)."""
-        result = DecodeResult(self.request_id, list(self._tokens), "error", reason, None, decode_rank, Bill())
+        bill = Bill(prompt_tokens=self.prompt_tokens, new_prompt_tokens=self.prompt_tokens)
+        result = DecodeResult(self.request_id, list(self._tokens), "error", reason, None, decode_rank, bill)
         return self.on_result(result)
 
     def _drain(self) -> StreamChunk | None:

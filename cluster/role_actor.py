@@ -14,6 +14,7 @@ tokens and results; a prefill rank sends each subscribed frontend its KV events
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from prefill.job import PrefillJob
 from prefill.kv_events import KVEventBatch, KVEventPublisher
 from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from prefill.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class _RayPrefillDispatcher(PrefillDispatcher):
         self.ranks[prefill_rank].submit_jobs.remote([job])
 
 
-@ray.remote(max_concurrency=4)  # type: ignore[call-overload]
+# one thread runs the loop for good; the rest take submits, aborts and calls that wait on the loop
+@ray.remote(max_concurrency=16)  # type: ignore[call-overload]
 class RoleRankActor:
     def __init__(self, spec: RoleRankSpec) -> None:
         self.spec = spec
@@ -99,8 +103,9 @@ class RoleRankActor:
         self._worker: PrefillWorker | DecodeWorker | None = None
         self._prefill_dispatcher = _RayPrefillDispatcher(spec.page_size)
         self._cfg: ModelConfig | None = None
-        self._kv_events = KVEventPublisher(spec.name, spec.page_size)
+        self._kv_events = KVEventPublisher(spec.name, spec.page_size, spec.incarnation)
         self._frontends: dict[str, Any] = {}  # name -> actor handle, for pushes
+        self._last_push: dict[str, Any] = {}  # name -> the latest push's object ref
 
     def rendezvous_address(self) -> str:
         return rendezvous_address()
@@ -153,27 +158,41 @@ class RoleRankActor:
         return spec.name
 
     def _push(self) -> None:
-        """Loop thread, end of an iteration: streams to frontends, KV events to subscribers."""
+        """Loop thread, end of an iteration: streams to frontends, KV events to subscribers. A
+        frontend that is gone loses its requests here (aborted) and its subscription."""
         worker = self._worker
         if isinstance(worker, DecodeWorker):
             for frontend, batch in worker.take_pushes().items():
-                self._send(frontend, "push_stream", batch)
+                if not self._send(frontend, "push_stream", batch):
+                    worker.abort_frontend(frontend)
         elif isinstance(worker, PrefillWorker):
             for subscriber, events in self._kv_events.publish(worker.scheduler.take_events()).items():
                 if not self._send(subscriber, "push_kv_events", events):
                     self._kv_events.unsubscribe(subscriber)
 
     def _send(self, frontend: str, method: str, payload: Any) -> bool:
-        """Fire-and-forget ``frontend.method(payload)``; False when no such actor lives."""
+        """Fire-and-forget ``frontend.method(payload)``; False when no such actor lives. The
+        previous push's outcome tells whether the cached handle still reaches a live actor."""
+        last = self._last_push.pop(frontend, None)
+        if last is not None and ray.wait([last], timeout=0)[0]:
+            try:
+                ray.get(last, timeout=0)
+            except ray.exceptions.RayActorError:  # dead: look the name up again (a restart?)
+                self._frontends.pop(frontend, None)
+            except Exception:  # the push itself failed there; the actor lives
+                pass
         handle = self._frontends.get(frontend)
         if handle is None:
             try:
                 handle = self._frontends[frontend] = ray.get_actor(frontend)
             except ValueError:
                 return False
+            except Exception as exc:  # the GCS did not answer: try again next iteration
+                log.warning("rank %s: cannot look up %s: %s", self.spec.name, frontend, exc)
+                return True
         try:
-            getattr(handle, method).remote(payload)
-        except ray.exceptions.RayActorError:
+            self._last_push[frontend] = getattr(handle, method).remote(payload)
+        except Exception:
             self._frontends.pop(frontend, None)
             return False
         return True
@@ -187,6 +206,9 @@ class RoleRankActor:
         if self.spec.role != "prefill":
             raise ValueError(f"rank {self.spec.name} is a {self.spec.role} rank: it has no KV events")
         return self._require().call(subscribe, timeout_s=30.0)
+
+    def unsubscribe_kv_events(self, subscriber: str) -> None:
+        self._require().post(lambda worker: self._kv_events.unsubscribe(subscriber))
 
     def set_prefill_ranks(self, ranks: dict[str, Any]) -> None:
         self._prefill_dispatcher.ranks = dict(ranks)

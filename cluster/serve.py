@@ -8,6 +8,7 @@ the groups, then Ray.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.cluster import CONTROLLER_NAME, Controller
 from cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
@@ -24,6 +26,7 @@ from cluster.ray_bootstrap import init_ray, shutdown_ray
 from cluster.topology import Topology
 
 TINY_SEED = 0
+log = logging.getLogger(__name__)
 
 
 def default_model_dir() -> Path:
@@ -86,7 +89,11 @@ class Server:
                 tls_cert_file=o.tls_cert_file,
                 tls_key_file=o.tls_key_file,
             )
-            self.frontend = Frontend.options(name=FRONTEND_NAME).remote(config)  # type: ignore[attr-defined]
+            # on this node: the port is bound where the operator started serve
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.frontend = Frontend.options(  # type: ignore[attr-defined]
+                name=FRONTEND_NAME, scheduling_strategy=here
+            ).remote(config)
             self.port = ray.get(self.frontend.start.remote())
             if not ray.get(self.frontend.wait_ready.remote(o.ready_timeout_s)):
                 raise TimeoutError(f"the pools were not ready within {o.ready_timeout_s:.0f} s")
@@ -96,18 +103,18 @@ class Server:
         return self.port
 
     def stop(self) -> None:
-        if self.frontend is not None:
+        """Frontend first (no new work), then the groups; each step runs even if one before failed."""
+        frontend, controller = self.frontend, self.controller
+        self.frontend = self.controller = None
+        for actor in (frontend, controller):
+            if actor is None:
+                continue
             try:
-                ray.get(self.frontend.stop.remote())
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as exc:  # already dead or stuck: killing it below is what is left
+                log.warning("stopping %s failed: %s", actor, exc)
             finally:
-                ray.kill(self.frontend)
-                self.frontend = None
-        if self.controller is not None:
-            try:
-                ray.get(self.controller.stop.remote())
-            finally:
-                ray.kill(self.controller)
-                self.controller = None
+                ray.kill(actor)
 
 
 def serve(options: ServeOptions) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from decode.scheduler import DecodeScheduler
 from decode.types import AbortAction, DecodeFinished
-from engine.request import Request
+from engine.request import InvalidRequestError, Request
 from engine.runner import ModelRunner
 from kvtransfer.transport import KVTransport
 from kvtransfer.types import KVTransferAborted
@@ -143,8 +143,16 @@ class DecodeWorker:
     def submit(self, requests: list[Request], routing: Mapping[str, Routing] | None = None) -> None:
         now = time.monotonic()
         for request in requests:
-            self.scheduler.add_request(request)
-            self._tracks[request.request_id] = _Track(now, (routing or {}).get(request.request_id, Routing()))
+            track = _Track(now, (routing or {}).get(request.request_id, Routing()))
+            try:
+                self.scheduler.add_request(request)
+            except InvalidRequestError as error:  # e.g. its id is in use here: it alone fails
+                result = DecodeResult(
+                    request.request_id, [], "error", str(error), None, self.rank, track.bill
+                )
+                self._report(track, result)
+                continue
+            self._tracks[request.request_id] = track
 
     def abort(self, request_id: str) -> None:
         result = self.scheduler.abort(request_id)
@@ -152,6 +160,13 @@ class DecodeWorker:
             self.transport.abort_receive(f"{request_id}#{self._attempts[request_id]}")
         elif result.finished is not None:
             self._finish(result.finished)
+
+    def abort_frontend(self, frontend: str) -> int:
+        """Abort every request of a frontend that is gone; how many."""
+        ids = [rid for rid, track in self._tracks.items() if track.routing.frontend == frontend]
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
 
     def has_work(self) -> bool:
         """A batch to decode this step; requests only waiting for their KV need no step."""

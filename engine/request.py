@@ -57,6 +57,9 @@ def check_prompt(
         )
 
 
+MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` is greedy; ``top_k == 0`` disables top-k.
@@ -82,8 +85,8 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -16,14 +16,16 @@ from engine.prefix_cache import AllBlocksCleared, BlockStored, KVEvent
 @dataclass(frozen=True)
 class KVEventBatch:
     rank: str
+    incarnation: int  # of the rank: a rebuilt rank starts a new sequence
     seq: int
     reset: bool
     events: list[KVEvent] = field(default_factory=list)
 
 
 class KVEventPublisher:
-    def __init__(self, rank: str, page_size: int) -> None:
+    def __init__(self, rank: str, page_size: int, incarnation: int = 0) -> None:
         self.rank = rank
+        self.incarnation = incarnation
         self.page_size = page_size
         self._next_seq: dict[str, int] = {}  # subscriber -> seq of its next batch
 
@@ -38,7 +40,7 @@ class KVEventPublisher:
         if cached_block_hashes:
             # the index needs only the hashes; chaining is already in each hash
             events.append(BlockStored(tuple(cached_block_hashes), None, self.page_size))
-        return KVEventBatch(self.rank, 0, True, events)
+        return KVEventBatch(self.rank, self.incarnation, 0, True, events)
 
     def unsubscribe(self, subscriber: str) -> None:
         self._next_seq.pop(subscriber, None)
@@ -49,6 +51,6 @@ class KVEventPublisher:
             return {}
         out: dict[str, KVEventBatch] = {}
         for subscriber, seq in self._next_seq.items():
-            out[subscriber] = KVEventBatch(self.rank, seq, False, list(events))
+            out[subscriber] = KVEventBatch(self.rank, self.incarnation, seq, False, list(events))
             self._next_seq[subscriber] = seq + 1
         return out

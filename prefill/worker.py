@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 
+from engine.request import InvalidRequestError
 from engine.runner import ModelRunner
 from kvtransfer.transport import KVTransport, TransferFailure
 from kvtransfer.types import KVNotification, KVTransferError, TransferStats
@@ -51,6 +53,7 @@ class PrefillWorker:
         self._jobs: dict[str, PrefillJob] = {}
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
+        self.refused: deque[tuple[str, str]] = deque(maxlen=100)  # (job id, why), the latest
 
     def submit(self, jobs: list[PrefillJob]) -> None:
         """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
@@ -58,7 +61,12 @@ class PrefillWorker:
         now, wall = time.monotonic(), time.time()
         for job in jobs:
             job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
-            self.scheduler.add_job(job, now)
+            try:
+                self.scheduler.add_job(job, now)
+            except InvalidRequestError as error:  # e.g. a duplicate id: its decode rank times out
+                self.stats.jobs_failed += 1
+                self.refused.append((job.request_id, str(error)))
+                continue
             self._jobs[job.request_id] = job
 
     def abort(self, request_id: str) -> None:

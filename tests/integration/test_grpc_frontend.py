@@ -259,6 +259,27 @@ def test_a_cancelled_stream_frees_its_pages_on_both_sides(served: Served) -> Non
     _wait_all_pages_free(served)
 
 
+def test_an_id_is_free_again_the_moment_its_stream_ends(served: Served) -> None:
+    """Cancelled during its prefill, then sent again at once under the same id: the ranks still
+    wind the first one down, and the second runs in full."""
+    spec = PromptSpec(None, list(range(60)), SamplingParams(max_tokens=5, ignore_eos=True))
+
+    async def twice() -> tandem_pb2.Summary:
+        async with grpc.aio.insecure_channel(served.addr) as channel:
+            stub = tandem_pb2_grpc.TandemStub(channel)
+            first = stub.Generate(request_message(spec, "same-id"), metadata=AUTH)
+            await asyncio.sleep(0.05)
+            first.cancel()
+            async for response in stub.Generate(request_message(spec, "same-id"), metadata=AUTH):
+                if response.HasField("summary"):
+                    return response.summary
+            raise AssertionError("no summary")
+
+    summary = asyncio.run(twice())
+    assert summary.error == "" and list(summary.token_ids) == _expected(served.tiny, [spec])[0]
+    _wait_all_pages_free(served)
+
+
 def test_a_deadline_aborts_the_request(served: Served) -> None:
     long = PromptSpec(None, list(range(20)), SamplingParams(max_tokens=1500, ignore_eos=True))
     with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -328,6 +349,7 @@ def _message(**fields: Any) -> tandem_pb2.GenerateRequest:
         (_message(text="hi", model="gpt-9"), "model"),
         (_message(text="hi", sampling=tandem_pb2.SamplingParams(max_tokens=1900)), "sampling.max_tokens"),
         (_message(text="hi", request_id="a#1"), "request_id"),
+        (_message(text="hi", sampling=tandem_pb2.SamplingParams(max_tokens=4, seed=2**63)), "sampling.seed"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(
@@ -382,6 +404,63 @@ def test_overload_and_duplicate_ids(served: Served) -> None:
 
     asyncio.run(fill_up())
     _wait_all_pages_free(served, timeout_s=60)
+
+
+def _self_signed(tmp: Path) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp / "cert.pem", tmp / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_a_second_frontend_serves_tls(served: Served, tmp_path: Path) -> None:
+    """Another frontend on the same pools, over TLS: ranks stream to whichever frontend asked."""
+    cert, key = _self_signed(tmp_path)
+    config = FrontendConfig(
+        str(served.tiny), "tiny", host="localhost", port=0, tls_cert_file=cert, tls_key_file=key,
+        name="tandem-frontend-tls",
+    )  # fmt: skip
+    frontend = Frontend.options(name=config.name).remote(config)  # type: ignore[attr-defined]
+    try:
+        addr = f"localhost:{ray.get(frontend.start.remote())}"
+        assert ray.get(frontend.wait_ready.remote(60.0))
+        spec = PromptSpec("over TLS", None, SamplingParams(max_tokens=4, ignore_eos=True))
+        (outcome,) = asyncio.run(generate_all(ClientOptions(addr, tls_ca_file=cert, timeout_s=60), [spec], 1))
+        assert outcome.summary is not None and outcome.summary.bill.output_tokens == 4
+        assert list(outcome.summary.token_ids) == _expected(served.tiny, [spec])[0]
+        with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+            asyncio.run(generate_all(ClientOptions(addr, timeout_s=10), [spec], 1))
+        assert plaintext.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        ray.get(frontend.stop.remote())
+        ray.kill(frontend)
+    _wait_all_pages_free(served)
 
 
 def test_draining_the_prefill_pool_turns_health_not_serving(served: Served) -> None:
