@@ -29,6 +29,20 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
 
 
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling options of ``_sampling_args``, validated."""
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    sampling.validate()
+    return sampling
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated DeepSeek-V3 serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,40 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
 
-    srv = sub.add_parser("serve", help="start the cluster and the gRPC frontend; Ctrl-C stops")
-    srv.add_argument("--preset", default=None, help="topology preset of deploy/presets (default: local)")
-    srv.add_argument("--topology", type=Path, default=None, help="topology file (instead of --preset)")
-    srv.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
-    srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
-    srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
-    srv.add_argument("--auth-token-file", type=Path, default=None, help="require this bearer token")
-    srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
-    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    from cluster.cli_serving import add_serving_parsers
 
-    client = sub.add_parser("client", help="talk to a running `tandem serve`").add_subparsers(
-        dest="client_command", required=True
-    )
-    cgen = client.add_parser("generate", help="generate over gRPC")
-    csrc = cgen.add_mutually_exclusive_group(required=True)
-    csrc.add_argument("text", nargs="?", default=None, help="prompt text")
-    csrc.add_argument("--prompts-file", type=Path, help="JSONL, one prompt object a line")
-    _sampling_args(cgen)
-    cgen.add_argument("--stream", action="store_true", help="print text as it arrives")
-    cgen.add_argument("--concurrency", type=int, default=1, help="streams open at once")
-    cgen.add_argument("--json", action="store_true", help="print one JSON object")
-    cstat = client.add_parser("status", help="groups, ranks, loads and free pages")
-    cstat.add_argument("--check-integrity", action="store_true")
-    chealth = client.add_parser("health", help="exit 0 once the server is SERVING")
-    chealth.add_argument("--wait", type=float, default=0.0, help="seconds to keep asking")
-    for c in (cgen, cstat, chealth):
-        c.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the frontend")
-        c.add_argument("--token-file", type=Path, default=None, help="bearer token to send")
-        c.add_argument("--tls-ca", default=None, help="PEM of the CA to trust: use TLS")
-        c.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    add_serving_parsers(sub, _sampling_args)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
@@ -167,10 +150,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "client":
-        return _client(args)
+    if args.command in ("serve", "client"):
+        from cluster.cli_serving import run_client, run_serve
+
+        return run_serve(args) if args.command == "serve" else run_client(args, _sampling)
     if args.command == "bench" and args.bench_command == "disagg":
         from bench.disagg_bench import run_disagg_bench
 
@@ -243,15 +226,7 @@ def _generate(args: argparse.Namespace) -> int:
     from cluster.prompts import parse_prompt_ids, read_prompts_file
     from engine.colocated import DTYPES, ColocatedEngine
 
-    base = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    base.validate()
+    base = _sampling(args)
     if args.prompts_file is not None:
         specs = read_prompts_file(args.prompts_file, base)
     elif args.prompt_ids is not None:
@@ -275,96 +250,6 @@ def _generate(args: argparse.Namespace) -> int:
         args.json, [(o.token_ids, o.text, o.prompt_tokens, o.cached_tokens, o.finish_reason) for o in outputs]
     )
     return 0
-
-
-def _read_secret(path: Path | None, flag: str) -> str | None:
-    if path is None:
-        return None
-    try:
-        secret = path.read_text().strip()
-    except OSError as exc:
-        raise CliError(f"{flag}: cannot read {path}: {exc.strerror}") from None
-    if not secret:
-        raise CliError(f"{flag}: {path} is empty")
-    return secret
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from cluster.serve import ServeOptions, serve
-    from cluster.topology import Topology
-
-    if args.preset is not None and args.topology is not None:
-        raise InvalidRequestError("--topology", "cannot be combined with --preset")
-    topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        raise CliError(f"--model: {args.model} holds no config.json")
-    if not 0 <= args.port < 65536:
-        raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
-    if args.max_running_requests < 1:
-        raise InvalidRequestError("--max-running-requests", "must be at least 1")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise InvalidRequestError(
-            "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
-        )
-    options = ServeOptions(
-        topology=topology,
-        model_dir=args.model,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        address=args.address,
-        model_name=args.model_name,
-        auth_token=_read_secret(args.auth_token_file, "--auth-token-file"),
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        max_running_requests=args.max_running_requests,
-    )
-    return serve(options)
-
-
-def _client(args: argparse.Namespace) -> int:
-    import asyncio
-
-    import grpc
-
-    from cluster.client import ClientOptions, run_generate, status, wait_serving
-    from cluster.prompts import read_prompts_file
-
-    options = ClientOptions(
-        args.addr, _read_secret(args.token_file, "--token-file"), args.tls_ca, timeout_s=args.timeout
-    )
-    try:
-        if args.client_command == "health":
-            ok = asyncio.run(wait_serving(options, args.wait))
-            print("SERVING" if ok else "NOT_SERVING")
-            return 0 if ok else 1
-        if args.client_command == "status":
-            from cluster.client import message_dict
-
-            reply = asyncio.run(status(options, args.check_integrity))
-            print(json.dumps(message_dict(reply), indent=2))
-            return 0
-        base = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-        base.validate()
-        if args.concurrency < 1:
-            raise InvalidRequestError("--concurrency", f"must be at least 1, got {args.concurrency}")
-        if args.prompts_file is not None:
-            specs = read_prompts_file(args.prompts_file, base)
-        else:
-            if not args.text:
-                raise InvalidRequestError("text", "is empty")
-            specs = [PromptSpec(args.text, None, base)]
-        return run_generate(options, specs, args.concurrency, args.stream, args.json)
-    except grpc.aio.AioRpcError as exc:
-        print(f"tandem: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
 
 
 def _encode(specs: list[PromptSpec], tokenizer: Tokenizer | None) -> list[list[int]]:

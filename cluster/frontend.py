@@ -31,6 +31,8 @@ from typing import Any
 import ray
 
 from cluster.cluster import CONTROLLER_NAME, RoutingView
+from cluster.frontend_status import StatusView, read_status
+from cluster.kv_event_feed import KVEventFeed
 from cluster.request_stream import RequestStream, Route, StreamChunk, StreamSummary
 from decode.worker import StreamBatch
 from engine.dep_rank import RankRequest
@@ -95,35 +97,6 @@ class DuplicateRequest(Exception):
 
 
 @dataclass
-class RankStatusView:
-    name: str
-    role: str
-    stats: dict[str, Any]
-    routed_prefill_tokens: int = 0
-    routed_requests: int = 0
-    indexed_blocks: int = 0
-    integrity: str = ""
-
-
-@dataclass
-class GroupStatusView:
-    group_id: str
-    role: str
-    state: str
-    incarnation: int
-    ranks: list[RankStatusView] = field(default_factory=list)
-
-
-@dataclass
-class StatusView:
-    model: str
-    ready: bool
-    groups: list[GroupStatusView]
-    router_counters: dict[str, int]
-    running_requests: int
-
-
-@dataclass
 class _Running:
     """A request from admission to the end of its stream. ``rank_request_id`` is the id the
     ranks know it by: the client's id plus a unique suffix, so that a client may reuse an id the
@@ -158,10 +131,7 @@ class FrontendCore:
         self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
         self.ready = False
         self._incarnations: dict[str, int] = {}  # rank -> incarnation in the current view
-        self._subscribed: dict[str, int] = {}  # prefill rank -> incarnation whose events we follow
-        self._next_seq: dict[str, int] = {}
-        self._early: dict[str, dict[int, KVEventBatch]] = {}  # batches ahead of their turn
-        self._subscribing: set[str] = set()
+        self.kv_events = KVEventFeed(self.router, config.name)
         self._tasks: set[asyncio.Future[None]] = set()
 
     # ---- requests -------------------------------------------------------------------------
@@ -282,46 +252,8 @@ class FrontendCore:
             if running.decode_rank == rank and not running.stream.finished:
                 running.stream.fail(why, rank)
 
-    # ---- KV events ------------------------------------------------------------------------
     def on_kv_events(self, batch: KVEventBatch) -> None:
-        """Apply batches in ``seq`` order; a batch ahead of its turn waits for the missing ones.
-        Batches of another incarnation of the rank (a stale push) are dropped."""
-        rank = batch.rank
-        if self._subscribed.get(rank) != batch.incarnation:
-            return
-        expected = self._next_seq.get(rank, 0)
-        if batch.seq < expected:
-            return
-        early = self._early.setdefault(rank, {})
-        early[batch.seq] = batch
-        while expected in early:
-            ready = early.pop(expected)
-            self.router.apply_events(rank, ready.events)
-            expected += 1
-        self._next_seq[rank] = expected
-        if len(early) > 1000:  # a batch was lost: start over from a snapshot at the next refresh
-            log.warning("prefill rank %s: KV event batch %d never came; resubscribing", rank, expected)
-            self._forget_subscription(rank)
-
-    async def _subscribe(self, rank: str, incarnation: int, handle: Any) -> None:
-        self._subscribed[rank] = incarnation
-        self._next_seq[rank] = 0
-        self._early[rank] = {}
-        try:
-            snapshot: KVEventBatch = await handle.subscribe_kv_events.remote(self.config.name)
-        except Exception as exc:
-            log.warning("prefill rank %s: KV event subscription failed: %s", rank, _last_line(exc))
-            if self._subscribed.get(rank) == incarnation:
-                self._forget_subscription(rank)
-            return
-        finally:
-            self._subscribing.discard(rank)
-        self.on_kv_events(snapshot)
-
-    def _forget_subscription(self, rank: str) -> None:
-        self._subscribed.pop(rank, None)
-        self._next_seq.pop(rank, None)
-        self._early.pop(rank, None)
+        self.kv_events.on_batch(batch)
 
     # ---- membership -----------------------------------------------------------------------
     async def refresh(self, controller: Any) -> None:
@@ -333,14 +265,11 @@ class FrontendCore:
         states = {rank: g.state for g in view.groups for rank in g.ranks}
         self.view, self._incarnations = view, incarnations
         self.router.set_ranks(sorted(view.prefill), sorted(view.decode))
-        for rank in list(self._subscribed):
-            if rank not in view.prefill:
-                self._forget_subscription(rank)
+        self.kv_events.keep_only(set(view.prefill))
         for rank, handle in view.prefill.items():
-            if self._subscribed.get(rank) != incarnations[rank] and rank not in self._subscribing:
-                self._subscribing.add(rank)
+            if self.kv_events.needs_subscription(rank, incarnations[rank]):
                 self._tasks.add(
-                    task := asyncio.ensure_future(self._subscribe(rank, incarnations[rank], handle))
+                    task := asyncio.ensure_future(self.kv_events.subscribe(rank, incarnations[rank], handle))
                 )
                 task.add_done_callback(self._tasks.discard)
         await self._read_decode_stats(view)
@@ -356,7 +285,9 @@ class FrontendCore:
                 running.stream.fail(f"decode rank {rank} failed while serving the request", rank)
         # routing to a prefill rank whose index is still loading costs cache hits, not tokens
         self.ready = (
-            bool(view.prefill) and bool(view.decode) and bool(self._subscribed.keys() & view.prefill.keys())
+            bool(view.prefill)
+            and bool(view.decode)
+            and bool(self.kv_events.following.keys() & view.prefill.keys())
         )
 
     async def _read_decode_stats(self, view: RoutingView) -> None:
@@ -372,32 +303,8 @@ class FrontendCore:
                 self.router.update_decode_stats(name, stats["free_pages"], running, stats["total_pages"])
 
     async def status(self, check_integrity: bool) -> StatusView:
-        view = self.view
-        if view is None:
-            return StatusView(self.config.model_name, False, [], self.router.counters(), len(self.running))
-        loads, blocks = self.router.loads(), self.router.cached_blocks()
-        groups: list[GroupStatusView] = []
-        handles = view.prefill | view.decode
-        for g in view.groups:
-            group = GroupStatusView(g.group_id, g.role, g.state, g.incarnation)
-            for rank in g.ranks:
-                handle = handles.get(rank)
-                status = RankStatusView(rank, g.role, {})
-                if handle is not None:
-                    try:
-                        status.stats = await handle.stats.remote()
-                        if check_integrity:
-                            await handle.check_integrity.remote()
-                            status.integrity = "ok"
-                    except ray.exceptions.RayError as exc:
-                        status.integrity = str(exc).strip().splitlines()[-1]
-                status.routed_prefill_tokens = loads.prefill_tokens.get(rank, 0)
-                status.routed_requests = loads.decode_requests.get(rank, 0)
-                status.indexed_blocks = blocks.get(rank, 0)
-                group.ranks.append(status)
-            groups.append(group)
-        return StatusView(
-            self.config.model_name, self.ready, groups, self.router.counters(), len(self.running)
+        return await read_status(
+            self.view, self.router, self.config.model_name, self.ready, len(self.running), check_integrity
         )
 
 

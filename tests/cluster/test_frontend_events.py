@@ -20,7 +20,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _core(tiny: Path) -> FrontendCore:
     core = FrontendCore(FrontendConfig(str(tiny), "tiny"))
     core.router.set_ranks(["prefill0-r0"], ["decode0-r0"])
-    core._subscribed["prefill0-r0"] = 1  # following incarnation 1
+    core.kv_events.following["prefill0-r0"] = 1  # following incarnation 1
     return core
 
 

@@ -1,0 +1,133 @@
+"""The ``tandem serve`` and ``tandem client`` commands: their options and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.prompts import PromptSpec
+from engine.request import InvalidRequestError, SamplingParams
+
+
+def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    srv = sub.add_parser("serve", help="start the cluster and the gRPC frontend; Ctrl-C stops")
+    srv.add_argument("--preset", default=None, help="topology preset of deploy/presets (default: local)")
+    srv.add_argument("--topology", type=Path, default=None, help="topology file (instead of --preset)")
+    srv.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
+    srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
+    srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
+    srv.add_argument("--auth-token-file", type=Path, default=None, help="require this bearer token")
+    srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+    client = sub.add_parser("client", help="talk to a running `tandem serve`").add_subparsers(
+        dest="client_command", required=True
+    )
+    cgen = client.add_parser("generate", help="generate over gRPC")
+    csrc = cgen.add_mutually_exclusive_group(required=True)
+    csrc.add_argument("text", nargs="?", default=None, help="prompt text")
+    csrc.add_argument("--prompts-file", type=Path, help="JSONL, one prompt object a line")
+    sampling_args(cgen)
+    cgen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    cgen.add_argument("--concurrency", type=int, default=1, help="streams open at once")
+    cgen.add_argument("--json", action="store_true", help="print one JSON object")
+    cstat = client.add_parser("status", help="groups, ranks, loads and free pages")
+    cstat.add_argument("--check-integrity", action="store_true")
+    chealth = client.add_parser("health", help="exit 0 once the server is SERVING")
+    chealth.add_argument("--wait", type=float, default=0.0, help="seconds to keep asking")
+    for c in (cgen, cstat, chealth):
+        c.add_argument("--addr", default="127.0.0.1:50051", help="HOST:PORT of the frontend")
+        c.add_argument("--token-file", type=Path, default=None, help="bearer token to send")
+        c.add_argument("--tls-ca", default=None, help="PEM of the CA to trust: use TLS")
+        c.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+
+
+def _read_secret(path: Path | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise InvalidRequestError(flag, f"cannot read {path}: {exc.strerror}") from None
+    if not secret:
+        raise InvalidRequestError(flag, f"{path} is empty")
+    return secret
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from cluster.serve import ServeOptions, serve
+    from cluster.topology import Topology
+
+    if args.preset is not None and args.topology is not None:
+        raise InvalidRequestError("--topology", "cannot be combined with --preset")
+    topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise InvalidRequestError("--model", f"{args.model} holds no config.json")
+    if not 0 <= args.port < 65536:
+        raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
+    if args.max_running_requests < 1:
+        raise InvalidRequestError("--max-running-requests", "must be at least 1")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidRequestError(
+            "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
+        )
+    options = ServeOptions(
+        topology=topology,
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        address=args.address,
+        model_name=args.model_name,
+        auth_token=_read_secret(args.auth_token_file, "--auth-token-file"),
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        max_running_requests=args.max_running_requests,
+    )
+    return serve(options)
+
+
+def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace], SamplingParams]) -> int:
+    """``sampling`` reads the generate command's sampling options, validated."""
+    import asyncio
+
+    import grpc
+
+    from cluster.client import ClientOptions, run_generate, status, wait_serving
+    from cluster.prompts import read_prompts_file
+
+    options = ClientOptions(
+        args.addr, _read_secret(args.token_file, "--token-file"), args.tls_ca, timeout_s=args.timeout
+    )
+    try:
+        if args.client_command == "health":
+            ok = asyncio.run(wait_serving(options, args.wait))
+            print("SERVING" if ok else "NOT_SERVING")
+            return 0 if ok else 1
+        if args.client_command == "status":
+            from cluster.client import message_dict
+
+            reply = asyncio.run(status(options, args.check_integrity))
+            print(json.dumps(message_dict(reply), indent=2))
+            return 0
+        base = sampling(args)
+        if args.concurrency < 1:
+            raise InvalidRequestError("--concurrency", f"must be at least 1, got {args.concurrency}")
+        if args.prompts_file is not None:
+            specs = read_prompts_file(args.prompts_file, base)
+        else:
+            if not args.text:
+                raise InvalidRequestError("text", "is empty")
+            specs = [PromptSpec(args.text, None, base)]
+        return run_generate(options, specs, args.concurrency, args.stream, args.json)
+    except grpc.aio.AioRpcError as exc:
+        print(f"tandem: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1

@@ -1,0 +1,75 @@
+"""What ``ClusterStatus`` reports: every group and rank as the controller and the ranks see
+them, with the frontend's router view of each rank beside it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.cluster import RoutingView
+from router.router import Router
+
+
+@dataclass
+class RankStatusView:
+    name: str
+    role: str
+    stats: dict[str, Any]
+    routed_prefill_tokens: int = 0
+    routed_requests: int = 0
+    indexed_blocks: int = 0
+    integrity: str = ""
+
+
+@dataclass
+class GroupStatusView:
+    group_id: str
+    role: str
+    state: str
+    incarnation: int
+    ranks: list[RankStatusView] = field(default_factory=list)
+
+
+@dataclass
+class StatusView:
+    model: str
+    ready: bool
+    groups: list[GroupStatusView]
+    router_counters: dict[str, int]
+    running_requests: int
+
+
+async def read_status(
+    view: RoutingView | None, router: Router, model: str, ready: bool, running: int, check_integrity: bool
+) -> StatusView:
+    """Ask every rank at once (``stats``, and ``check_integrity`` when asked)."""
+    if view is None:
+        return StatusView(model, False, [], router.counters(), running)
+    loads, blocks = router.loads(), router.cached_blocks()
+    handles = view.prefill | view.decode
+
+    async def rank_status(rank: str, role: str) -> RankStatusView:
+        status = RankStatusView(rank, role, {})
+        handle = handles.get(rank)
+        if handle is not None:
+            try:
+                status.stats = await handle.stats.remote()
+                if check_integrity:
+                    await handle.check_integrity.remote()
+                    status.integrity = "ok"
+            except ray.exceptions.RayError as exc:
+                lines = str(exc).strip().splitlines()
+                status.integrity = lines[-1] if lines else type(exc).__name__
+        status.routed_prefill_tokens = loads.prefill_tokens.get(rank, 0)
+        status.routed_requests = loads.decode_requests.get(rank, 0)
+        status.indexed_blocks = blocks.get(rank, 0)
+        return status
+
+    groups = []
+    for g in view.groups:
+        ranks = await asyncio.gather(*[rank_status(rank, g.role) for rank in g.ranks])
+        groups.append(GroupStatusView(g.group_id, g.role, g.state, g.incarnation, list(ranks)))
+    return StatusView(model, ready, groups, router.counters(), running)
