@@ -192,7 +192,11 @@ class Cluster:
 @ray.remote(max_concurrency=8)  # type: ignore[call-overload]
 class Controller:
     """The cluster as a named Ray actor (``tandem-controller``): frontends and tools find it by
-    name. A watch thread collects results and rebuilds failed groups every ``health_interval_s``."""
+    name. A watch thread collects results and rebuilds failed groups every ``health_interval_s``.
+
+    ``routing_view`` answers from a copy refreshed after every change, without the lock: a
+    group's rebuild holds the lock for as long as its ranks take to start, and frontends must
+    see the failed group (and route around it) meanwhile."""
 
     def __init__(
         self, topology: Topology, model_dir: str, dtype: str = "float32", health_interval_s: float = 0.5
@@ -205,11 +209,13 @@ class Controller:
         self._results: dict[str, DecodeResult] = {}
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watch_loop, daemon=True)
+        self._view = self.cluster.routing_view()
         self.rebuilt: list[str] = []
 
     def start(self) -> dict[str, str]:
         with self._lock:
             self.cluster.start()
+            self._view = self.cluster.routing_view()
         self._watch.start()
         return self.cluster.status()
 
@@ -218,7 +224,12 @@ class Controller:
             with self._lock:
                 for result in self.cluster.poll(0.02):
                     self._results[result.request_id] = result
-                self.rebuilt += self.cluster.heal()
+                self._view = self.cluster.routing_view()  # a failure shows before the rebuild
+            with self._lock:
+                rebuilt = self.cluster.heal()
+                if rebuilt:
+                    self.rebuilt += rebuilt
+                    self._view = self.cluster.routing_view()
             self._stop.wait(0.01 if self._results else self.health_interval_s / 10)
 
     def submit(self, requests: list[RankRequest]) -> None:
@@ -243,12 +254,12 @@ class Controller:
             return self.cluster.membership()
 
     def routing_view(self) -> RoutingView:
-        with self._lock:
-            return self.cluster.routing_view()
+        return self._view
 
     def drain(self, group_id: str) -> None:
         with self._lock:
             self.cluster.drain(group_id)
+            self._view = self.cluster.routing_view()
 
     def stop(self) -> None:
         self._stop.set()

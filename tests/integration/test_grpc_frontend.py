@@ -463,6 +463,42 @@ def test_a_second_frontend_serves_tls(served: Served, tmp_path: Path) -> None:
     _wait_all_pages_free(served)
 
 
+def test_a_decode_rank_dying_ends_its_streams_and_its_group_comes_back(served: Served) -> None:
+    long = PromptSpec(None, list(range(10)), SamplingParams(max_tokens=1500, ignore_eos=True))
+
+    async def kill_midway() -> tuple[tandem_pb2.Summary, float]:
+        async with grpc.aio.insecure_channel(served.addr) as channel:
+            stub = tandem_pb2_grpc.TandemStub(channel)
+            call = await _first_chunks(stub, request_message(long, "doomed"), 2)
+            status = _status(served)
+            (rank,) = [r.name for g in status.groups if g.role == "decode" for r in g.ranks if r.running]
+            view = ray.get(served.controller.routing_view.remote())
+            ray.kill(view.decode[rank])
+            killed = time.monotonic()
+            async for response in call:
+                if response.HasField("summary"):
+                    return response.summary, time.monotonic() - killed
+            raise AssertionError("no summary")
+
+    summary, waited_s = asyncio.run(kill_midway())
+    assert summary.finish_reason == "error" and "decode rank" in summary.error, summary.error
+    assert 2 <= summary.bill.output_tokens < 1500 and summary.bill.prompt_tokens == 10
+    assert waited_s < 30
+    deadline = time.monotonic() + 180  # the group is rebuilt; health follows
+    while True:
+        status = _status(served)
+        decode = [(g.state, g.incarnation) for g in status.groups if g.role == "decode"]
+        health = _health(served.addr)
+        if decode == [("ready", 2)] and status.ready and health == health_pb2.HealthCheckResponse.SERVING:
+            break
+        assert time.monotonic() < deadline, decode
+        time.sleep(0.1)
+    spec = PromptSpec("after the rebuild", None, SamplingParams(max_tokens=3, ignore_eos=True))
+    (after,) = _generate(served, [spec], 1)
+    assert after.summary is not None and list(after.summary.token_ids) == _expected(served.tiny, [spec])[0]
+    _wait_all_pages_free(served)
+
+
 def test_draining_the_prefill_pool_turns_health_not_serving(served: Served) -> None:
     """Last in the module: nothing serves afterwards."""
     ray.get(served.controller.drain.remote("prefill0"))
