@@ -87,7 +87,6 @@ class Outcome:
     index: int
     chunks: list[tandem_pb2.Chunk] = field(default_factory=list)
     summary: tandem_pb2.Summary | None = None
-    first_chunk_s: float | None = None  # client-side time to the first chunk
 
     def record(self) -> dict[str, Any]:
         """The ``tandem generate --json`` output object, plus ``placement`` and ``bill``."""
@@ -122,14 +121,11 @@ async def generate_all(
         async def one(index: int, spec: PromptSpec) -> Outcome:
             outcome = Outcome(index)
             async with gate:
-                start = time.monotonic()
                 call = stub.Generate(
                     request_message(spec, model=model), metadata=metadata(options), timeout=options.timeout_s
                 )
                 async for response in call:
                     if response.HasField("chunk"):
-                        if outcome.first_chunk_s is None:
-                            outcome.first_chunk_s = time.monotonic() - start
                         outcome.chunks.append(response.chunk)
                         if on_chunk is not None:
                             on_chunk(index, response.chunk)

@@ -38,6 +38,7 @@ from decode.worker import StreamBatch
 from engine.dep_rank import RankRequest
 from engine.prefix_cache import block_hashes
 from engine.request import InvalidRequestError, SamplingParams
+from engine.scheduler import max_kv_pages
 from prefill.kv_events import KVEventBatch
 from router.router import NoRankAvailable, Router
 
@@ -151,9 +152,7 @@ class FrontendCore:
             )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
-        stream = RequestStream(
-            spec.request_id, len(prompt), spec.sampling.max_tokens, self.tokenizer, spec.arrival_unix_s
-        )
+        stream = RequestStream(spec.request_id, len(prompt), self.tokenizer, spec.arrival_unix_s)
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.time()
         try:
@@ -212,10 +211,9 @@ class FrontendCore:
                 "prompt",
                 f"{prompt_tokens} tokens exceed a prefill rank's KV pool of {view.prefill_capacity_tokens}",
             )
-        # the last sampled token's KV is never stored, hence the - 1
-        kv_tokens = min(prompt_tokens + max_tokens, self.model_config.max_position_embeddings) - 1
         size = view.page_size
-        if -(-kv_tokens // size) * size > view.decode_capacity_tokens:
+        pages = max_kv_pages(prompt_tokens, max_tokens, self.model_config.max_position_embeddings, size)
+        if pages * size > view.decode_capacity_tokens:
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) need more KV than a "
@@ -342,15 +340,6 @@ class Frontend:
 
     async def push_kv_events(self, batch: KVEventBatch) -> None:
         self.core.on_kv_events(batch)
-
-    async def router_state(self) -> dict[str, Any]:
-        """Counters, loads and indexed blocks per prefill rank (for tests and tools)."""
-        router = self.core.router
-        return {
-            "counters": router.counters(),
-            "loads": router.loads(),
-            "cached_blocks": router.cached_blocks(),
-        }
 
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in self._tasks:

@@ -66,7 +66,6 @@ class StreamSummary:
 class RequestStream:
     request_id: str
     prompt_tokens: int
-    max_tokens: int
     tokenizer: Tokenizer
     arrival_unix_s: float = field(default_factory=time.time)
     route: Route | None = None
@@ -82,10 +81,6 @@ class RequestStream:
     def __post_init__(self) -> None:
         self._detokenizer = IncrementalDetokenizer(self.tokenizer)
         self._last_time_s = self.arrival_unix_s
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._tokens)
 
     def on_delta(self, delta: TokenDelta) -> StreamChunk | None:
         """Queue the chunk ``delta`` completes (``None`` when it completes nothing)."""

@@ -325,6 +325,12 @@ class Scheduler:
         del self._arrival[request.request_id]
 
 
+def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int) -> int:
+    """Pages a request holds at its longest. The last sampled token's KV is never computed,
+    hence the - 1."""
+    return math.ceil((min(prompt_tokens + max_tokens, max_model_len) - 1) / page_size)
+
+
 def admit_new_request(request: Request, max_model_len_cap: int, page_size: int, num_pages: int) -> None:
     """Check a new request against a rank's limits (``InvalidRequestError`` naming the field) and
     prepare it: its context capped at ``max_model_len_cap``, nothing computed yet."""
@@ -341,9 +347,7 @@ def admit_new_request(request: Request, max_model_len_cap: int, page_size: int, 
         )
     if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
         raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
-    # The last sampled token's KV is never computed, hence the - 1.
-    max_kv_tokens = min(len(prompt) + request.sampling.max_tokens, max_model_len) - 1
-    pages_needed = math.ceil(max_kv_tokens / page_size)
+    pages_needed = max_kv_pages(len(prompt), request.sampling.max_tokens, max_model_len, page_size)
     if pages_needed > num_pages:
         raise InvalidRequestError(
             "prompt",

@@ -13,8 +13,8 @@ forward is synchronous.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from engine.request import InvalidRequestError
@@ -23,6 +23,8 @@ from kvtransfer.transport import KVTransport, TransferFailure
 from kvtransfer.types import KVNotification, KVTransferError, TransferStats
 from prefill.job import PrefillJob
 from prefill.scheduler import AbortAction, PrefillScheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +55,6 @@ class PrefillWorker:
         self._jobs: dict[str, PrefillJob] = {}
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
-        self.refused: deque[tuple[str, str]] = deque(maxlen=100)  # (job id, why), the latest
 
     def submit(self, jobs: list[PrefillJob]) -> None:
         """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
@@ -65,7 +66,7 @@ class PrefillWorker:
                 self.scheduler.add_job(job, now)
             except InvalidRequestError as error:  # e.g. a duplicate id: its decode rank times out
                 self.stats.jobs_failed += 1
-                self.refused.append((job.request_id, str(error)))
+                log.warning("prefill job %s refused: %s", job.request_id, error)
                 continue
             self._jobs[job.request_id] = job
 

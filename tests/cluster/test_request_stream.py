@@ -27,7 +27,7 @@ def _drain(stream: RequestStream) -> list[StreamChunk | StreamSummary]:
 
 def _stream(tokenizer: Tokenizer) -> RequestStream:
     async def make() -> RequestStream:  # the queue belongs to a running loop
-        return RequestStream("r", prompt_tokens=3, max_tokens=6, tokenizer=tokenizer, arrival_unix_s=100.0)
+        return RequestStream("r", prompt_tokens=3, tokenizer=tokenizer, arrival_unix_s=100.0)
 
     return asyncio.run(make())
 
