@@ -67,9 +67,16 @@ class Cluster:
         return [*self.prefill, *self.decode]
 
     def start(self) -> None:
-        for g in self.groups:
-            g.start()
-        self._send_membership()
+        """Start every group; if one fails, stop those already started (their ranks and
+        placement groups) before raising, so a failed start leaves nothing behind."""
+        try:
+            for g in self.groups:
+                g.start()
+            self._send_membership()
+        except BaseException:
+            for g in self.groups:
+                g.stop()
+            raise
 
     def _send_membership(self) -> None:
         """Tell every live decode rank the prefill ranks that take jobs (ready, not draining)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,9 @@ class DEPGroup:
         self._loops: dict[ray.ObjectRef, int] = {}
         self._pg: PlacementGroup | None = None
         self._in_flight: dict[str, int] = {}  # request id -> rank
+        # placement group names are global to the Ray namespace: two clusters (or a test's
+        # leftovers) that both have a "prefill0" must not collide
+        self._placement_tag = uuid.uuid4().hex[:8]
 
     @property
     def group_id(self) -> str:
@@ -82,7 +86,8 @@ class DEPGroup:
         self.incarnation += 1
         self.state, self.failure = GroupState.STARTING, None
         resources = cfg.resources or RankResources.detect()
-        self._pg = place_group(f"{cfg.group_id}-{self.incarnation}", cfg.size, resources)
+        name = f"{cfg.group_id}-{self.incarnation}-{self._placement_tag}"
+        self._pg = place_group(name, cfg.size, resources)
         bundle = resources.bundle()
         self._actors = [
             self._actor_class()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from cluster.rank_setup import join_group, load_rank_model, rendezvous_address
+from cluster.rank_setup import GroupRendezvous, load_rank_model
 from engine.colocated import ColocatedEngine, EngineConfig
 from engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
 
@@ -45,13 +45,14 @@ class DEPRankActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._stop = threading.Event()
         self._loop: DEPRankLoop | None = None
+        self._rendezvous = GroupRendezvous()
 
     def rendezvous_address(self) -> str:
-        return rendezvous_address()
+        return self._rendezvous.open(self.spec.collective_timeout_s)
 
     def setup(self, master: str) -> int:
         spec = self.spec
-        join_group(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
+        self._rendezvous.join(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
         _, model, dispatcher = load_rank_model(
             spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
         )

@@ -3,7 +3,6 @@ the routed experts."""
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import ray
@@ -17,23 +16,36 @@ from model.config import ModelConfig
 from model.deepseek import DeepseekV3
 
 
-def rendezvous_address() -> str:
-    """``host:port`` for a group's torch.distributed rendezvous, on this (rank 0's) node."""
-    host = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    return f"{host}:{port}"
+class GroupRendezvous:
+    """A DEP group's torch.distributed rendezvous. Rank 0 opens the group's store on a port the
+    OS gives it and keeps it bound, so no other process can take the port between choosing it
+    and the group joining; every rank then joins through it."""
 
+    def __init__(self) -> None:
+        self._store: dist.TCPStore | None = None
 
-def join_group(device: torch.device, master: str, rank: int, world_size: int, timeout_s: float) -> None:
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{master}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    def open(self, timeout_s: float) -> str:
+        """Rank 0: bind the store and return its ``host:port`` for the other ranks."""
+        if self._store is None:
+            host = ray.util.get_node_ip_address()
+            self._store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            )
+        return f"{self._store.host}:{self._store.port}"
+
+    def join(self, device: torch.device, master: str, rank: int, world_size: int, timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        store = self._store
+        if store is None:
+            host, _, port = master.rpartition(":")
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
 
 
 def load_rank_model(

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from cluster.rank_setup import join_group, load_rank_model, rendezvous_address
+from cluster.rank_setup import GroupRendezvous, load_rank_model
 from decode.scheduler import DecodeScheduler
 from decode.types import DecodeSchedulerConfig
 from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher, Routing
@@ -106,13 +106,14 @@ class RoleRankActor:
         self._kv_events = KVEventPublisher(spec.name, spec.page_size, spec.incarnation)
         self._frontends: dict[str, Any] = {}  # name -> actor handle, for pushes
         self._last_push: dict[str, Any] = {}  # name -> the latest push's object ref
+        self._rendezvous = GroupRendezvous()
 
     def rendezvous_address(self) -> str:
-        return rendezvous_address()
+        return self._rendezvous.open(self.spec.collective_timeout_s)
 
     def setup(self, master: str) -> str:
         spec = self.spec
-        join_group(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
+        self._rendezvous.join(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
         cfg, model, dispatcher = load_rank_model(
             spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
@@ -54,8 +53,9 @@ def _inputs(cfg: ModelConfig) -> list[torch.Tensor]:
     return [torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64) for n in TOKENS]
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _rank(rank: int, out_dir: str) -> None:
+    # a file rendezvous: no port to race other processes for
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
     cfg = ModelConfig.from_dict(tiny_config_dict())
     experts = expert_slice(cfg.n_routed_experts, rank, WORLD)
     moe = _moe(cfg, experts, _weights(cfg))
@@ -67,14 +67,8 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_expert_parallel_equals_one_process(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD)
     cfg = ModelConfig.from_dict(tiny_config_dict())
     moe = _moe(cfg, range(cfg.n_routed_experts), _weights(cfg))
     for rank, x in enumerate(_inputs(cfg)):

@@ -109,6 +109,27 @@ def test_a_decode_pool_too_small_for_all_requests(tiny: Path) -> None:
         cluster.stop()
 
 
+def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path: Path) -> None:
+    """The decode group cannot load its model: the prefill group already started is stopped
+    again, and no placement group of the cluster stays reserved."""
+    import dataclasses
+
+    from cluster.dep_group import GroupFailed, GroupState
+
+    cluster = Cluster(_topology("local"), str(tiny), "float64")
+    bad = cluster.decode[0]
+    bad.config = dataclasses.replace(bad.config, model_dir=str(tmp_path / "missing"))
+    with pytest.raises(GroupFailed, match="decode0"):
+        cluster.start()
+    assert [g.state for g in cluster.groups] == [GroupState.STOPPED] * len(cluster.groups)
+    live = [
+        pg["name"]
+        for pg in ray.util.placement_group_table().values()
+        if pg["state"] != "REMOVED" and pg["name"].startswith("tandem-")
+    ]
+    assert live == []
+
+
 def test_a_prefill_rank_dying_never_leaves_a_request_hanging(tiny: Path) -> None:
     cluster = Cluster(_topology("local", kv_timeout_s=3.0), str(tiny), "float64")
     cluster.start()
