@@ -8,14 +8,12 @@ group watches it to learn of a death) -> ``submit`` / ``collect`` / ``abort`` wh
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
 import ray
-import torch
 
-from cluster.rank_setup import GroupRendezvous, load_rank_model
+from cluster.rank_setup import GroupRendezvous, enter_group, rank_device
 from engine.colocated import ColocatedEngine, EngineConfig
 from engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
 
@@ -40,9 +38,7 @@ class RankNotReady(RuntimeError):
 class DEPRankActor:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        # ranks share the node's cores; one thread each avoids oversubscription
-        torch.set_num_threads(int(os.environ.get("TANDEM_RANK_THREADS", "1")))
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = rank_device()
         self._stop = threading.Event()
         self._loop: DEPRankLoop | None = None
         self._rendezvous = GroupRendezvous()
@@ -52,10 +48,7 @@ class DEPRankActor:
 
     def setup(self, master: str) -> int:
         spec = self.spec
-        self._rendezvous.join(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
-        _, model, dispatcher = load_rank_model(
-            spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
-        )
+        _, model, dispatcher = enter_group(self._rendezvous, self.device, master, spec)
         engine = ColocatedEngine(model, spec.engine, lockstep=True)
         self._loop = DEPRankLoop(engine, spec.rank, dispatcher)
         return len(dispatcher.local)

@@ -3,7 +3,9 @@ the routed experts."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from typing import Protocol
 
 import ray
 import torch
@@ -14,6 +16,28 @@ from engine.dep import ExpertParallelDispatcher, expert_slice
 from model.checkpoint import load_checkpoint
 from model.config import ModelConfig
 from model.deepseek import DeepseekV3
+
+
+class RankPlace(Protocol):
+    """Where a rank stands: its group's model and its place in the group (both rank specs)."""
+
+    @property
+    def model_dir(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def collective_timeout_s(self) -> float: ...
+
+
+def rank_device() -> torch.device:
+    """The rank's device; ranks share the node's cores, one torch thread each avoids
+    oversubscription."""
+    torch.set_num_threads(int(os.environ.get("TANDEM_RANK_THREADS", "1")))
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class GroupRendezvous:
@@ -58,3 +82,11 @@ def load_rank_model(
     model = DeepseekV3(cfg, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher)
     model.load_weights(load_checkpoint(model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert))
     return cfg, model, dispatcher
+
+
+def enter_group(
+    rendezvous: GroupRendezvous, device: torch.device, master: str, place: RankPlace
+) -> tuple[ModelConfig, DeepseekV3, ExpertParallelDispatcher]:
+    """Join the group through ``master``, then load this rank's model."""
+    rendezvous.join(device, master, place.rank, place.world_size, place.collective_timeout_s)
+    return load_rank_model(place.model_dir, place.dtype, device, place.rank, place.world_size)

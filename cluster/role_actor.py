@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-import torch
 
-from cluster.rank_setup import GroupRendezvous, load_rank_model
+from cluster.rank_setup import GroupRendezvous, enter_group, rank_device
 from decode.scheduler import DecodeScheduler
 from decode.types import DecodeSchedulerConfig
 from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher, Routing
@@ -96,8 +94,7 @@ class _RayPrefillDispatcher(PrefillDispatcher):
 class RoleRankActor:
     def __init__(self, spec: RoleRankSpec) -> None:
         self.spec = spec
-        torch.set_num_threads(int(os.environ.get("TANDEM_RANK_THREADS", "1")))
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = rank_device()
         self._stop = threading.Event()
         self._loop: RoleRankLoop | None = None
         self._worker: PrefillWorker | DecodeWorker | None = None
@@ -113,10 +110,7 @@ class RoleRankActor:
 
     def setup(self, master: str) -> str:
         spec = self.spec
-        self._rendezvous.join(self.device, master, spec.rank, spec.world_size, spec.collective_timeout_s)
-        cfg, model, dispatcher = load_rank_model(
-            spec.model_dir, spec.dtype, self.device, spec.rank, spec.world_size
-        )
+        cfg, model, dispatcher = enter_group(self._rendezvous, self.device, master, spec)
         self._cfg = cfg
         dtype = DTYPES[spec.dtype]
         pool = KVPool(cfg, spec.num_pages, spec.page_size, dtype, self.device)
