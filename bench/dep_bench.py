@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.dep_group import DEPGroup, DEPGroupConfig
-from cluster.ray_bootstrap import init_ray
-from engine.colocated import EngineConfig
-from engine.dep_rank import RankRequest
-from engine.request import SamplingParams
-from model.config import ModelConfig
+from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig
+from tandem.cluster.ray_bootstrap import init_ray
+from tandem.engine.colocated import EngineConfig
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.request import SamplingParams
+from tandem.model.config import ModelConfig
 
 
 def run_dep_bench(

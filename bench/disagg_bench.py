@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.cluster import Cluster
-from cluster.ray_bootstrap import init_ray
-from cluster.topology import Topology
-from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
-from engine.dep_rank import RankRequest
-from engine.request import SamplingParams
-from model.config import ModelConfig
+from tandem.cluster.cluster import Cluster
+from tandem.cluster.ray_bootstrap import init_ray
+from tandem.cluster.topology import Topology
+from tandem.engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.request import SamplingParams
+from tandem.model.config import ModelConfig
 
 
 def _summary(ttft: list[float], itl: list[float], exposed: list[float] | None = None) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.colocated import DTYPES, ColocatedEngine, EngineConfig
-from engine.request import SamplingParams
+from tandem.engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+from tandem.engine.request import SamplingParams
 
 
 def _run_batch(

@@ -119,12 +119,16 @@ def _paged(
 
 
 def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
-    from model.attention_metadata import AttentionMetadata
-    from model.kernels.backend import get_backend
-    from model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
-    from model.kernels.moe import fused_experts_torch, grouped_topk_torch
-    from model.kernels.norm import rms_norm_torch
-    from model.kernels.rope import apply_rope_torch
+    from tandem.model.attention_metadata import AttentionMetadata
+    from tandem.model.kernels.backend import get_backend
+    from tandem.model.kernels.mla_attention import (
+        decode_attention_torch,
+        extend_attention_torch,
+        kv_store_torch,
+    )
+    from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
+    from tandem.model.kernels.norm import rms_norm_torch
+    from tandem.model.kernels.rope import apply_rope_torch
 
     tri = get_backend(device, "triton")
     gen = torch.Generator().manual_seed(0)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from engine.page_allocator import PageAllocator
-from kvtransfer.metadata import RayMetadataStore
-from kvtransfer.transport import TransferFailure, TransportEvents, transport_class
-from kvtransfer.types import KVDestination, KVNotification, TransferStats
-from model.kv_pool import pool_layout
+from tandem.engine.page_allocator import PageAllocator
+from tandem.kvtransfer.metadata import RayMetadataStore
+from tandem.kvtransfer.transport import TransferFailure, TransportEvents, transport_class
+from tandem.kvtransfer.types import KVDestination, KVNotification, TransferStats
+from tandem.model.kv_pool import pool_layout
 
 
 @dataclass

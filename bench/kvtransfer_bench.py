@@ -19,9 +19,9 @@ from typing import Any
 
 import ray
 
-from bench.kv_peer import KVPeer, PeerEvents
-from cluster.ray_bootstrap import init_ray
-from kvtransfer.types import KVDestination
+from tandem.bench.kv_peer import KVPeer, PeerEvents
+from tandem.cluster.ray_bootstrap import init_ray
+from tandem.kvtransfer.types import KVDestination
 
 LAYERS, PAGE_SIZE, DIM = 8, 64, 512
 

@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.prefix_cache import BlockRemoved, BlockStored, KVEvent
-from router.policy import PolicyConfig
-from router.registry import DEFAULT_POLICY, PREFILL_POLICIES, UnknownPolicy
-from router.router import Router, RouterConfig
+from tandem.engine.prefix_cache import BlockRemoved, BlockStored, KVEvent
+from tandem.router.policy import PolicyConfig
+from tandem.router.registry import DEFAULT_POLICY, PREFILL_POLICIES, UnknownPolicy
+from tandem.router.router import Router, RouterConfig
 
 BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_BLOCKS = 1_600

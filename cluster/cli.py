@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.prompts import PromptSpec
-from engine.colocated import EngineConfig
-from engine.request import InvalidRequestError, SamplingParams
+from tandem.cluster.prompts import PromptSpec
+from tandem.engine.colocated import EngineConfig
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
+    from tandem.model.tokenizer import Tokenizer
 
 
 class CliError(Exception):
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
 
-    from cluster.cli_serving import add_serving_parsers
+    from tandem.cluster.cli_serving import add_serving_parsers
 
     add_serving_parsers(sub, _sampling_args)
 
@@ -117,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.topology import TopologyError
-    from model.checkpoint import CheckpointError
-    from model.config import ModelConfigError
-    from model.kernels.backend import UnknownKernelBackend
-    from model.make_tiny import TinyCheckpointError
-    from model.tokenizer import TokenizerError
+    from tandem.cluster.topology import TopologyError
+    from tandem.model.checkpoint import CheckpointError
+    from tandem.model.config import ModelConfigError
+    from tandem.model.kernels.backend import UnknownKernelBackend
+    from tandem.model.make_tiny import TinyCheckpointError
+    from tandem.model.tokenizer import TokenizerError
 
     args = build_parser().parse_args(argv)
     try:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
-        from model.make_tiny import make_tiny_checkpoint
+        from tandem.model.make_tiny import make_tiny_checkpoint
 
         path = make_tiny_checkpoint(args.dir, seed=args.seed)
         print(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
@@ -151,11 +151,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command in ("serve", "client"):
-        from cluster.cli_serving import run_client, run_serve
+        from tandem.cluster.cli_serving import run_client, run_serve
 
         return run_serve(args) if args.command == "serve" else run_client(args, _sampling)
     if args.command == "bench" and args.bench_command == "disagg":
-        from bench.disagg_bench import run_disagg_bench
+        from tandem.bench.disagg_bench import run_disagg_bench
 
         result = run_disagg_bench(
             args.model,
@@ -169,7 +169,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "kvtransfer":
-        from bench.kvtransfer_bench import run_kvtransfer_bench
+        from tandem.bench.kvtransfer_bench import run_kvtransfer_bench
 
         if args.size_mib < 1:
             raise InvalidRequestError("--size-mib", f"must be at least 1, got {args.size_mib}")
@@ -177,7 +177,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "router":
-        from bench import router_bench
+        from tandem.bench import router_bench
 
         options = {
             "capacity_blocks": args.capacity_blocks,
@@ -193,7 +193,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else router_bench.format_report(result))
         return 0
     if args.command == "bench" and args.bench_command == "dep":
-        from bench.dep_bench import run_dep_bench
+        from tandem.bench.dep_bench import run_dep_bench
 
         result = run_dep_bench(
             args.model,
@@ -207,7 +207,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench":
-        from bench.engine_bench import run_engine_bench
+        from tandem.bench.engine_bench import run_engine_bench
 
         result = run_engine_bench(
             args.model,
@@ -223,8 +223,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cluster.prompts import parse_prompt_ids, read_prompts_file
-    from engine.colocated import DTYPES, ColocatedEngine
+    from tandem.cluster.prompts import parse_prompt_ids, read_prompts_file
+    from tandem.engine.colocated import DTYPES, ColocatedEngine
 
     base = _sampling(args)
     if args.prompts_file is not None:
@@ -275,11 +275,11 @@ def _print_outputs(as_json: bool, outputs: list[tuple[list[int], str, int, int, 
 def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
-    from cluster.disagg_generate import generate_on_cluster, result_record
-    from cluster.topology import Topology
-    from engine.request import check_prompt
-    from model.config import ModelConfig
-    from model.tokenizer import Tokenizer
+    from tandem.cluster.disagg_generate import generate_on_cluster, result_record
+    from tandem.cluster.topology import Topology
+    from tandem.engine.request import check_prompt
+    from tandem.model.config import ModelConfig
+    from tandem.model.tokenizer import Tokenizer
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
     cfg = ModelConfig.from_dir(args.model)
@@ -315,10 +315,10 @@ def _generate_disaggregated(
 
 
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
-    from cluster.dep_generate import generate_on_dep_group
-    from engine.request import check_prompt
-    from model.config import ModelConfig
-    from model.tokenizer import Tokenizer
+    from tandem.cluster.dep_generate import generate_on_dep_group
+    from tandem.engine.request import check_prompt
+    from tandem.model.config import ModelConfig
+    from tandem.model.tokenizer import Tokenizer
 
     if args.dep < 1:
         raise InvalidRequestError("--dep", f"must be at least 1, got {args.dep}")

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.prompts import PromptSpec
-from engine.request import InvalidRequestError, SamplingParams
+from tandem.cluster.prompts import PromptSpec
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 
 def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -63,8 +63,8 @@ def _read_secret(path: Path | None, flag: str) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from cluster.serve import ServeOptions, serve
-    from cluster.topology import Topology
+    from tandem.cluster.serve import ServeOptions, serve
+    from tandem.cluster.topology import Topology
 
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
@@ -101,8 +101,8 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
 
     import grpc
 
-    from cluster.client import ClientOptions, run_generate, status, wait_serving
-    from cluster.prompts import read_prompts_file
+    from tandem.cluster.client import ClientOptions, run_generate, status, wait_serving
+    from tandem.cluster.prompts import read_prompts_file
 
     options = ClientOptions(
         args.addr, _read_secret(args.token_file, "--token-file"), args.tls_ca, timeout_s=args.timeout
@@ -113,7 +113,7 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
             print("SERVING" if ok else "NOT_SERVING")
             return 0 if ok else 1
         if args.client_command == "status":
-            from cluster.client import message_dict
+            from tandem.cluster.client import message_dict
 
             reply = asyncio.run(status(options, args.check_integrity))
             print(json.dumps(message_dict(reply), indent=2))

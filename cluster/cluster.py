@@ -15,12 +15,12 @@ from typing import Any
 
 import ray
 
-from cluster.dep_group import DEPGroupConfig, GroupState
-from cluster.placement import RankResources
-from cluster.role_group import RoleGroup
-from cluster.topology import Topology
-from decode.worker import DecodeResult
-from engine.dep_rank import RankRequest
+from tandem.cluster.dep_group import DEPGroupConfig, GroupState
+from tandem.cluster.placement import RankResources
+from tandem.cluster.role_group import RoleGroup
+from tandem.cluster.topology import Topology
+from tandem.decode.worker import DecodeResult
+from tandem.engine.dep_rank import RankRequest
 
 CONTROLLER_NAME = "tandem-controller"
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.dep_group import DEPGroup, DEPGroupConfig
-from cluster.ray_bootstrap import init_ray
-from engine.colocated import EngineConfig
-from engine.dep_rank import FinishedRequest, RankRequest
-from engine.request import SamplingParams
+from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig
+from tandem.cluster.ray_bootstrap import init_ray
+from tandem.engine.colocated import EngineConfig
+from tandem.engine.dep_rank import FinishedRequest, RankRequest
+from tandem.engine.request import SamplingParams
 
 
 def generate_on_dep_group(

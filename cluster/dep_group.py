@@ -20,10 +20,10 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.placement import RankResources, place_group, release_group
-from cluster.rank_actor import DEPRankActor, RankSpec
-from engine.colocated import EngineConfig
-from engine.dep_rank import FinishedRequest, RankRequest, RankStats
+from tandem.cluster.placement import RankResources, place_group, release_group
+from tandem.cluster.rank_actor import DEPRankActor, RankSpec
+from tandem.engine.colocated import EngineConfig
+from tandem.engine.dep_rank import FinishedRequest, RankRequest, RankStats
 
 
 class GroupState(enum.Enum):

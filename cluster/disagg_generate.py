@@ -7,12 +7,12 @@ from typing import Any
 
 import ray
 
-from cluster.cluster import CONTROLLER_NAME, Controller
-from cluster.ray_bootstrap import init_ray
-from cluster.topology import Topology
-from decode.worker import DecodeResult
-from engine.dep_rank import RankRequest
-from engine.request import SamplingParams
+from tandem.cluster.cluster import CONTROLLER_NAME, Controller
+from tandem.cluster.ray_bootstrap import init_ray
+from tandem.cluster.topology import Topology
+from tandem.decode.worker import DecodeResult
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.request import SamplingParams
 
 
 def _where(rank_name: str | None) -> dict[str, Any] | None:

@@ -30,17 +30,17 @@ from typing import Any
 
 import ray
 
-from cluster.cluster import CONTROLLER_NAME, RoutingView
-from cluster.frontend_status import StatusView, read_status
-from cluster.kv_event_feed import KVEventFeed
-from cluster.request_stream import RequestStream, Route, StreamChunk, StreamSummary
-from decode.worker import StreamBatch
-from engine.dep_rank import RankRequest
-from engine.prefix_cache import block_hashes
-from engine.request import InvalidRequestError, SamplingParams
-from engine.scheduler import max_kv_pages
-from prefill.kv_events import KVEventBatch
-from router.router import NoRankAvailable, Router
+from tandem.cluster.cluster import CONTROLLER_NAME, RoutingView
+from tandem.cluster.frontend_status import StatusView, read_status
+from tandem.cluster.kv_event_feed import KVEventFeed
+from tandem.cluster.request_stream import RequestStream, Route, StreamChunk, StreamSummary
+from tandem.decode.worker import StreamBatch
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.scheduler import max_kv_pages
+from tandem.prefill.kv_events import KVEventBatch
+from tandem.router.router import NoRankAvailable, Router
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ class FrontendCore:
     """Everything but the gRPC server: tokenizer, router, streams, rank handles."""
 
     def __init__(self, config: FrontendConfig) -> None:
-        from model.config import ModelConfig
-        from model.tokenizer import Tokenizer
+        from tandem.model.config import ModelConfig
+        from tandem.model.tokenizer import Tokenizer
 
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
@@ -321,7 +321,7 @@ class Frontend:
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port."""
-        from cluster.grpc_service import build_server
+        from tandem.cluster.grpc_service import build_server
 
         self._server, self._health, self.port = build_server(self.core)
         await self._server.start()
@@ -376,7 +376,7 @@ class Frontend:
     async def _set_health(self, serving: bool) -> None:
         if serving == self._serving:
             return
-        from cluster.grpc_service import set_serving
+        from tandem.cluster.grpc_service import set_serving
 
         await set_serving(self._health, serving)
         self._serving = serving

@@ -9,8 +9,8 @@ from typing import Any
 
 import ray
 
-from cluster.cluster import RoutingView
-from router.router import Router
+from tandem.cluster.cluster import RoutingView
+from tandem.router.router import Router
 
 
 @dataclass

@@ -19,13 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.grpc_auth import BearerTokenInterceptor, server_credentials
-from cluster.request_stream import StreamChunk, StreamSummary
-from engine.request import InvalidRequestError, SamplingParams, check_prompt
-from protos import tandem_pb2, tandem_pb2_grpc
+from tandem.cluster.grpc_auth import BearerTokenInterceptor, server_credentials
+from tandem.cluster.request_stream import StreamChunk, StreamSummary
+from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 if TYPE_CHECKING:
-    from cluster.frontend import FrontendCore, StatusView
+    from tandem.cluster.frontend import FrontendCore, StatusView
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 MAX_REQUEST_ID_CHARS = 128
@@ -68,7 +68,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     async def Generate(
         self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        from cluster.frontend import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
+        from tandem.cluster.frontend import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
 
         arrival_unix_s = time.time()
         try:
@@ -102,7 +102,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
 
     # ---- validation -----------------------------------------------------------------------
     async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_unix_s: float) -> Any:
-        from cluster.frontend import GenerateSpec
+        from tandem.cluster.frontend import GenerateSpec
 
         core = self.core
         request_id = request.request_id or core.new_request_id()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.request import InvalidRequestError, SamplingParams
 
 _SAMPLING_FIELDS = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
 

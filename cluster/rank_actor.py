@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.rank_setup import GroupRendezvous, enter_group, rank_device
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
+from tandem.cluster.rank_setup import GroupRendezvous, enter_group, rank_device
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
 
 
 @dataclass(frozen=True)

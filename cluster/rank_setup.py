@@ -11,11 +11,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from engine.colocated import DTYPES
-from engine.dep import ExpertParallelDispatcher, expert_slice
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.deepseek import DeepseekV3
+from tandem.engine.colocated import DTYPES
+from tandem.engine.dep import ExpertParallelDispatcher, expert_slice
+from tandem.model.checkpoint import load_checkpoint
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
 
 
 class RankPlace(Protocol):

@@ -18,8 +18,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from decode.worker import Bill, DecodeResult, TokenDelta
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.decode.worker import Bill, DecodeResult, TokenDelta
+from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)

@@ -21,25 +21,25 @@ from typing import Any
 
 import ray
 
-from cluster.rank_setup import GroupRendezvous, enter_group, rank_device
-from decode.scheduler import DecodeScheduler
-from decode.types import DecodeSchedulerConfig
-from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher, Routing
-from engine.colocated import DTYPES
-from engine.dep_rank import RankRequest
-from engine.prefix_cache import block_hash
-from engine.request import Request, check_prompt
-from engine.role_loop import RoleRankLoop
-from engine.runner import ModelRunner
-from engine.scheduler import admit_new_request
-from kvtransfer.metadata import RayMetadataStore
-from kvtransfer.nixl_transport import NixlTransport
-from model.config import ModelConfig
-from model.kv_pool import KVPool
-from prefill.job import PrefillJob
-from prefill.kv_events import KVEventBatch, KVEventPublisher
-from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
-from prefill.worker import PrefillWorker
+from tandem.cluster.rank_setup import GroupRendezvous, enter_group, rank_device
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.types import DecodeSchedulerConfig
+from tandem.decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher, Routing
+from tandem.engine.colocated import DTYPES
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.prefix_cache import block_hash
+from tandem.engine.request import Request, check_prompt
+from tandem.engine.role_loop import RoleRankLoop
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import admit_new_request
+from tandem.kvtransfer.metadata import RayMetadataStore
+from tandem.kvtransfer.nixl_transport import NixlTransport
+from tandem.model.config import ModelConfig
+from tandem.model.kv_pool import KVPool
+from tandem.prefill.job import PrefillJob
+from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
+from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tandem.prefill.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 

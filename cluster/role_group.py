@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.dep_group import DEPGroup, DEPGroupConfig
-from cluster.role_actor import RoleRankActor, RoleRankSpec
-from cluster.topology import PoolSpec
-from decode.worker import Bill, DecodeResult
-from engine.dep_rank import RankRequest
+from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig
+from tandem.cluster.role_actor import RoleRankActor, RoleRankSpec
+from tandem.cluster.topology import PoolSpec
+from tandem.decode.worker import Bill, DecodeResult
+from tandem.engine.dep_rank import RankRequest
 
 
 class RoleGroup(DEPGroup):

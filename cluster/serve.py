@@ -20,10 +20,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.cluster import CONTROLLER_NAME, Controller
-from cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
-from cluster.ray_bootstrap import init_ray, shutdown_ray
-from cluster.topology import Topology
+from tandem.cluster.cluster import CONTROLLER_NAME, Controller
+from tandem.cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.cluster.topology import Topology
 
 TINY_SEED = 0
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def default_model_dir() -> Path:
 
 
 def ensure_tiny_model() -> Path:
-    from model.make_tiny import make_tiny_checkpoint
+    from tandem.model.make_tiny import make_tiny_checkpoint
 
     path = default_model_dir()
     if not (path / "config.json").is_file():

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from decode.types import (
+from tandem.decode.types import (
     AbortAction,
     AbortResult,
     DecodeFinished,
@@ -48,10 +48,15 @@ from decode.types import (
     KVNotificationError,
     Reservation,
 )
-from engine.page_allocator import PageAccountingError, PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import InvalidRequestError, Request, RequestStatus
-from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError, admit_new_request
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.prefix_cache import PrefixCache
+from tandem.engine.request import InvalidRequestError, Request, RequestStatus
+from tandem.engine.scheduler import (
+    ScheduledChunk,
+    SchedulerOutput,
+    StaleSchedulerOutputError,
+    admit_new_request,
+)
 
 
 @dataclass(eq=False)

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from engine.request import Request
-from kvtransfer.types import KVDestination
+from tandem.engine.request import Request
+from tandem.kvtransfer.types import KVDestination
 
 FinishReason: TypeAlias = Literal["stop", "length", "abort", "error"]
 

@@ -23,13 +23,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from decode.scheduler import DecodeScheduler
-from decode.types import AbortAction, DecodeFinished
-from engine.request import InvalidRequestError, Request
-from engine.runner import ModelRunner
-from kvtransfer.transport import KVTransport
-from kvtransfer.types import KVTransferAborted
-from prefill.job import PrefillJob
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.types import AbortAction, DecodeFinished
+from tandem.engine.request import InvalidRequestError, Request
+from tandem.engine.runner import ModelRunner
+from tandem.kvtransfer.transport import KVTransport
+from tandem.kvtransfer.types import KVTransferAborted
+from tandem.prefill.job import PrefillJob
 
 
 class PrefillDispatcher(ABC):

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from engine.request import Request, SamplingParams, check_prompt
-from engine.runner import ModelRunner
-from engine.scheduler import Scheduler, SchedulerConfig
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.deepseek import DeepseekV3
-from model.kv_pool import KVPool
-from model.tokenizer import Tokenizer
+from tandem.engine.request import Request, SamplingParams, check_prompt
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.model.checkpoint import load_checkpoint
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
+from tandem.model.tokenizer import Tokenizer
 
 DTYPES = {
     "float32": torch.float32,

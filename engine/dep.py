@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model.expert_dispatch import ExpertDispatcher
+from tandem.model.expert_dispatch import ExpertDispatcher
 
 if TYPE_CHECKING:
-    from model.kernels.backend import KernelBackend
-    from model.layers import MoE
+    from tandem.model.kernels.backend import KernelBackend
+    from tandem.model.layers import MoE
 
 
 @dataclass

@@ -18,9 +18,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.colocated import ColocatedEngine
-from engine.dep import ExpertParallelDispatcher, any_rank_has_work
-from engine.request import Request, SamplingParams
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work
+from tandem.engine.request import Request, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 
 _ROOT_MARKER = b"\x00"
 _CHILD_MARKER = b"\x01"

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from engine.dep import ExpertParallelDispatcher, any_rank_has_work
+from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work
 
 T = TypeVar("T")
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduler import SchedulerOutput
-from model.attention_metadata import AttentionMetadata
-from model.deepseek import DeepseekV3
-from model.kv_pool import KVPool
-from model.sampler import sample
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
+from tandem.model.sampler import sample
 
 
 @dataclass

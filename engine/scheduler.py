@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.page_allocator import PageAccountingError, PageAllocator
-from engine.prefix_cache import PrefixCache, block_hashes
-from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 
 
 class StaleSchedulerOutputError(RuntimeError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from abc import ABC, abstractmethod
 
-from kvtransfer.types import RankMetadata
+from tandem.kvtransfer.types import RankMetadata
 
 
 class MetadataStore(ABC):

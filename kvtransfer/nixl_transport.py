@@ -28,10 +28,16 @@ from typing import Any
 
 from nixl._api import nixl_agent, nixl_agent_config
 
-from kvtransfer.descriptors import PageRun, page_runs, prepared_indices
-from kvtransfer.metadata import MetadataStore
-from kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure, TransportEvents, register_transport
-from kvtransfer.types import (
+from tandem.kvtransfer.descriptors import PageRun, page_runs, prepared_indices
+from tandem.kvtransfer.metadata import MetadataStore
+from tandem.kvtransfer.transport import (
+    KVTransport,
+    ReceivedKV,
+    TransferFailure,
+    TransportEvents,
+    register_transport,
+)
+from tandem.kvtransfer.types import (
     ABORT,
     ABORT_ACK,
     DONE,

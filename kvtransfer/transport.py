@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvtransfer.metadata import MetadataStore
-from kvtransfer.types import KVDestination, KVNotification, KVTransferError, PoolLayout, TransferStats
+from tandem.kvtransfer.metadata import MetadataStore
+from tandem.kvtransfer.types import KVDestination, KVNotification, KVTransferError, PoolLayout, TransferStats
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def register_transport(cls: type[KVTransport]) -> type[KVTransport]:
 
 def transport_class(name: str) -> type[KVTransport]:
     if name == "nixl" and name not in _REGISTRY:
-        from kvtransfer import nixl_transport  # noqa: F401  (registers "nixl")
+        from tandem.kvtransfer import nixl_transport  # noqa: F401  (registers "nixl")
     if name not in _REGISTRY:
         raise ValueError(f"KV transport {name!r} is not known; known: {sorted(_REGISTRY) or ['nixl']}")
     return _REGISTRY[name]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.config import ModelConfig, expected_tensor_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

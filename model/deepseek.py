@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention_metadata import AttentionMetadata
-from model.config import ModelConfig
-from model.expert_dispatch import ExpertDispatcher, LocalExperts
-from model.kernels.backend import KernelBackend, get_backend
-from model.kernels.rope import rope_cos_sin_table
-from model.kv_pool import KVPool
-from model.layers import DenseMLP, MLAttention, MoE, RMSNorm
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.config import ModelConfig
+from tandem.model.expert_dispatch import ExpertDispatcher, LocalExperts
+from tandem.model.kernels.backend import KernelBackend, get_backend
+from tandem.model.kernels.rope import rope_cos_sin_table
+from tandem.model.kv_pool import KVPool
+from tandem.model.layers import DenseMLP, MLAttention, MoE, RMSNorm
 
 
 class DecoderLayer(nn.Module):

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from model.kernels.backend import KernelBackend
-    from model.layers import MoE
+    from tandem.model.kernels.backend import KernelBackend
+    from tandem.model.layers import MoE
 
 
 class ExpertDispatcher(ABC):

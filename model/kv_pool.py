@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.types import PoolLayout
-from model.config import ModelConfig
+from tandem.kvtransfer.types import PoolLayout
+from tandem.model.config import ModelConfig
 
 
 class KVPool:

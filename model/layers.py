@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention_metadata import AttentionMetadata
-from model.config import ModelConfig
-from model.expert_dispatch import ExpertDispatcher
-from model.kernels.backend import KernelBackend
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.config import ModelConfig
+from tandem.model.expert_dispatch import ExpertDispatcher
+from tandem.model.kernels.backend import KernelBackend
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

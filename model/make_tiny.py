@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from model.checkpoint import INDEX_FILE, SINGLE_FILE
-from model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.checkpoint import INDEX_FILE, SINGLE_FILE
+from tandem.model.config import ModelConfig, expected_tensor_shapes
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import SamplingParams
+from tandem.engine.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -20,8 +20,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from engine.request import InvalidRequestError, SamplingParams, check_prompt
-from kvtransfer.types import KVDestination
+from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
+from tandem.kvtransfer.types import KVDestination
 
 
 class PrefillStatus(enum.IntEnum):

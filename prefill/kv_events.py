@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import AllBlocksCleared, BlockStored, KVEvent
+from tandem.engine.prefix_cache import AllBlocksCleared, BlockStored, KVEvent
 
 
 @dataclass(frozen=True)

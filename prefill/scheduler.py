@@ -33,11 +33,11 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.page_allocator import PageAccountingError, PageAllocator
-from engine.prefix_cache import KVEvent, PrefixCache, block_hashes
-from engine.request import InvalidRequestError
-from engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
-from prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillStatus, PrefillTimings
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.prefix_cache import KVEvent, PrefixCache, block_hashes
+from tandem.engine.request import InvalidRequestError
+from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillStatus, PrefillTimings
 
 # Token ids are hashed as signed 64-bit integers; without a vocabulary that is the bound.
 _MAX_TOKEN_ID = 2**63 - 1

@@ -17,12 +17,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.request import InvalidRequestError
-from engine.runner import ModelRunner
-from kvtransfer.transport import KVTransport, TransferFailure
-from kvtransfer.types import KVNotification, KVTransferError, TransferStats
-from prefill.job import PrefillJob
-from prefill.scheduler import AbortAction, PrefillScheduler
+from tandem.engine.request import InvalidRequestError
+from tandem.engine.runner import ModelRunner
+from tandem.kvtransfer.transport import KVTransport, TransferFailure
+from tandem.kvtransfer.types import KVNotification, KVTransferError, TransferStats
+from tandem.prefill.job import PrefillJob
+from tandem.prefill.scheduler import AbortAction, PrefillScheduler
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Regenerate the Python stubs of ``protos/tandem.proto``: ``python -m protos.generate``.
+"""Regenerate the Python stubs of ``protos/tandem.proto``: ``python -m tandem.protos.generate``.
 
 The stubs are committed; ``tests/protos/test_stubs.py`` fails when they differ from what this
 writes. ``--out DIR`` writes them elsewhere (the test compares such a copy).
@@ -23,15 +23,21 @@ def generate(out_dir: Path) -> list[Path]:
 
     include = Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        # run from the repository root so the stubs import each other as ``protos.tandem_pb2``
+        # the proto is compiled as ``tandem/protos/tandem.proto`` so that the stubs import each
+        # other as ``tandem.protos.tandem_pb2``, the name the package installs under
+        src = Path(tmp) / "src"
+        (src / "tandem" / "protos").mkdir(parents=True)
+        shutil.copyfile(ROOT / PROTO, src / "tandem" / PROTO)
+        build = Path(tmp) / "build"
+        build.mkdir()
         args = [
             "protoc",
-            f"-I{ROOT}",
+            f"-I{src}",
             f"-I{include}",
-            f"--python_out={tmp}",
-            f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
-            str(ROOT / PROTO),
+            f"--python_out={build}",
+            f"--pyi_out={build}",
+            f"--grpc_python_out={build}",
+            str(src / "tandem" / PROTO),
         ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {PROTO}")
@@ -39,7 +45,7 @@ def generate(out_dir: Path) -> list[Path]:
         written = []
         for name in STUBS:
             target = out_dir / name
-            shutil.copyfile(Path(tmp) / "protos" / name, target)
+            shutil.copyfile(build / "tandem" / "protos" / name, target)
             written.append(target)
     return written
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import tandem_pb2 as protos_dot_tandem__pb2
+from tandem.protos import tandem_pb2 as tandem_dot_protos_dot_tandem__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tandem_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/protos/tandem_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class TandemStub:
         """
         self.Generate = channel.unary_stream(
                 '/tandem.v1.Tandem/Generate',
-                request_serializer=protos_dot_tandem__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem__pb2.GenerateResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_tandem__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_tandem__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Tandem/Abort',
-                request_serializer=protos_dot_tandem__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem__pb2.AbortResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_tandem__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_tandem__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/tandem.v1.Tandem/ClusterStatus',
-                request_serializer=protos_dot_tandem__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_tandem__pb2.ClusterStatusResponse.FromString,
+                request_serializer=tandem_dot_protos_dot_tandem__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_protos_dot_tandem__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_tandem__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_tandem__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_tandem__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_tandem__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_tandem__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_tandem__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_tandem__pb2.AbortRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_tandem__pb2.AbortResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
-                    request_deserializer=protos_dot_tandem__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=protos_dot_tandem__pb2.ClusterStatusResponse.SerializeToString,
+                    request_deserializer=tandem_dot_protos_dot_tandem__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=tandem_dot_protos_dot_tandem__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Tandem:
             request,
             target,
             '/tandem.v1.Tandem/Generate',
-            protos_dot_tandem__pb2.GenerateRequest.SerializeToString,
-            protos_dot_tandem__pb2.GenerateResponse.FromString,
+            tandem_dot_protos_dot_tandem__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_protos_dot_tandem__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Tandem:
             request,
             target,
             '/tandem.v1.Tandem/Abort',
-            protos_dot_tandem__pb2.AbortRequest.SerializeToString,
-            protos_dot_tandem__pb2.AbortResponse.FromString,
+            tandem_dot_protos_dot_tandem__pb2.AbortRequest.SerializeToString,
+            tandem_dot_protos_dot_tandem__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Tandem:
             request,
             target,
             '/tandem.v1.Tandem/ClusterStatus',
-            protos_dot_tandem__pb2.ClusterStatusRequest.SerializeToString,
-            protos_dot_tandem__pb2.ClusterStatusResponse.FromString,
+            tandem_dot_protos_dot_tandem__pb2.ClusterStatusRequest.SerializeToString,
+            tandem_dot_protos_dot_tandem__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.policy import (
+from tandem.router.policy import (
     PolicyConfig,
     PrefillCandidate,
     PrefillChoice,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.policy import PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery, least_loaded
+from tandem.router.policy import PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery, least_loaded
 
 
 class LeastLoadedPolicy(PrefillPolicy):

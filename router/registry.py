@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.cache_aware import CacheAwarePolicy
-from router.least_loaded import LeastLoadedPolicy
-from router.policy import PolicyConfig, PrefillPolicy
-from router.round_robin import RoundRobinPolicy
+from tandem.router.cache_aware import CacheAwarePolicy
+from tandem.router.least_loaded import LeastLoadedPolicy
+from tandem.router.policy import PolicyConfig, PrefillPolicy
+from tandem.router.round_robin import RoundRobinPolicy
 
 DEFAULT_POLICY = CacheAwarePolicy.name
 PREFILL_POLICIES: dict[str, type[PrefillPolicy]] = {

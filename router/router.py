@@ -17,12 +17,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.prefix_cache import KVEvent
-from router.decode_choice import DecodeCandidate, choose_decode_rank
-from router.index import BlockIndex, IndexIntegrityError
-from router.load import LoadTracker
-from router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
-from router.registry import DEFAULT_POLICY, make_prefill_policy
+from tandem.engine.prefix_cache import KVEvent
+from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
+from tandem.router.index import BlockIndex, IndexIntegrityError
+from tandem.router.load import LoadTracker
+from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
+from tandem.router.registry import DEFAULT_POLICY, make_prefill_policy
 
 
 class NoRankAvailable(RuntimeError):

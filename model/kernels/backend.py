@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from model.attention_metadata import AttentionMetadata
+    from tandem.model.attention_metadata import AttentionMetadata
 
 
 class KernelBackend(ABC):
@@ -114,14 +114,14 @@ def get_backend(device: torch.device | str = "cpu", name: str | None = None) -> 
     ``triton`` on a machine without CUDA runs the kernels in Triton's interpreter: it is chosen when
     a kernel is defined, so it is switched on here, before the kernel modules are imported.
     """
-    from model.kernels import torch_backend  # noqa: F401  (registers "torch")
+    from tandem.model.kernels import torch_backend  # noqa: F401  (registers "torch")
 
     is_cuda = torch.device(device).type == "cuda"
     chosen = name or os.environ.get("TANDEM_KERNELS") or ("triton" if is_cuda else "torch")
     if chosen == "triton" and chosen not in _REGISTRY:
         if not is_cuda:
             os.environ["TRITON_INTERPRET"] = "1"
-        from model.kernels import triton_backend  # noqa: F401  (registers "triton")
+        from tandem.model.kernels import triton_backend  # noqa: F401  (registers "triton")
     if chosen not in _REGISTRY:
         raise UnknownKernelBackend(chosen)
     return _REGISTRY[chosen]()

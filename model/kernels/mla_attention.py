@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.attention_metadata import AttentionMetadata
+from tandem.model.attention_metadata import AttentionMetadata
 
 
 def kv_store_torch(

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from model.attention_metadata import AttentionMetadata
+    from tandem.model.attention_metadata import AttentionMetadata
 
 BLOCK_H = 16  # heads per program: the M dimension of the score matmul (tl.dot needs >= 16)
 # KV tokens per tile and warps: 16-bit inputs, then float32/float64 (half the tile, twice the warps,

@@ -49,10 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.mla_decode_triton import LOG2E, dot_operands, on_device
+from tandem.model.kernels.mla_decode_triton import LOG2E, dot_operands, on_device
 
 if TYPE_CHECKING:
-    from model.attention_metadata import AttentionMetadata
+    from tandem.model.attention_metadata import AttentionMetadata
 
 # query x head rows per program (the M dimension of the score matmul, >= 16) and KV tokens per
 # tile: 16-bit inputs, then float32/float64, smaller so that at L=512 neither spills on sm_90

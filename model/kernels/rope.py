@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from model.config import RopeConfig, yarn_mscale
+from tandem.model.config import RopeConfig, yarn_mscale
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:

@@ -3,14 +3,14 @@ Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
 
-from model.kernels.backend import KernelBackend, register_backend
-from model.kernels.kv_store_triton import kv_store_triton
-from model.kernels.mla_decode_triton import decode_attention_triton
-from model.kernels.mla_extend_triton import extend_attention_triton
-from model.kernels.moe_experts_triton import fused_experts_triton
-from model.kernels.moe_route_triton import grouped_topk_triton
-from model.kernels.norm_triton import rms_norm_triton
-from model.kernels.rope_triton import apply_rope_triton
+from tandem.model.kernels.backend import KernelBackend, register_backend
+from tandem.model.kernels.kv_store_triton import kv_store_triton
+from tandem.model.kernels.mla_decode_triton import decode_attention_triton
+from tandem.model.kernels.mla_extend_triton import extend_attention_triton
+from tandem.model.kernels.moe_experts_triton import fused_experts_triton
+from tandem.model.kernels.moe_route_triton import grouped_topk_triton
+from tandem.model.kernels.norm_triton import rms_norm_triton
+from tandem.model.kernels.rope_triton import apply_rope_triton
 
 
 @register_backend

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.frontend import FrontendConfig, FrontendCore
-from engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
-from model.make_tiny import make_tiny_checkpoint
-from prefill.kv_events import KVEventBatch
+from tandem.cluster.frontend import FrontendConfig, FrontendCore
+from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.prefill.kv_events import KVEventBatch
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from cluster.rank_setup import GroupRendezvous
+from tandem.cluster.rank_setup import GroupRendezvous
 
 
 def test_rank0_store_holds_its_port_and_serves_the_other_ranks() -> None:

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from cluster.request_stream import RequestStream, StreamChunk, StreamSummary
-from decode.worker import Bill, DecodeResult, TokenDelta
-from model.make_tiny import make_tiny_checkpoint
-from model.tokenizer import Tokenizer
+from tandem.cluster.request_stream import RequestStream, StreamChunk, StreamSummary
+from tandem.decode.worker import Bill, DecodeResult, TokenDelta
+from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.topology import Topology, TopologyError
+from tandem.cluster.topology import Topology, TopologyError
 
 
 @pytest.mark.parametrize(

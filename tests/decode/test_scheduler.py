@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from decode.scheduler import DecodeScheduler
-from decode.types import (
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.types import (
     AbortAction,
     DecodeFinished,
     DecodePhase,
@@ -18,9 +18,9 @@ from decode.types import (
     KVNotificationError,
     Reservation,
 )
-from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
-from kvtransfer.types import KVDestination
+from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
+from tandem.kvtransfer.types import KVDestination
 
 PAGE = 4
 TIMEOUT_S = 5.0
@@ -660,8 +660,8 @@ def test_random_scenario(seed: int) -> None:
 
 def test_decode_scheduler_does_not_import_torch() -> None:
     code = (
-        "import sys, decode.scheduler; "
+        "import sys, tandem.decode.scheduler; "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'; "
-        "assert 'kvtransfer.nixl_transport' not in sys.modules and 'nixl' not in sys.modules"
+        "assert 'tandem.kvtransfer.nixl_transport' not in sys.modules and 'nixl' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

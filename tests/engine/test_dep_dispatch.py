@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
-from model.config import ModelConfig
-from model.expert_dispatch import LocalExperts
-from model.kernels.backend import get_backend
-from model.layers import MoE
-from model.make_tiny import tiny_config_dict
+from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
+from tandem.model.config import ModelConfig
+from tandem.model.expert_dispatch import LocalExperts
+from tandem.model.kernels.backend import get_backend
+from tandem.model.layers import MoE
+from tandem.model.make_tiny import tiny_config_dict
 
 WORLD = 4
 # tokens per rank: uneven, one rank idle

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.engine_bench import run_engine_bench
-from model.make_tiny import make_tiny_checkpoint
+from tandem.bench.engine_bench import run_engine_bench
+from tandem.model.make_tiny import make_tiny_checkpoint
 
 
 def test_engine_bench_reports_each_batch(tmp_path: Path) -> None:

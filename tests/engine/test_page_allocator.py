@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 
 
 def test_allocate_is_all_or_nothing() -> None:

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from engine.page_allocator import PageAccountingError, PageAllocator
-from engine.prefix_cache import (
+from tandem.engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.engine.prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from engine.prefix_cache import BlockStored, block_hashes
-from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.scheduler import (
+from tandem.engine.prefix_cache import BlockStored, block_hashes
+from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from tandem.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -361,7 +361,7 @@ def test_randomized_requests_aborts_and_tiny_pool(seed: int, enable_prefix_cachi
 
 def test_scheduling_core_does_not_import_torch() -> None:
     code = (
-        "import sys, engine.scheduler, engine.prefix_cache, engine.page_allocator; "
+        "import sys, tandem.engine.scheduler, tandem.engine.prefix_cache, tandem.engine.page_allocator; "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

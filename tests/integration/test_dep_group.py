@@ -12,13 +12,13 @@ import pytest
 import ray
 import torch
 
-from cluster.cli import main
-from cluster.dep_group import DEPGroup, DEPGroupConfig, GroupNotReady, GroupState
-from cluster.ray_bootstrap import init_ray, shutdown_ray
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.dep_rank import FinishedRequest, RankRequest
-from engine.request import InvalidRequestError, SamplingParams
-from model.make_tiny import make_tiny_checkpoint
+from tandem.cluster.cli import main
+from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig, GroupNotReady, GroupState
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.dep_rank import FinishedRequest, RankRequest
+from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.model.make_tiny import make_tiny_checkpoint
 
 ENGINE = EngineConfig(page_size=8, num_pages=96)
 
@@ -153,7 +153,7 @@ def test_generate_cli_with_dep(tiny: Path, tmp_path: Path, capsys: pytest.Captur
 
 
 def test_dep_benchmark_reports_all_to_all(tiny: Path) -> None:
-    from bench.dep_bench import run_dep_bench
+    from tandem.bench.dep_bench import run_dep_bench
 
     result = run_dep_bench(tiny, [1, 2], requests_per_rank=2, prompt_tokens=8, output_tokens=4)
     assert [r["dep"] for r in result["runs"]] == [1, 2]

@@ -13,13 +13,13 @@ import pytest
 import ray
 import torch
 
-from cluster.cluster import Cluster
-from cluster.ray_bootstrap import init_ray, shutdown_ray
-from cluster.topology import PoolSpec, Topology
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.dep_rank import RankRequest
-from engine.request import SamplingParams
-from model.make_tiny import make_tiny_checkpoint
+from tandem.cluster.cluster import Cluster
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.cluster.topology import PoolSpec, Topology
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.dep_rank import RankRequest
+from tandem.engine.request import SamplingParams
+from tandem.model.make_tiny import make_tiny_checkpoint
 
 PAGE = 8
 
@@ -114,7 +114,7 @@ def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path
     again, and no placement group of the cluster stays reserved."""
     import dataclasses
 
-    from cluster.dep_group import GroupFailed, GroupState
+    from tandem.cluster.dep_group import GroupFailed, GroupState
 
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     bad = cluster.decode[0]
@@ -167,7 +167,7 @@ def test_large_presets_match_the_colocated_engine(tiny: Path, preset: str) -> No
 
 
 def test_disagg_benchmark_reports_ttft_itl_and_exposed_share(tiny: Path) -> None:
-    from bench.disagg_bench import run_disagg_bench
+    from tandem.bench.disagg_bench import run_disagg_bench
 
     result = run_disagg_bench(tiny, "local", [2], requests=2, prompt_tokens=16, output_tokens=3)
     (row,) = result["runs"]
@@ -182,7 +182,7 @@ def test_generate_preset_through_the_named_controller(
 ) -> None:
     import json
 
-    from cluster.cli import main
+    from tandem.cluster.cli import main
 
     prompts = tmp_path / "p.jsonl"
     lines = [

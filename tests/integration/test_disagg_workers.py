@@ -10,23 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.scheduler import DecodeScheduler
-from decode.types import DecodeSchedulerConfig
-from decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.request import Request, SamplingParams
-from engine.runner import ModelRunner
-from kvtransfer.metadata import InMemoryMetadataStore
-from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.types import KVTransferAborted
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.deepseek import DeepseekV3
-from model.kv_pool import KVPool
-from model.make_tiny import make_tiny_checkpoint
-from prefill.job import PrefillJob
-from prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
-from prefill.worker import PrefillWorker
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.types import DecodeSchedulerConfig
+from tandem.decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.request import Request, SamplingParams
+from tandem.engine.runner import ModelRunner
+from tandem.kvtransfer.metadata import InMemoryMetadataStore
+from tandem.kvtransfer.nixl_transport import NixlTransport
+from tandem.kvtransfer.types import KVTransferAborted
+from tandem.model.checkpoint import load_checkpoint
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
+from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.prefill.job import PrefillJob
+from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tandem.prefill.worker import PrefillWorker
 
 PAGE = 8
 

@@ -22,16 +22,16 @@ import ray
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.client import ClientOptions, Outcome, generate_all, request_message
-from cluster.cluster import CONTROLLER_NAME, Controller
-from cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
-from cluster.prompts import PromptSpec
-from cluster.ray_bootstrap import init_ray, shutdown_ray
-from cluster.topology import PoolSpec, Topology
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.request import SamplingParams
-from model.make_tiny import make_tiny_checkpoint
-from protos import tandem_pb2, tandem_pb2_grpc
+from tandem.cluster.client import ClientOptions, Outcome, generate_all, request_message
+from tandem.cluster.cluster import CONTROLLER_NAME, Controller
+from tandem.cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
+from tandem.cluster.prompts import PromptSpec
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.cluster.topology import PoolSpec, Topology
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.request import SamplingParams
+from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 PAGE = 8
 TOKEN = "s3cret-test-token"

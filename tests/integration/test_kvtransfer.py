@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import ray
 
-from bench.kv_peer import KVPeer, PeerEvents
-from cluster.ray_bootstrap import init_ray, shutdown_ray
-from kvtransfer.descriptors import page_runs
-from kvtransfer.types import KVDestination, KVTransferAborted, KVTransferTimeout, StalePeerError
+from tandem.bench.kv_peer import KVPeer, PeerEvents
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.kvtransfer.descriptors import page_runs
+from tandem.kvtransfer.types import KVDestination, KVTransferAborted, KVTransferTimeout, StalePeerError
 
 LAYERS, PAGES, PAGE_SIZE, DIM = 3, 48, 16, 40
 
@@ -188,7 +188,7 @@ def test_restarted_peer_is_refused_until_its_new_metadata_is_published(peers: tu
 
 
 def test_kvtransfer_benchmark_reports_the_ratio(peers: tuple[Any, Any]) -> None:
-    from bench.kvtransfer_bench import run_kvtransfer_bench
+    from tandem.bench.kvtransfer_bench import run_kvtransfer_bench
 
     result = run_kvtransfer_bench(size_mib=8, repeats=1)
     assert result["bytes_match"] is True

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.request import SamplingParams
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.request import SamplingParams
 
-CLI = [sys.executable, "-m", "cluster.cli"]
+CLI = [sys.executable, "-m", "tandem.cluster.cli"]
 
 
 def _tandem(

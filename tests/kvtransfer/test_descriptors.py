@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from kvtransfer.descriptors import PageRun, page_runs, prepared_indices
-from kvtransfer.types import PoolLayout, decode_message, encode_message
+from tandem.kvtransfer.descriptors import PageRun, page_runs, prepared_indices
+from tandem.kvtransfer.types import PoolLayout, decode_message, encode_message
 
 
 def test_runs_coalesce_where_both_sides_are_contiguous() -> None:
@@ -41,6 +41,6 @@ def test_messages_round_trip_and_garbage_is_rejected() -> None:
 
 
 def test_kvtransfer_does_not_import_torch() -> None:
-    modules = "kvtransfer.descriptors, kvtransfer.transport, kvtransfer.types, kvtransfer.metadata"
+    modules = ", ".join(f"tandem.kvtransfer.{m}" for m in ("descriptors", "transport", "types", "metadata"))
     code = f"import sys, {modules}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,15 +9,15 @@ import torch
 from safetensors import safe_open
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-import model.checkpoint as checkpoint
-from model.checkpoint import (
+import tandem.model.checkpoint as checkpoint
+from tandem.model.checkpoint import (
     CheckpointError,
     dequantize_fp8_block,
     load_checkpoint,
     quantize_fp8_block,
 )
-from model.config import ModelConfig, ModelConfigError, expected_tensor_shapes
-from model.make_tiny import (
+from tandem.model.config import ModelConfig, ModelConfigError, expected_tensor_shapes
+from tandem.model.make_tiny import (
     TinyCheckpointError,
     make_tiny_checkpoint,
     tiny_config_dict,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import ModelConfig, ModelConfigError
-from model.kernels.rope import rope_inv_freq
+from tandem.model.config import ModelConfig, ModelConfigError
+from tandem.model.kernels.rope import rope_inv_freq
 from tests.hf_reference import TINY, VARIANTS
 
 

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.colocated import ColocatedEngine, EngineConfig
-from engine.request import SamplingParams
-from model.attention_metadata import AttentionMetadata
-from model.checkpoint import load_checkpoint
-from model.config import ModelConfig
-from model.deepseek import DeepseekV3
-from model.kv_pool import KVPool
+from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.request import SamplingParams
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.checkpoint import load_checkpoint
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
 from tests.hf_reference import VARIANTS, make_hf_checkpoint
 
 GEN_TOKENS = 48

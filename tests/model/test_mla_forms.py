@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention_metadata import AttentionMetadata
-from model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
@@ -45,10 +45,10 @@ def test_kv_store_writes_only_the_given_slots() -> None:
 
 def test_empty_batch_runs_every_layer() -> None:
     """An idle rank of a DEP group runs the model on no tokens (its MoE layers still serve others)."""
-    from model.config import ModelConfig
-    from model.deepseek import DeepseekV3
-    from model.kv_pool import KVPool
-    from model.make_tiny import tiny_config_dict
+    from tandem.model.config import ModelConfig
+    from tandem.model.deepseek import DeepseekV3
+    from tandem.model.kv_pool import KVPool
+    from tandem.model.make_tiny import tiny_config_dict
 
     cfg = ModelConfig.from_dict(tiny_config_dict())
     model = DeepseekV3(cfg, torch.float32)
@@ -62,10 +62,10 @@ def test_empty_batch_runs_every_layer() -> None:
 
 
 def test_layer_hook_sees_each_layers_kv_written_before_the_next_layer() -> None:
-    from model.config import ModelConfig
-    from model.deepseek import DeepseekV3
-    from model.kv_pool import KVPool
-    from model.make_tiny import tiny_config_dict
+    from tandem.model.config import ModelConfig
+    from tandem.model.deepseek import DeepseekV3
+    from tandem.model.kv_pool import KVPool
+    from tandem.model.make_tiny import tiny_config_dict
 
     cfg = ModelConfig.from_dict(tiny_config_dict())
     model = DeepseekV3(cfg, torch.float32)

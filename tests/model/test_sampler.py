@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import SamplingParams
-from model.sampler import filter_logits, sample
+from tandem.engine.request import SamplingParams
+from tandem.model.sampler import filter_logits, sample
 
 
 def _logits(n: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_mixed_rows_filter_independently() -> None:
 
 
 def test_noise_is_uniform_and_keyed_by_seed_and_index() -> None:
-    from model.sampler import uniform_noise
+    from tandem.model.sampler import uniform_noise
 
     u = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 20000)
     assert float(u.min()) > 0 and float(u.max()) < 1

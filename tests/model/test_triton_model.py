@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import main as gpu_check_main
-from cluster.cli import main
-from model.kernels.backend import UnknownKernelBackend, get_backend
-from model.make_tiny import make_tiny_checkpoint
+from tandem.bench.gpu_check import main as gpu_check_main
+from tandem.cluster.cli import main
+from tandem.model.kernels.backend import UnknownKernelBackend, get_backend
+from tandem.model.make_tiny import make_tiny_checkpoint
 
 
 def _generate(

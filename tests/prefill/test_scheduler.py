@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine.prefix_cache import BlockRemoved, BlockStored, block_hashes
-from engine.request import InvalidRequestError, SamplingParams
-from engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
-from kvtransfer.types import KVDestination
-from prefill.job import PrefillDone, PrefillJob, PrefillStatus
-from prefill.scheduler import AbortAction, PrefillScheduler, PrefillSchedulerConfig, PrefillStateError
+from tandem.engine.prefix_cache import BlockRemoved, BlockStored, block_hashes
+from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
+from tandem.kvtransfer.types import KVDestination
+from tandem.prefill.job import PrefillDone, PrefillJob, PrefillStatus
+from tandem.prefill.scheduler import AbortAction, PrefillScheduler, PrefillSchedulerConfig, PrefillStateError
 
 PAGE = 4
 
@@ -413,7 +413,7 @@ def test_random_jobs_aborts_and_out_of_order_transfers(seed: int) -> None:
 
 def test_prefill_scheduler_does_not_import_torch() -> None:
     code = (
-        "import sys, prefill.scheduler, prefill.job; "
+        "import sys, tandem.prefill.scheduler, tandem.prefill.job; "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCache, block_hashes
-from router.index import BlockIndex, IndexIntegrityError
-from router.ranks import InvalidRankName, split_rank_name
+from tandem.engine.page_allocator import PageAllocator
+from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCache, block_hashes
+from tandem.router.index import BlockIndex, IndexIntegrityError
+from tandem.router.ranks import InvalidRankName, split_rank_name
 
 PAGE = 4
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.load import DecodeStats, LoadIntegrityError, LoadTracker
+from tandem.router.load import DecodeStats, LoadIntegrityError, LoadTracker
 
 
 def tracker() -> LoadTracker:

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from router.decode_choice import DecodeCandidate, choose_decode_rank
-from router.policy import PolicyConfig, PrefillCandidate, PrefillQuery
-from router.registry import PREFILL_POLICIES, UnknownPolicy, make_prefill_policy
+from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
+from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillQuery
+from tandem.router.registry import PREFILL_POLICIES, UnknownPolicy, make_prefill_policy
 
 PAGE = 16
 # 10 full pages + 1 token: 10 reusable blocks

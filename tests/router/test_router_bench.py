@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.router_bench import TraceError, read_trace, run_router_bench, shared_cache_hit_rate
-from cluster.cli import main
+from tandem.bench.router_bench import TraceError, read_trace, run_router_bench, shared_cache_hit_rate
+from tandem.cluster.cli import main
 
 BLOCK = 512
 

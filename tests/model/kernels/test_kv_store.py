@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.kernels.kv_store_triton import kv_store_triton
-from model.kernels.mla_attention import kv_store_torch
+from tandem.model.kernels.kv_store_triton import kv_store_triton
+from tandem.model.kernels.mla_attention import kv_store_torch
 from tests.model.kernels.test_mla_decode import DEEPSEEK_LATENT, DEEPSEEK_ROPE, sm90_resources
 
 LATENT, ROPE, PAGE, NUM_PAGES = 32, 8, 4, 9
@@ -78,7 +78,7 @@ def test_kv_store_compiles_for_h200() -> None:
     ((stack, _),) = sm90_resources(
         [
             {
-                "module": "model.kernels.kv_store_triton",
+                "module": "tandem.model.kernels.kv_store_triton",
                 "kernel": "_kv_store_kernel",
                 "constexprs": {
                     "D_LATENT": DEEPSEEK_LATENT,

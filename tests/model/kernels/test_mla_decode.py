@@ -20,10 +20,10 @@ import pytest
 import torch
 import triton.backends.nvidia
 
-from model.attention_metadata import AttentionMetadata
-from model.kernels import mla_decode_triton
-from model.kernels.mla_attention import decode_attention_torch
-from model.kernels.mla_decode_triton import (
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.kernels import mla_decode_triton
+from tandem.model.kernels.mla_attention import decode_attention_torch
+from tandem.model.kernels.mla_decode_triton import (
     BLOCK_H,
     BLOCK_N,
     BLOCK_N_WIDE,
@@ -288,7 +288,7 @@ def test_decode_compiles_for_h200_without_spills(dtype: str) -> None:
     pointers |= dict.fromkeys(["page_table", "seq_lens"], "*i64") | dict.fromkeys(
         ["part_out", "part_lse"], f"*{acc}"
     )
-    module = "model.kernels.mla_decode_triton"
+    module = "tandem.model.kernels.mla_decode_triton"
     split = {"BLOCK_H": BLOCK_H, "BLOCK_N": BLOCK_N if narrow else BLOCK_N_WIDE}
     specs = [
         {

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention_metadata import AttentionMetadata
-from model.kernels import mla_extend_triton
-from model.kernels.mla_attention import extend_attention_torch
-from model.kernels.mla_extend_triton import (
+from tandem.model.attention_metadata import AttentionMetadata
+from tandem.model.kernels import mla_extend_triton
+from tandem.model.kernels.mla_attention import extend_attention_torch
+from tandem.model.kernels.mla_extend_triton import (
     BLOCK_N,
     BLOCK_N_WIDE,
     NUM_WARPS,
@@ -131,7 +131,7 @@ def test_extend_compiles_for_h200_without_spills(dtype: str) -> None:
     pointers |= dict.fromkeys(["page_table", "query_start", "seq_lens"], "*i64")
     specs = [
         {
-            "module": "model.kernels.mla_extend_triton",
+            "module": "tandem.model.kernels.mla_extend_triton",
             "kernel": "_extend_kernel",
             "constexprs": deepseek_constexprs(dtype)
             | {"BLOCK_M": rows // block_h, "BLOCK_H": block_h, "BLOCK_N": block_n},

@@ -18,8 +18,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from model.kernels.moe import fused_experts_torch, grouped_topk_torch
-from model.kernels.moe_experts_triton import (
+from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
+from tandem.model.kernels.moe_experts_triton import (
     ExpertBlocks,
     ExpertDtypeMismatch,
     _down_kernel,

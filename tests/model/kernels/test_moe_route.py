@@ -24,8 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from model.kernels.moe import grouped_topk_torch
-from model.kernels.moe_route_triton import (
+from tandem.model.kernels.moe import grouped_topk_torch
+from tandem.model.kernels.moe_route_triton import (
     RoutingShapeError,
     _grouped_topk_kernel,
     grouped_topk_triton,

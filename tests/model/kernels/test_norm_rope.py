@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import RopeConfig
-from model.kernels import norm_triton, rope_triton
-from model.kernels.norm import rms_norm_torch
-from model.kernels.norm_triton import rms_norm_triton
-from model.kernels.rope import apply_rope_torch, rope_cos_sin_table
-from model.kernels.rope_triton import apply_rope_triton
+from tandem.model.config import RopeConfig
+from tandem.model.kernels import norm_triton, rope_triton
+from tandem.model.kernels.norm import rms_norm_torch
+from tandem.model.kernels.norm_triton import rms_norm_triton
+from tandem.model.kernels.rope import apply_rope_torch, rope_cos_sin_table
+from tandem.model.kernels.rope_triton import apply_rope_triton
 from tests.model.kernels.test_mla_decode import NanTorch
 
 # Triton's interpreter truncates float32 -> bfloat16 (a GPU rounds to nearest), so each rounding

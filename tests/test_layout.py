@@ -1,0 +1,55 @@
+"""The repository's layout: its folders install under one ``tandem`` package, nothing generic
+lands in site-packages, and the processes that never run the model never import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _package_folders() -> list[Path]:
+    """Every folder of the repository that is a Python package, tests and the ``tandem/`` links
+    aside."""
+    return sorted(
+        p.parent.relative_to(ROOT)
+        for p in ROOT.glob("*/**/__init__.py")
+        if p.parts[len(ROOT.parts)] not in ("tests", "tandem", ".venv", "build")
+    )
+
+
+def test_every_package_folder_installs_under_tandem() -> None:
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    folders = _package_folders()
+    assert folders, "no package folder found"
+    for folder in folders:
+        name = "tandem." + ".".join(folder.parts)
+        assert name in setuptools["packages"], f"{folder}/ is not installed: add {name!r} to packages"
+        top = folder.parts[0]
+        assert setuptools["package-dir"][f"tandem.{top}"] == top
+        # the checkout's tandem/ links give tools that read the tree the installed names
+        assert (ROOT / "tandem" / top).resolve() == (ROOT / top).resolve()
+    assert set(setuptools["packages"]) == {"tandem"} | {"tandem." + ".".join(f.parts) for f in folders}
+
+
+def test_lint_bans_a_bare_import_of_every_package() -> None:
+    banned = PYPROJECT["tool"]["ruff"]["lint"]["flake8-tidy-imports"]["banned-api"]
+    assert "TID251" in PYPROJECT["tool"]["ruff"]["lint"]["select"]
+    assert {f.parts[0] for f in _package_folders()} <= set(banned)
+
+
+def test_only_tandem_is_importable_outside_the_checkout(tmp_path: Path) -> None:
+    tops = sorted({f.parts[0] for f in _package_folders()})
+    code = (
+        "import importlib.util, tandem.router, tandem.cluster.cli\n"
+        f"leaked = [m for m in {tops!r} if importlib.util.find_spec(m) is not None]\n"
+        "assert not leaked, f'top-level modules in the environment: {leaked}'\n"
+    )
+    # run from elsewhere: inside the checkout the folders are importable by their own names
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    bare = subprocess.run([sys.executable, "-c", "import model"], cwd=tmp_path, capture_output=True, text=True)
+    assert bare.returncode != 0 and "No module named 'model'" in bare.stderr
