@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig
+from tandem.cluster.group import GroupConfig, RankGroup
 from tandem.cluster.ray_bootstrap import init_ray
-from tandem.engine.colocated import EngineConfig
-from tandem.engine.dep_rank import RankRequest
+from tandem.engine.colocated_role import ColocatedRole
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.messages import RankRequest
 from tandem.engine.request import SamplingParams
 from tandem.model.config import ModelConfig
 
@@ -34,11 +35,8 @@ def run_dep_bench(
     rng = random.Random(0)
     runs = []
     for size in sizes:
-        group = DEPGroup(
-            DEPGroupConfig(
-                f"bench-dep{size}", str(model_dir), size, dtype, EngineConfig(enable_prefix_caching=False)
-            )
-        )
+        role = ColocatedRole(EngineConfig(enable_prefix_caching=False))
+        group = RankGroup(GroupConfig(f"bench-dep{size}", str(model_dir), size, role, dtype))
         group.start()
         try:
             sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
@@ -46,7 +44,9 @@ def run_dep_bench(
                 prompts = [
                     [rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(requests_per_rank)
                 ]
-                group.submit(rank, [RankRequest(f"r{rank}-{i}", p, sampling) for i, p in enumerate(prompts)])
+                group.submit(
+                    rank, [RankRequest(f"r{rank}-{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
+                )
             before = group.stats()
             start = time.perf_counter()
             results = group.run_to_completion(timeout_s=600)
@@ -57,10 +57,11 @@ def run_dep_bench(
         errors = [r.error for r in results if r.error]
         if errors:
             raise RuntimeError(errors[0])
-        steps = sum(a.steps - b.steps for a, b in zip(after, before, strict=True)) / size
-        step_s = sum(a.step_s - b.step_s for a, b in zip(after, before, strict=True)) / size
-        a2a_s = sum(a.all_to_all_s - b.all_to_all_s for a, b in zip(after, before, strict=True)) / size
-        agree_s = sum(a.agree_s - b.agree_s for a, b in zip(after, before, strict=True)) / size
+        pairs = list(zip(after, before, strict=True))
+        steps = sum(a.loop.steps - b.loop.steps for a, b in pairs) / size
+        step_s = sum(a.loop.step_s - b.loop.step_s for a, b in pairs) / size
+        a2a_s = sum(a.all_to_all_s - b.all_to_all_s for a, b in pairs) / size
+        agree_s = sum(a.loop.agree_s - b.loop.agree_s for a, b in pairs) / size
         runs.append({
             "dep": size,
             "requests": size * requests_per_rank,

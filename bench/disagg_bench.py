@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.cluster.cluster import Cluster
 from tandem.cluster.ray_bootstrap import init_ray
+from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
-from tandem.engine.colocated import DTYPES, ColocatedEngine, EngineConfig
-from tandem.engine.dep_rank import RankRequest
+from tandem.engine.colocated import DTYPES, ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
 from tandem.model.config import ModelConfig
 
@@ -70,26 +70,22 @@ def _colocated(
 def _disaggregated(
     model_dir: Path, dtype: str, topology: Topology, rounds: list[list[list[int]]], sampling: SamplingParams
 ) -> dict[str, Any]:
-    cluster = Cluster(topology, str(model_dir), dtype)
-    cluster.start()
+    """The rounds through a served cluster's frontend, the path every gRPC request takes."""
+    server = Server(ServeOptions(topology, model_dir, port=0, dtype=dtype))
+    server.start()
     ttft: list[float] = []
     itl: list[float] = []
     exposed: list[float] = []
     try:
-        n = 0
         for prompts in rounds:
-            batch = [RankRequest(f"b{n + i}", p, sampling) for i, p in enumerate(prompts)]
-            n += len(batch)
-            cluster.submit(batch)
-            done = cluster.run_to_completion({r.request_id for r in batch}, timeout_s=600)
-            for result in done.values():
-                if result.error:
-                    raise RuntimeError(result.error)
-                ttft.append(result.bill.ttft_s)
-                itl += _itl(result.bill.token_times_s)
-                exposed.append(result.bill.kv_transfer_exposed_s)
+            for summary in server.generate(prompts, [sampling] * len(prompts)):
+                if summary.error:
+                    raise RuntimeError(summary.error)
+                ttft.append(summary.bill.ttft_s)
+                itl += _itl(list(summary.bill.token_times_s))
+                exposed.append(summary.bill.kv_transfer_exposed_s)
     finally:
-        cluster.stop()
+        server.stop()
     return _summary(ttft, itl, exposed)
 
 

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.colocated import DTYPES, ColocatedEngine, EngineConfig
+from tandem.engine.colocated import DTYPES, ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
 
 

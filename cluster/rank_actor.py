@@ -1,82 +1,115 @@
-"""The Ray actor of one rank of a colocated DEP group.
+"""The Ray actor of one rank of a DEP group, for every role: prefill, decode or colocated.
 
-Lifecycle, driven by :class:`cluster.dep_group.DEPGroup`: ``rendezvous_address`` (rank 0 only)
--> ``setup`` on every rank at once (torch.distributed rendezvous, then the model with this rank's
-slice of the experts) -> ``run`` (the step loop; returns only when stopped or failed, so the
-group watches it to learn of a death) -> ``submit`` / ``collect`` / ``abort`` while it runs.
+Lifecycle, driven by :class:`tandem.cluster.group.RankGroup`: ``rendezvous_address`` (rank 0)
+-> ``setup`` on every rank at once (torch.distributed rendezvous, the model with this rank's
+slice of the experts, the role's worker) -> ``run`` (the lockstep loop; it returns only when
+stopped or failed, so the group watches it to learn of a death) -> ``submit``, ``abort``,
+``collect`` and the rest while it runs.
+
+The shell knows no role: what a rank does lives in its worker (``prefill/``, ``decode/``, the
+colocated engine), built from ``RankSpec.role``. Items a caller submits are checked on the
+caller's thread (``worker.admit``: a bad request fails alone, never the rank), then run on the
+loop thread. This module stays free of torch: the processes that start ranks import it.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from tandem.cluster.rank_setup import GroupRendezvous, enter_group, rank_device
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
-from tandem.engine.dep_rank import DEPRankLoop, FinishedRequest, RankRequest, RankStats
+from tandem.engine.messages import RankId, RankStats, RequestResult
+from tandem.engine.role_spec import RoleSpec
+
+if TYPE_CHECKING:
+    from tandem.engine.rank_loop import RankLoop
 
 
 @dataclass(frozen=True)
 class RankSpec:
+    rank_id: RankId
+    incarnation: int
+    world_size: int
     model_dir: str
     dtype: str
-    group_id: str
-    incarnation: int
-    rank: int
-    world_size: int
-    engine: EngineConfig
+    role: RoleSpec
     collective_timeout_s: float = 60.0
 
 
 class RankNotReady(RuntimeError):
-    pass
+    def __init__(self, rank: RankId) -> None:
+        super().__init__(f"rank {rank} is not set up")
 
 
-@ray.remote(max_concurrency=4)  # type: ignore[call-overload]
-class DEPRankActor:
+# one thread runs the loop for good; the rest take submits, aborts and calls that wait on the loop
+@ray.remote(max_concurrency=16)  # type: ignore[call-overload]
+class RankActor:
     def __init__(self, spec: RankSpec) -> None:
+        from tandem.cluster import rank_setup  # the rank's process is the one that loads torch
+        from tandem.cluster.outbox import RayOutbox
+
         self.spec = spec
-        self.device = rank_device()
+        self._setup = rank_setup
+        self.device = rank_setup.rank_device()
+        self._rendezvous = rank_setup.GroupRendezvous()
+        self._outbox = RayOutbox(spec.rank_id.name)
         self._stop = threading.Event()
-        self._loop: DEPRankLoop | None = None
-        self._rendezvous = GroupRendezvous()
+        self._loop: RankLoop | None = None
 
     def rendezvous_address(self) -> str:
         return self._rendezvous.open(self.spec.collective_timeout_s)
 
-    def setup(self, master: str) -> int:
-        spec = self.spec
-        _, model, dispatcher = enter_group(self._rendezvous, self.device, master, spec)
-        engine = ColocatedEngine(model, spec.engine, lockstep=True)
-        self._loop = DEPRankLoop(engine, spec.rank, dispatcher)
-        return len(dispatcher.local)
+    def setup(self, master: str) -> RankId:
+        self._loop = self._setup.start_rank(self.spec, self._rendezvous, self.device, master, self._outbox)
+        return self.spec.rank_id
 
     def run(self) -> str:
-        loop = self._require()
-        loop.run(self._stop)
+        self._require().run(self._stop)
         return "stopped"
 
-    def submit(self, requests: list[RankRequest]) -> None:
-        self._require().submit(requests)
+    def submit(self, items: list[Any]) -> None:
+        """Requests (decode, colocated) or prefill jobs (prefill); ``InvalidRequestError`` for the
+        first bad one, taking none of them."""
+        loop = self._require()
+        admitted = loop.worker.admit(items)
+        loop.post(lambda worker: worker.submit(admitted))
 
     def abort(self, request_ids: list[str]) -> None:
-        self._require().abort(request_ids)
+        def abort_all(worker: Any) -> None:
+            for request_id in request_ids:
+                worker.abort(request_id)
 
-    def collect(self, timeout_s: float) -> list[FinishedRequest]:
+        self._require().post(abort_all)
+
+    def collect(self, timeout_s: float) -> list[RequestResult]:
         return self._require().collect(timeout_s)
 
     def stats(self) -> RankStats:
         return self._require().stats()
 
-    def check_integrity(self) -> None:
-        self._require().engine.scheduler.check_integrity()
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """Page accounting, checked on the loop thread between two iterations; raises
+        ``PageAccountingError`` when it does not hold."""
+        self._require().call(lambda worker: worker.check_integrity(), timeout_s)
+
+    def subscribe(self, subscriber: str) -> Any:
+        """Push this rank's events (a prefill rank's KV events) to the named actor from now on;
+        the starting snapshot."""
+        return self._require().call(lambda worker: worker.subscribe(subscriber), timeout_s=30.0)
+
+    def unsubscribe(self, subscriber: str) -> None:
+        self._require().post(lambda worker: worker.unsubscribe(subscriber))
+
+    def set_peers(self, peers: dict[RankId, Any]) -> None:
+        """The ranks this one sends work to (a decode rank's prefill ranks), with their handles."""
+        self._require().post(lambda worker: worker.set_peers(peers))
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _require(self) -> DEPRankLoop:
+    def _require(self) -> RankLoop:
         if self._loop is None:
-            raise RankNotReady(f"rank {self.spec.rank} of group {self.spec.group_id} is not set up")
+            raise RankNotReady(self.spec.rank_id)
         return self._loop

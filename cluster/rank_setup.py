@@ -1,36 +1,43 @@
-"""What every rank actor does to start: the group's rendezvous, and its model with its slice of
-the routed experts."""
+"""What a rank does to start, whatever its role: the group's rendezvous, its model with its
+slice of the routed experts, then its role's worker in the one step loop. Only rank processes
+import this module (it loads torch)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import ray
 import torch
 import torch.distributed as dist
 
 from tandem.engine.colocated import DTYPES
-from tandem.engine.dep import ExpertParallelDispatcher, expert_slice
+from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
+from tandem.engine.messages import RankId
+from tandem.engine.rank_loop import RankLoop
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 
+if TYPE_CHECKING:
+    from tandem.cluster.outbox import RayOutbox
+    from tandem.cluster.rank_actor import RankSpec
 
-class RankPlace(Protocol):
-    """Where a rank stands: its group's model and its place in the group (both rank specs)."""
 
-    @property
-    def model_dir(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def collective_timeout_s(self) -> float: ...
+@dataclass(frozen=True)
+class RankContext:
+    """What a role builds its worker from: the rank's id, its model and device, and its outbox."""
+
+    rank_id: RankId
+    incarnation: int
+    model_config: ModelConfig
+    model: DeepseekV3
+    dispatcher: ExpertParallelDispatcher
+    device: torch.device
+    dtype: torch.dtype
+    outbox: RayOutbox
 
 
 def rank_device() -> torch.device:
@@ -84,9 +91,18 @@ def load_rank_model(
     return cfg, model, dispatcher
 
 
-def enter_group(
-    rendezvous: GroupRendezvous, device: torch.device, master: str, place: RankPlace
-) -> tuple[ModelConfig, DeepseekV3, ExpertParallelDispatcher]:
-    """Join the group through ``master``, then load this rank's model."""
-    rendezvous.join(device, master, place.rank, place.world_size, place.collective_timeout_s)
-    return load_rank_model(place.model_dir, place.dtype, device, place.rank, place.world_size)
+def start_rank(
+    spec: RankSpec, rendezvous: GroupRendezvous, device: torch.device, master: str, outbox: RayOutbox
+) -> RankLoop:
+    """Join the group through ``master``, load this rank's model, build its role's worker and
+    the loop that will step it."""
+    rank = spec.rank_id.rank
+    rendezvous.join(device, master, rank, spec.world_size, spec.collective_timeout_s)
+    cfg, model, dispatcher = load_rank_model(spec.model_dir, spec.dtype, device, rank, spec.world_size)
+    ctx = RankContext(
+        spec.rank_id, spec.incarnation, cfg, model, dispatcher, device, DTYPES[spec.dtype], outbox
+    )
+    worker = spec.role.build(ctx)
+    return RankLoop(
+        worker, spec.rank_id.name, lambda has_work: any_rank_has_work(has_work, dispatcher.group, device)
+    )

@@ -20,10 +20,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tandem.cluster.cluster import CONTROLLER_NAME, Controller
-from tandem.cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
+from tandem.cluster.controller import CONTROLLER_NAME, Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import Topology
+from tandem.engine.request import SamplingParams
+from tandem.frontend.actor import Frontend
+from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
+from tandem.frontend.request_stream import StreamSummary
 
 TINY_SEED = 0
 log = logging.getLogger(__name__)
@@ -101,6 +104,12 @@ class Server:
             self.stop()
             raise
         return self.port
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[StreamSummary]:
+        """Run prompts through the frontend, as gRPC requests run; the summaries in order."""
+        pairs = enumerate(zip(prompts, sampling, strict=True))
+        specs = [GenerateSpec(f"req-{i}", list(p), s) for i, (p, s) in pairs]
+        return list(ray.get(self.frontend.generate.remote(specs)))
 
     def stop(self) -> None:
         """Frontend first (no new work), then the groups; each step runs even if one before failed."""

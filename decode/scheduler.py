@@ -1,19 +1,19 @@
 """The decode rank's scheduler: pre-allocation queue, waiting-for-KV set, running batch.
 
-A decode rank owns a request from routing to its end. Its phases (``DecodePhase``)::
+A decode rank owns a request from routing to its end. Its ``Request.status``::
 
     add_request
         |
         v            reserve                 kv_arrived
-    QUEUED     ------------------> WAITING_FOR_KV -------------> RUNNING ----> DecodeFinished
+    WAITING    ------------------> WAITING_FOR_KV -------------> RUNNING ----> DecodeFinished
     PREEMPTED    FIFO, the head     pages reserved,              one token       (update, abort,
       ^   ^      blocks the rest    deadline (expired)           per step         kv_* failures)
       |   |                              |                          |
       |   +------ front <-- kv_failed(retry) ---+                   |
       +---------- front <-- preempted: no page for the next token, the newest goes
 
-``Request.status`` stays WAITING (PREEMPTED once preempted) until the KV arrives, is RUNNING
-while decoding, then FINISHED_*; aborts and errors both end FINISHED_ABORTED.
+A request in the queue is WAITING until it has outputs, PREEMPTED after; it ends FINISHED_*
+(FINISHED_ABORTED for an abort, FINISHED_ERROR for a failure).
 
 Pages: a WAITING_FOR_KV or RUNNING request holds each of its pages alone (refcount 1); a queued
 or preempted one holds none. A WAITING_FOR_KV request's pages are freed only by ``kv_arrived``
@@ -42,15 +42,13 @@ from tandem.decode.types import (
     AbortAction,
     AbortResult,
     DecodeFinished,
-    DecodePhase,
     DecodeSchedulerConfig,
-    FinishReason,
     KVNotificationError,
     Reservation,
 )
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.request import InvalidRequestError, Request, RequestStatus
+from tandem.engine.request import FINISHED_STATUS, FinishReason, InvalidRequestError, Request, RequestStatus
 from tandem.engine.scheduler import (
     ScheduledChunk,
     SchedulerOutput,
@@ -61,11 +59,11 @@ from tandem.engine.scheduler import (
 
 @dataclass(eq=False)
 class _Entry:
-    """Decode-side state of one unfinished request (compared by identity)."""
+    """Decode-side transfer bookkeeping of one unfinished request (compared by identity); where
+    it is lives in ``request.status``."""
 
     request: Request
     arrival: int
-    phase: DecodePhase = DecodePhase.QUEUED
     attempt: int = -1  # number of the latest reservation
     num_reserved_tokens: int = 0  # tokens the current reservation's prefill writes
     deadline_s: float = math.inf
@@ -116,9 +114,14 @@ class DecodeScheduler:
         entry = self._entries.get(request_id)
         return entry.request if entry is not None else None
 
-    def phase(self, request_id: str) -> DecodePhase | None:
+    def status(self, request_id: str) -> RequestStatus | None:
         entry = self._entries.get(request_id)
-        return entry.phase if entry is not None else None
+        return entry.request.status if entry is not None else None
+
+    def attempt(self, request_id: str) -> int | None:
+        """The number of the request's latest reservation (``None`` when it has none)."""
+        entry = self._entries.get(request_id)
+        return entry.attempt if entry is not None and entry.attempt >= 0 else None
 
     # -- life of a request -----------------------------------------------------------------------
 
@@ -150,7 +153,7 @@ class DecodeScheduler:
                 break
             self._queue.popleft()
             request.page_ids = page_ids
-            entry.phase = DecodePhase.WAITING_FOR_KV
+            request.status = RequestStatus.WAITING_FOR_KV
             entry.attempt += 1
             entry.num_reserved_tokens = num_tokens
             entry.deadline_s = now + config.kv_wait_timeout_s
@@ -173,7 +176,7 @@ class DecodeScheduler:
             return None
         if entry.aborting:
             del self._waiting_for_kv[request_id]
-            return self._finish(entry, "abort")
+            return self._finish(entry, FinishReason.ABORT)
         request = entry.request
         if not isinstance(first_token, int) or isinstance(first_token, bool) or first_token < 0:
             raise KVNotificationError(
@@ -186,7 +189,6 @@ class DecodeScheduler:
         del self._waiting_for_kv[request_id]
         request.num_computed_tokens = entry.num_reserved_tokens
         request.status = RequestStatus.RUNNING
-        entry.phase = DecodePhase.RUNNING
         bisect.insort(self._running, entry, key=lambda e: e.arrival)
         if request.output_token_ids:  # recomputed after preemption: the sampled token is ignored
             return None
@@ -194,7 +196,7 @@ class DecodeScheduler:
         request.append_output(first_token)
         if request.is_finished:
             self._running.remove(entry)
-            return self._finish(entry, _finish_reason(request))
+            return self._finish(entry, request.finish_reason or FinishReason.LENGTH)
         return None
 
     def kv_failed(
@@ -211,13 +213,13 @@ class DecodeScheduler:
             return None
         del self._waiting_for_kv[request_id]
         if entry.aborting:
-            return self._finish(entry, "abort")
+            return self._finish(entry, FinishReason.ABORT)
         if retry and entry.kv_retries < self.config.max_kv_retries:
             entry.kv_retries += 1
             self._requeue_front(entry)
             return None
         error = f"{reason} (gave up after {entry.kv_retries} retries)" if retry else reason
-        return self._finish(entry, "error", error)
+        return self._finish(entry, FinishReason.ERROR, error)
 
     def expired(self, now: float) -> list[str]:
         """Ids WAITING_FOR_KV past their deadline, each reported once per reservation (aborted
@@ -237,14 +239,14 @@ class DecodeScheduler:
         entry = self._entries.get(request_id)
         if entry is None:
             return AbortResult(AbortAction.UNKNOWN)
-        if entry.phase is DecodePhase.WAITING_FOR_KV:
+        if entry.request.status is RequestStatus.WAITING_FOR_KV:
             entry.aborting = True
             return AbortResult(AbortAction.CANCEL_TRANSFER)
-        if entry.phase is DecodePhase.RUNNING:
+        if entry.request.status is RequestStatus.RUNNING:
             self._running.remove(entry)
         else:
             self._queue.remove(entry)
-        return AbortResult(AbortAction.DONE, self._finish(entry, "abort"))
+        return AbortResult(AbortAction.DONE, self._finish(entry, FinishReason.ABORT))
 
     # -- decode steps ----------------------------------------------------------------------------
 
@@ -294,7 +296,7 @@ class DecodeScheduler:
         finished: list[DecodeFinished] = []
         for chunk in output.chunks:
             entry = self._entries.get(chunk.request_id)
-            if entry is None or entry.phase is not DecodePhase.RUNNING:
+            if entry is None or entry.request.status is not RequestStatus.RUNNING:
                 continue
             request = entry.request
             if chunk.start_position != request.num_computed_tokens:
@@ -308,7 +310,7 @@ class DecodeScheduler:
             request.append_output(sampled[chunk.request_id])
             if request.is_finished:
                 self._running.remove(entry)
-                finished.append(self._finish(entry, _finish_reason(request)))
+                finished.append(self._finish(entry, request.finish_reason or FinishReason.LENGTH))
         return finished
 
     # -- invariants ------------------------------------------------------------------------------
@@ -318,9 +320,9 @@ class DecodeScheduler:
         self.kv_cache.check_integrity()
         size = self.config.page_size
         containers = [
-            (DecodePhase.QUEUED, list(self._queue)),
-            (DecodePhase.WAITING_FOR_KV, list(self._waiting_for_kv.values())),
-            (DecodePhase.RUNNING, self._running),
+            (RequestStatus.WAITING, list(self._queue)),
+            (RequestStatus.WAITING_FOR_KV, list(self._waiting_for_kv.values())),
+            (RequestStatus.RUNNING, self._running),
         ]
         held = [e for _, entries in containers for e in entries]
         if len({id(e) for e in held}) != len(held) or {e.request.request_id for e in held} != set(
@@ -345,28 +347,27 @@ class DecodeScheduler:
             if count > 1 or count != refcount:
                 raise PageAccountingError(f"page {page_id}: refcount {refcount} but {count} owning requests")
 
-    def _check_entry(self, where: DecodePhase, entry: _Entry, size: int) -> None:
+    def _check_entry(self, where: RequestStatus, entry: _Entry, size: int) -> None:
         request = entry.request
         rid, pages, has_outputs = request.request_id, request.page_ids, bool(request.output_token_ids)
-        recompute_status = RequestStatus.PREEMPTED if has_outputs else RequestStatus.WAITING
-        if where is DecodePhase.QUEUED:
-            phase = DecodePhase.PREEMPTED if has_outputs else DecodePhase.QUEUED
-            if entry.phase is not phase or request.status != recompute_status:
-                raise PageAccountingError(f"queued {rid} is {entry.phase.name}/{request.status.name}")
+        if where is RequestStatus.WAITING:
+            queued = RequestStatus.PREEMPTED if has_outputs else RequestStatus.WAITING
+            if request.status is not queued:
+                raise PageAccountingError(f"queued {rid} is {request.status.name}")
             if pages or request.num_computed_tokens or entry.aborting:
                 raise PageAccountingError(f"queued {rid} holds pages or computed tokens, or is aborting")
             return
-        if entry.phase is not where:
-            raise PageAccountingError(f"{rid} is {entry.phase.name} but held as {where.name}")
-        if where is DecodePhase.WAITING_FOR_KV:
+        if request.status is not where:
+            raise PageAccountingError(f"{rid} is {request.status.name} but held as {where.name}")
+        if where is RequestStatus.WAITING_FOR_KV:
             expected = request.num_tokens - 1 if has_outputs else request.num_prompt_tokens
-            if request.status != recompute_status or entry.num_reserved_tokens != expected:
+            if entry.num_reserved_tokens != expected:
                 raise PageAccountingError(f"{rid} waits for KV of {entry.num_reserved_tokens} tokens")
             if len(pages) != math.ceil(expected / size):
                 raise PageAccountingError(f"{rid} reserved {len(pages)} pages for {expected} tokens")
             return
-        if request.status != RequestStatus.RUNNING or not has_outputs or entry.aborting:
-            raise PageAccountingError(f"running {rid} is {request.status.name} with no output or aborting")
+        if not has_outputs or entry.aborting:
+            raise PageAccountingError(f"running {rid} has no output or is aborting")
         if request.num_computed_tokens != request.num_tokens - 1:
             raise PageAccountingError(f"running {rid} computed {request.num_computed_tokens} tokens")
         if (
@@ -380,7 +381,7 @@ class DecodeScheduler:
 
     def _current_transfer(self, request_id: str, attempt: int | None) -> _Entry | None:
         entry = self._entries.get(request_id)
-        if entry is None or entry.phase is not DecodePhase.WAITING_FOR_KV:
+        if entry is None or entry.request.status is not RequestStatus.WAITING_FOR_KV:
             return None
         if attempt is not None and attempt != entry.attempt:
             return None
@@ -394,25 +395,19 @@ class DecodeScheduler:
     def _requeue_front(self, entry: _Entry) -> None:
         """Back to the head of the queue without pages: it is next to be reserved."""
         self._release_pages(entry)
-        entry.request.num_computed_tokens = 0
-        entry.phase = DecodePhase.PREEMPTED if entry.request.output_token_ids else DecodePhase.QUEUED
+        request = entry.request
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED if request.output_token_ids else RequestStatus.WAITING
         self._queue.appendleft(entry)
 
     def _preempt(self, entry: _Entry) -> None:
-        request = entry.request
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+        entry.request.num_preemptions += 1
         self._requeue_front(entry)
 
     def _finish(self, entry: _Entry, reason: FinishReason, error: str | None = None) -> DecodeFinished:
         """Free the pages and forget the request; the caller has taken it out of its container."""
         request = entry.request
         self._release_pages(entry)
-        if reason in ("abort", "error"):
-            request.status = RequestStatus.FINISHED_ABORTED
+        request.status = FINISHED_STATUS[reason]
         del self._entries[request.request_id]
         return DecodeFinished(request, reason, error, entry.kv_retries)
-
-
-def _finish_reason(request: Request) -> FinishReason:
-    return "stop" if request.status == RequestStatus.FINISHED_STOPPED else "length"

@@ -1,27 +1,14 @@
 """The decode scheduler's config and what it hands its caller: reservations to send prefill
-jobs for, finished records, abort outcomes, the decode-side phase of a request, typed errors."""
+jobs for, finished records, abort outcomes, typed errors."""
 
 from __future__ import annotations
 
 import enum
 import math
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
 
-from tandem.engine.request import Request
+from tandem.engine.request import FinishReason, Request
 from tandem.kvtransfer.types import KVDestination
-
-FinishReason: TypeAlias = Literal["stop", "length", "abort", "error"]
-
-
-class DecodePhase(enum.Enum):
-    """Where a request is on a decode rank. ``Request.status`` is coarser: WAITING (or PREEMPTED
-    once it was preempted) until its KV arrives, RUNNING while decoding, then FINISHED_*."""
-
-    QUEUED = "queued"  # in the pre-allocation queue, no pages, nothing generated yet
-    WAITING_FOR_KV = "waiting_for_kv"  # pages reserved, a prefill job writes them
-    RUNNING = "running"  # in the running batch, one token per step
-    PREEMPTED = "preempted"  # in the pre-allocation queue with outputs kept, to be recomputed
 
 
 class AbortAction(enum.Enum):
@@ -54,10 +41,8 @@ class Reservation:
 
 @dataclass(frozen=True)
 class DecodeFinished:
-    """A request the decode scheduler no longer owns; its pages are free.
-
-    ``finish_reason`` "abort" and "error" both leave ``request.status`` FINISHED_ABORTED;
-    ``error`` says what went wrong for "error" and is ``None`` otherwise.
+    """A request the decode scheduler no longer owns; its pages are free and its status is the
+    FINISHED_* one of ``finish_reason``. ``error`` says what went wrong for ERROR, else ``None``.
     """
 
     request: Request

@@ -8,54 +8,82 @@ The decode rank owns a request from routing to its end::
 
 A request submitted with a :class:`Routing` goes first to the prefill rank its router chose, and
 its tokens are streamed: every new token (with its wall-clock time) and finally its result are
-gathered per frontend in :meth:`take_pushes`, one batch per frontend per loop iteration.
+gathered per frontend and pushed in :meth:`publish`, one batch per frontend per loop iteration.
 Requests without a frontend report through :meth:`take_results`.
 
-``tick`` polls the transport, hands expired transfers to abort and sends prefill jobs for new
-reservations; ``step`` runs one decode batch. Transfers are named ``<request>#<attempt>`` so a
-retry never meets the notification of an earlier attempt.
+``tick`` takes the KV that arrived, the transfers that failed, the reservations past their
+deadline, then sends prefill jobs for new reservations; ``step`` runs one decode batch.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
-from tandem.decode.types import AbortAction, DecodeFinished
-from tandem.engine.request import InvalidRequestError, Request
+from tandem.decode.types import AbortAction, DecodeFinished, Reservation
+from tandem.engine.messages import (
+    Bill,
+    LoopStats,
+    RankId,
+    RankRequest,
+    RankStats,
+    RequestResult,
+    Role,
+    StreamBatch,
+    TokenDelta,
+    TransferId,
+)
+from tandem.engine.rank_loop import RankWorker
+from tandem.engine.request import FinishReason, InvalidRequestError, Request, check_prompt
 from tandem.engine.runner import ModelRunner
-from tandem.kvtransfer.transport import KVTransport
+from tandem.engine.scheduler import admit_new_request
+from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import KVTransferAborted
 from tandem.prefill.job import PrefillJob
+
+if TYPE_CHECKING:
+    from tandem.cluster.outbox import RayOutbox
+    from tandem.model.config import ModelConfig
 
 
 class PrefillDispatcher(ABC):
     """Chooses a prefill rank for a job and sends it there."""
 
     @abstractmethod
-    def choose(self, request: Request, preferred: str | None = None) -> str:
-        """The name of the prefill rank to compute ``request``'s KV: ``preferred`` (the router's
-        choice) when this rank knows it, else one of its own choosing."""
+    def choose(self, request: Request, preferred: RankId | None = None) -> RankId:
+        """The prefill rank to compute ``request``'s KV: ``preferred`` (the router's choice)
+        when this rank knows it, else one of its own choosing."""
 
     @abstractmethod
-    def send(self, prefill_rank: str, job: PrefillJob) -> None: ...
+    def send(self, prefill_rank: RankId, job: PrefillJob) -> None: ...
+
+    @abstractmethod
+    def set_ranks(self, ranks: dict[RankId, Any]) -> None:
+        """The prefill ranks that take jobs now, with their handles."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a request came from and the prefill rank its router chose."""
+
+    prefill_rank: RankId | None = None
+    frontend: str | None = None
 
 
 @dataclass
-class Bill:
-    """What one request cost and where its time went (seconds, from its arrival on this rank).
+class _Track:
+    """The decode worker's record of one request it holds: routing, its current transfer and
+    the figures of its bill as they are measured (on this rank's monotonic clock)."""
 
-    ``kv_transfer_s`` is the sender's span from its first write to posting the last one;
-    ``kv_transfer_exposed_s`` is the wait for the KV beyond the prefill's queue and compute time.
-    """
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    new_prompt_tokens: int = 0
-    output_tokens: int = 0
+    arrival: float
+    routing: Routing = field(default_factory=Routing)
+    transfer: TransferId | None = None
+    prefill_rank: RankId | None = None
+    expect_at: float = 0.0
+    streamed: int = 0  # output tokens already pushed to the frontend
     kv_bytes: int = 0
     kv_wait_s: float = 0.0
     kv_transfer_s: float = 0.0
@@ -63,101 +91,92 @@ class Bill:
     reservation_wait_s: float = 0.0
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
-    ttft_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)
-    decode_s: float = 0.0
-    e2e_s: float = 0.0
+
+    def bill(self, request: Request | None, now: float) -> Bill:
+        ttft = self.token_times_s[0] if self.token_times_s else 0.0
+        e2e = now - self.arrival
+        return Bill(
+            prompt_tokens=request.num_prompt_tokens if request else 0,
+            cached_tokens=request.num_cached_tokens if request else 0,
+            output_tokens=len(request.output_token_ids) if request else 0,
+            kv_bytes=self.kv_bytes,
+            kv_wait_s=self.kv_wait_s,
+            kv_transfer_s=self.kv_transfer_s,
+            kv_transfer_exposed_s=self.kv_transfer_exposed_s,
+            reservation_wait_s=self.reservation_wait_s,
+            prefill_queue_s=self.prefill_queue_s,
+            prefill_compute_s=self.prefill_compute_s,
+            ttft_s=ttft,
+            token_times_s=tuple(self.token_times_s),
+            decode_s=max(e2e - ttft, 0.0) if self.token_times_s else 0.0,
+            e2e_s=e2e,
+        )
 
 
-@dataclass(frozen=True)
-class DecodeResult:
-    request_id: str
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
-    prefill_rank: str | None
-    decode_rank: str
-    bill: Bill
-
-
-@dataclass(frozen=True)
-class Routing:
-    """Where a request came from and the prefill rank its router chose."""
-
-    prefill_rank: str | None = None
-    frontend: str | None = None
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """New output tokens of one request: indices ``start_index`` onwards, with the wall-clock
-    time (Unix seconds) each became known on the decode rank."""
-
-    request_id: str
-    start_index: int
-    token_ids: tuple[int, ...]
-    times_unix_s: tuple[float, ...]
-
-
-@dataclass
-class StreamBatch:
-    """What one decode rank pushes to one frontend after a loop iteration."""
-
-    decode_rank: str
-    deltas: list[TokenDelta] = field(default_factory=list)
-    finished: list[DecodeResult] = field(default_factory=list)
-
-
-@dataclass
-class _Track:
-    arrival: float
-    routing: Routing = field(default_factory=Routing)
-    prefill_rank: str | None = None
-    expect_at: float = 0.0
-    streamed: int = 0  # output tokens already pushed to the frontend
-    bill: Bill = field(default_factory=Bill)
-
-
-class DecodeWorker:
+class DecodeWorker(RankWorker):
     def __init__(
         self,
-        rank: str,
+        rank_id: RankId,
         incarnation: int,
         scheduler: DecodeScheduler,
         runner: ModelRunner,
         transport: KVTransport,
         dispatcher: PrefillDispatcher,
         kv_timeout_s: float = 30.0,
+        model_config: ModelConfig | None = None,
+        outbox: RayOutbox | None = None,
     ) -> None:
-        self.rank, self.incarnation = rank, incarnation
+        self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.scheduler = scheduler
         self.runner = runner
         self.transport = transport
         self.dispatcher = dispatcher
         self.kv_timeout_s = kv_timeout_s
+        self.model_config = model_config
+        self.outbox = outbox
         self._tracks: dict[str, _Track] = {}
-        self._attempts: dict[str, int] = {}  # request id -> attempt of its current transfer
-        self.results: list[DecodeResult] = []
-        self._pushes: dict[str, StreamBatch] = {}
+        self._transfers: dict[str, TransferId] = {}  # transport key -> the transfer it names
+        self._results: list[RequestResult] = []
+        self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
 
-    def submit(self, requests: list[Request], routing: Mapping[str, Routing] | None = None) -> None:
+    # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
+    def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing]]:
+        """Requests built and checked against this rank's limits: one that could never run
+        fails here, alone, instead of on the loop."""
+        cfg = self.model_config
+        if cfg is None:
+            raise RuntimeError(f"decode rank {self.name} was built without a model config")
+        config = self.scheduler.config
+        eos = frozenset(cfg.eos_token_ids)
+        admitted = []
+        for r in items:
+            r.sampling.validate()
+            prompt = list(r.prompt_token_ids)
+            check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
+            request = Request(r.request_id, prompt, r.sampling, eos, cfg.max_position_embeddings)
+            admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
+            admitted.append((request, Routing(r.prefill_rank, r.frontend)))
+        return admitted
+
+    def submit(self, admitted: list[tuple[Request, Routing]]) -> None:
         now = time.monotonic()
-        for request in requests:
-            track = _Track(now, (routing or {}).get(request.request_id, Routing()))
+        for request, routing in admitted:
+            track = _Track(now, routing)
             try:
                 self.scheduler.add_request(request)
             except InvalidRequestError as error:  # e.g. its id is in use here: it alone fails
-                result = DecodeResult(
-                    request.request_id, [], "error", str(error), None, self.rank, track.bill
+                self._report(
+                    track, self._result(request.request_id, None, track, FinishReason.ERROR, str(error))
                 )
-                self._report(track, result)
                 continue
             self._tracks[request.request_id] = track
 
     def abort(self, request_id: str) -> None:
         result = self.scheduler.abort(request_id)
-        if result.action is AbortAction.CANCEL_TRANSFER:
-            self.transport.abort_receive(f"{request_id}#{self._attempts[request_id]}")
+        track = self._tracks.get(request_id)
+        if result.action is AbortAction.CANCEL_TRANSFER and track is not None and track.transfer is not None:
+            self.transport.abort_receive(track.transfer.key)
         elif result.finished is not None:
             self._finish(result.finished)
 
@@ -168,114 +187,24 @@ class DecodeWorker:
             self.abort(request_id)
         return len(ids)
 
+    def set_peers(self, peers: dict[RankId, Any]) -> None:
+        self.dispatcher.set_ranks(peers)
+
+    # -- the loop ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         """A batch to decode this step; requests only waiting for their KV need no step."""
         return self.scheduler.num_running > 0
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    def take_results(self) -> list[DecodeResult]:
-        out, self.results = self.results, []
-        return out
-
-    def take_pushes(self) -> dict[str, StreamBatch]:
-        """Token deltas and results of streamed requests since the last call, by frontend."""
-        out, self._pushes = self._pushes, {}
-        return out
-
-    def fail_all(self, reason: str) -> list[DecodeResult]:
-        """End every request this rank holds with ``reason`` (its group is going down)."""
-        for request_id, track in list(self._tracks.items()):
-            request = self.scheduler.get(request_id)
-            tokens = list(request.output_token_ids) if request else []
-            prefill_rank = track.prefill_rank
-            self._report(
-                track, DecodeResult(request_id, tokens, "error", reason, prefill_rank, self.rank, track.bill)
-            )
-        self._tracks.clear()
-        return self.take_results()
-
-    def _report(self, track: _Track, result: DecodeResult) -> None:
-        frontend = track.routing.frontend
-        if frontend is None:
-            self.results.append(result)
-        else:
-            self._batch(frontend).finished.append(result)
-
-    def _batch(self, frontend: str) -> StreamBatch:
-        batch = self._pushes.get(frontend)
-        if batch is None:
-            batch = self._pushes[frontend] = StreamBatch(self.rank)
-        return batch
-
-    def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
-        frontend = track.routing.frontend
-        outputs = request.output_token_ids
-        if frontend is None or len(outputs) <= track.streamed:
-            return
-        new = tuple(outputs[track.streamed :])
-        delta = TokenDelta(request.request_id, track.streamed, new, (now_unix_s,) * len(new))
-        self._batch(frontend).deltas.append(delta)
-        track.streamed = len(outputs)
 
     def tick(self) -> None:
         now = time.monotonic()
         events = self.transport.poll()
         for got in events.received:
-            request_id, attempt = _split(got.notification.request_id)
-            track = self._tracks.get(request_id)
-            if track is not None:
-                bill, timings = track.bill, got.notification.timings
-                bill.kv_bytes += got.stats.bytes
-                bill.kv_wait_s = now - track.expect_at
-                bill.prefill_queue_s = timings.get("prefill_queue_s", 0.0)
-                bill.prefill_compute_s = timings.get("prefill_compute_s", 0.0)
-                bill.kv_transfer_s = timings.get("kv_transfer_s", 0.0)
-                bill.kv_transfer_exposed_s = max(
-                    bill.kv_wait_s - bill.prefill_queue_s - bill.prefill_compute_s, 0.0
-                )
-                if not bill.token_times_s:
-                    bill.ttft_s = now - track.arrival
-                    bill.token_times_s.append(bill.ttft_s)
-            n = got.notification
-            finished = self.scheduler.kv_arrived(request_id, n.first_token, n.cached_tokens, attempt=attempt)
-            request = self.scheduler.get(request_id)
-            if track is not None and request is not None:
-                self._stream_new_tokens(request, track, time.time())
-            self._maybe_finish(finished)
+            self._kv_arrived(got, now)
         for failure in events.failed:
-            if failure.role != "recv":
-                continue
-            request_id, attempt = _split(failure.request_id)
-            retry = not isinstance(failure.error, KVTransferAborted) or "prefill" in failure.error.by
-            self._maybe_finish(
-                self.scheduler.kv_failed(request_id, str(failure.error), retry, attempt=attempt)
-            )
-        for request_id in self.scheduler.expired(now):
-            self.transport.abort_receive(f"{request_id}#{self._attempts[request_id]}")
+            self._kv_failed(failure)
+        self._abort_expired(now)
         for reservation in self.scheduler.reserve(now):
-            request = self.scheduler.get(reservation.request_id)
-            assert request is not None
-            transfer_id = f"{request.request_id}#{reservation.attempt}"
-            self._attempts[request.request_id] = reservation.attempt
-            track = self._tracks[request.request_id]
-            # the router's choice holds for the first attempt; a retry goes where this rank likes
-            preferred = track.routing.prefill_rank if reservation.attempt <= 1 else None
-            prefill_rank = self.dispatcher.choose(request, preferred)
-            track.prefill_rank, track.expect_at = prefill_rank, time.monotonic()
-            if reservation.attempt <= 1:
-                track.bill.reservation_wait_s = track.expect_at - track.arrival
-            self.transport.expect(transfer_id, prefill_rank, reservation.page_ids, self.kv_timeout_s)
-            job = PrefillJob(
-                request_id=transfer_id,
-                prompt_token_ids=tuple(request.all_token_ids[: reservation.num_prompt_tokens]),
-                sampling=request.sampling,
-                output_index=len(request.output_token_ids),
-                destination=reservation.destination(self.rank, self.incarnation),
-                deadline_s=time.time() + self.kv_timeout_s,
-            )
-            self.dispatcher.send(prefill_rank, job)
+            self._send_prefill_job(reservation)
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -287,41 +216,160 @@ class DecodeWorker:
         for request, count in zip(requests, before, strict=True):
             track = self._tracks.get(request.request_id)
             if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
-                track.bill.token_times_s.append(now - track.arrival)
+                track.token_times_s.append(now - track.arrival)
                 self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
 
-    def _maybe_finish(self, finished: DecodeFinished | None) -> None:
+    def take_results(self) -> list[RequestResult]:
+        out, self._results = self._results, []
+        return out
+
+    def take_pushes(self) -> dict[str, StreamBatch]:
+        """Token deltas and results of streamed requests since the last call, by frontend."""
+        out = {
+            frontend: StreamBatch(self.rank_id, tuple(deltas), tuple(results))
+            for frontend, (deltas, results) in self._pushes.items()
+        }
+        self._pushes = {}
+        return out
+
+    def publish(self) -> None:
+        """Push each frontend its batch; a frontend that is gone loses its requests (aborted)."""
+        if self.outbox is None:
+            return
+        for frontend, batch in self.take_pushes().items():
+            if not self.outbox.send(frontend, "push_stream", batch):
+                self.abort_frontend(frontend)
+
+    def fail_all(self, reason: str) -> list[RequestResult]:
+        """End every request this rank holds with ``reason`` (its group is going down)."""
+        for request_id, track in list(self._tracks.items()):
+            request = self.scheduler.get(request_id)
+            self._report(track, self._result(request_id, request, track, FinishReason.ERROR, reason))
+        self._tracks.clear()
+        return self.take_results()
+
+    def stats(self, loop: LoopStats) -> RankStats:
+        d = self.scheduler
+        sends, receives = self.transport.in_flight()
+        return RankStats(
+            rank=self.rank_id,
+            role=Role.DECODE,
+            incarnation=self.incarnation,
+            loop=loop,
+            queued=d.num_queued,
+            running=d.num_running,
+            waiting_for_kv=d.num_waiting_for_kv,
+            free_pages=d.num_free_pages,
+            total_pages=d.config.num_pages,
+            sends_in_flight=sends,
+            receives_in_flight=receives,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # -- tick's steps -----------------------------------------------------------------------------
+    def _kv_arrived(self, got: ReceivedKV, now: float) -> None:
+        transfer = self._transfers.pop(got.notification.request_id, None)
+        if transfer is None:  # a transfer this rank no longer waits for
+            return
+        track = self._tracks.get(transfer.request_id)
+        if track is not None:
+            timings = got.notification.timings
+            track.kv_bytes += got.stats.bytes
+            track.kv_wait_s = now - track.expect_at
+            track.prefill_queue_s = timings.get("prefill_queue_s", 0.0)
+            track.prefill_compute_s = timings.get("prefill_compute_s", 0.0)
+            track.kv_transfer_s = timings.get("kv_transfer_s", 0.0)
+            track.kv_transfer_exposed_s = max(
+                track.kv_wait_s - track.prefill_queue_s - track.prefill_compute_s, 0.0
+            )
+            if not track.token_times_s:
+                track.token_times_s.append(now - track.arrival)
+        n = got.notification
+        finished = self.scheduler.kv_arrived(
+            transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
+        )
+        request = self.scheduler.get(transfer.request_id)
+        if track is not None and request is not None:
+            self._stream_new_tokens(request, track, time.time())
         if finished is not None:
             self._finish(finished)
 
+    def _kv_failed(self, failure: TransferFailure) -> None:
+        if failure.role != "recv":
+            return
+        transfer = self._transfers.pop(failure.request_id, None)
+        if transfer is None:
+            return
+        retry = not isinstance(failure.error, KVTransferAborted) or "prefill" in failure.error.by
+        finished = self.scheduler.kv_failed(
+            transfer.request_id, str(failure.error), retry, attempt=transfer.attempt
+        )
+        if finished is not None:
+            self._finish(finished)
+
+    def _abort_expired(self, now: float) -> None:
+        for request_id in self.scheduler.expired(now):
+            transfer = self._tracks[request_id].transfer
+            if transfer is not None:
+                self.transport.abort_receive(transfer.key)
+
+    def _send_prefill_job(self, reservation: Reservation) -> None:
+        request = self.scheduler.get(reservation.request_id)
+        assert request is not None
+        transfer = TransferId(request.request_id, reservation.attempt)
+        track = self._tracks[request.request_id]
+        # the router's choice holds for the first attempt; a retry goes where this rank likes
+        preferred = track.routing.prefill_rank if reservation.attempt <= 1 else None
+        prefill_rank = self.dispatcher.choose(request, preferred)
+        track.transfer, track.prefill_rank, track.expect_at = transfer, prefill_rank, time.monotonic()
+        self._transfers[transfer.key] = transfer
+        if reservation.attempt <= 1:
+            track.reservation_wait_s = track.expect_at - track.arrival
+        self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
+        job = PrefillJob(
+            request_id=transfer.key,
+            prompt_token_ids=tuple(request.all_token_ids[: reservation.num_prompt_tokens]),
+            sampling=request.sampling,
+            output_index=len(request.output_token_ids),
+            destination=reservation.destination(self.name, self.incarnation),
+            deadline_s=time.time() + self.kv_timeout_s,
+        )
+        self.dispatcher.send(prefill_rank, job)
+
+    # -- results ----------------------------------------------------------------------------------
     def _finish(self, finished: DecodeFinished) -> None:
         request = finished.request
-        track = self._tracks.pop(request.request_id, _Track(time.monotonic()))
-        self._attempts.pop(request.request_id, None)
+        track = self._tracks.pop(request.request_id, None) or _Track(time.monotonic())
+        if track.transfer is not None:
+            self._transfers.pop(track.transfer.key, None)
         self._stream_new_tokens(request, track, time.time())
-        bill = track.bill
-        bill.prompt_tokens = request.num_prompt_tokens
-        bill.cached_tokens = request.num_cached_tokens
-        bill.new_prompt_tokens = bill.prompt_tokens - bill.cached_tokens
-        bill.output_tokens = len(request.output_token_ids)
-        bill.e2e_s = time.monotonic() - track.arrival
-        bill.decode_s = max(bill.e2e_s - bill.ttft_s, 0.0) if bill.token_times_s else 0.0
-        self._report(
-            track,
-            DecodeResult(
-                request.request_id,
-                list(request.output_token_ids),
-                finished.finish_reason,
-                finished.error,
-                track.prefill_rank,
-                self.rank,
-                bill,
-            ),
-        )
+        result = self._result(request.request_id, request, track, finished.finish_reason, finished.error)
+        self._report(track, result)
 
+    def _result(
+        self, request_id: str, request: Request | None, track: _Track, reason: FinishReason, error: str | None
+    ) -> RequestResult:
+        tokens = tuple(request.output_token_ids) if request is not None else ()
+        bill = track.bill(request, time.monotonic())
+        return RequestResult(request_id, tokens, reason, bill, self.rank_id, track.prefill_rank, error)
 
-def _split(transfer_id: str) -> tuple[str, int]:
-    request_id, _, attempt = transfer_id.rpartition("#")
-    return request_id, int(attempt)
+    def _report(self, track: _Track, result: RequestResult) -> None:
+        frontend = track.routing.frontend
+        if frontend is None:
+            self._results.append(result)
+        else:
+            self._pushes.setdefault(frontend, ([], []))[1].append(result)
+
+    def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
+        frontend = track.routing.frontend
+        outputs = request.output_token_ids
+        if frontend is None or len(outputs) <= track.streamed:
+            return
+        new = tuple(outputs[track.streamed :])
+        delta = TokenDelta(request.request_id, track.streamed, new, (now_unix_s,) * len(new))
+        self._pushes.setdefault(frontend, ([], []))[0].append(delta)
+        track.streamed = len(outputs)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.request import Request, SamplingParams, check_prompt
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.request import FinishReason, Request, SamplingParams, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.model.checkpoint import load_checkpoint
@@ -33,23 +34,6 @@ DTYPES = {
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How one rank's engine is sized. ``num_pages`` wins over ``kv_pool_bytes`` when set."""
-
-    page_size: int = 64
-    num_pages: int | None = None
-    kv_pool_bytes: int = 256 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-
-    def context_len(self, cfg: ModelConfig) -> int:
-        """Tokens a request may hold (prompt + output): the model's context, or less if set."""
-        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-
-
-@dataclass(frozen=True)
 class GenerationOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -57,7 +41,7 @@ class GenerationOutput:
     text: str
     prompt_tokens: int
     cached_tokens: int
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 class ColocatedEngine:
@@ -162,5 +146,5 @@ class ColocatedEngine:
             text=text,
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
-            finish_reason=request.finish_reason or "length",
+            finish_reason=request.finish_reason or FinishReason.LENGTH,
         )

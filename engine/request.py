@@ -1,7 +1,15 @@
 """The one request-state class.
 
 The scheduler that owns a request is the only thing that changes it; everything else reads it.
-Statuses are ordered with the terminal ones last, so ``is_finished`` is ``status > PREEMPTED``.
+One status enum serves every rank (a colocated rank never waits for or sends KV; a prefill rank
+never decodes). Statuses are ordered with the terminal ones last, so ``is_finished`` is
+``status > PREEMPTED``::
+
+    WAITING ──▶ RUNNING ──▶ FINISHED_*                       colocated: prefill + decode here
+    WAITING ──▶ RUNNING ──▶ SENDING_KV ──▶ (transfer over)   prefill: compute, then pages are read
+    WAITING ──▶ WAITING_FOR_KV ──▶ RUNNING ──▶ FINISHED_*    decode: pages reserved, KV written
+        ▲            │ (a failed transfer, retried)   │
+        └────────────┴──── PREEMPTED ◀── (no page) ───┘
 """
 
 from __future__ import annotations
@@ -12,19 +20,33 @@ from dataclasses import dataclass, field
 
 
 class RequestStatus(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING = 0  # queued: no pages, nothing computed
+    WAITING_FOR_KV = 1  # decode: pages reserved, a prefill rank writes them
+    RUNNING = 2  # computing (prefill chunks, or one token a step)
+    SENDING_KV = 3  # prefill: computed; its pages are held while the transfer reads them
+    PREEMPTED = 4  # back in the queue without pages, outputs kept, to be recomputed
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
 
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+class FinishReason(enum.StrEnum):
+    """Why a request ended; the one definition every rank, the frontend and the API use."""
+
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens, or the context is full
+    ABORT = "abort"  # the client or the operator ended it
+    ERROR = "error"  # something failed; the result's ``error`` says what
+
+
+FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
+_FINISH_REASONS = {status: reason for reason, status in FINISHED_STATUS.items()}
 
 
 class InvalidRequestError(ValueError):
@@ -131,7 +153,7 @@ class Request:
         return self.status > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 
     def append_output(self, token_id: int) -> None:

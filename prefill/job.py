@@ -8,28 +8,20 @@ prefill rank computes the prompt's KV, samples one token and writes every page o
     this rank  src_page_ids = (17, 4, 30)                      token order
     decode     destination.page_ids = (2, 9, 5)                same count, same order
 
-A job is ``QUEUED``, then ``COMPUTING`` (holding pages, chunk by chunk), then ``TRANSFERRING``
-(its pages still held while the transport reads them) until the caller reports the transfer
-over. The outcomes are ``PrefillDone`` (compute finished, transfer pending) and
-``PrefillExpired`` (its deadline passed before it started).
+A job is ``WAITING`` (queued), then ``RUNNING`` (holding pages, computed chunk by chunk), then
+``SENDING_KV`` (its pages still held while the transport reads them) until the caller reports
+the transfer over; these are the request statuses of ``engine/request.py``. The outcomes are
+``PrefillDone`` (compute finished, transfer pending) and ``PrefillExpired`` (its deadline passed
+before it started).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
 from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
 from tandem.kvtransfer.types import KVDestination
-
-
-class PrefillStatus(enum.IntEnum):
-    """Ordered: a job only moves forward, and leaves the scheduler after ``TRANSFERRING``."""
-
-    QUEUED = 0
-    COMPUTING = 1
-    TRANSFERRING = 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ Each step, ``schedule`` plans one batch under ``max_num_batched_tokens`` and ret
 
 Job lifecycle and page ownership::
 
-    add_job -> QUEUED --schedule--> COMPUTING --update (last chunk)--> TRANSFERRING --transfer_over--> gone
+    add_job -> WAITING --schedule--> RUNNING --update (last chunk)--> SENDING_KV --transfer_over--> gone
                  no pages            holds its pages                    still holds them: the
                                                                         transport reads them
 
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import KVEvent, PrefixCache, block_hashes
-from tandem.engine.request import InvalidRequestError
+from tandem.engine.request import InvalidRequestError, RequestStatus
 from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
-from tandem.prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillStatus, PrefillTimings
+from tandem.prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillTimings
 
 # Token ids are hashed as signed 64-bit integers; without a vocabulary that is the bound.
 _MAX_TOKEN_ID = 2**63 - 1
@@ -83,7 +83,7 @@ class AbortAction(enum.Enum):
 class PrefillStateError(RuntimeError):
     """A call that does not fit the job's state, e.g. ``transfer_over`` of a job still computing."""
 
-    def __init__(self, request_id: str, status: PrefillStatus, wanted: str) -> None:
+    def __init__(self, request_id: str, status: RequestStatus, wanted: str) -> None:
         super().__init__(f"prefill job {request_id} is {status.name}; {wanted}")
         self.request_id = request_id
         self.status = status
@@ -97,7 +97,7 @@ class _JobState:
 
     job: PrefillJob
     arrival_s: float
-    status: PrefillStatus = PrefillStatus.QUEUED
+    status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -158,7 +158,7 @@ class PrefillScheduler:
         by transfers, so the caller keeps polling its transport."""
         return bool(self._queued or self._computing)
 
-    def status(self, request_id: str) -> PrefillStatus | None:
+    def status(self, request_id: str) -> RequestStatus | None:
         state = self._find(request_id)
         return None if state is None else state.status
 
@@ -259,7 +259,7 @@ class PrefillScheduler:
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int], now: float) -> list[PrefillDone]:
         """Apply a step: advance computed tokens, cache newly full pages, and move each job whose
-        last chunk ran to ``TRANSFERRING``. ``sampled`` maps every sampling chunk's id to its token;
+        last chunk ran to ``SENDING_KV``. ``sampled`` maps every sampling chunk's id to its token;
         chunks of jobs aborted since ``schedule`` are skipped."""
         size = self.config.page_size
         done: list[PrefillDone] = []
@@ -284,7 +284,7 @@ class PrefillScheduler:
             if chunk.request_id not in sampled:
                 raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}, which samples")
             del self._computing[chunk.request_id]
-            state.status = PrefillStatus.TRANSFERRING
+            state.status = RequestStatus.SENDING_KV
             self._transferring[chunk.request_id] = state
             timings = PrefillTimings(queue_s=state.start_s - state.arrival_s, compute_s=now - state.start_s)
             done.append(
@@ -319,7 +319,7 @@ class PrefillScheduler:
             state.page_ids, state.num_computed_tokens, state.scheduled_end = [], 0, 0
             return None
         del self._queued[state.job.request_id]
-        state.status, state.num_cached_tokens, state.start_s = PrefillStatus.COMPUTING, num_cached, now
+        state.status, state.num_cached_tokens, state.start_s = RequestStatus.RUNNING, num_cached, now
         self._computing[state.job.request_id] = state
         return chunk
 
@@ -361,9 +361,9 @@ class PrefillScheduler:
         cache = self.kv_cache
         cache.check_integrity()
         groups = (
-            (PrefillStatus.QUEUED, self._queued),
-            (PrefillStatus.COMPUTING, self._computing),
-            (PrefillStatus.TRANSFERRING, self._transferring),
+            (RequestStatus.WAITING, self._queued),
+            (RequestStatus.RUNNING, self._computing),
+            (RequestStatus.SENDING_KV, self._transferring),
         )
         seen: set[str] = set()
         owners: dict[int, int] = {}
@@ -389,7 +389,7 @@ class PrefillScheduler:
         cache, size = self.kv_cache, self.config.page_size
         rid, pages, prompt = state.job.request_id, state.page_ids, state.job.prompt_token_ids
         computed = state.num_computed_tokens
-        if state.status == PrefillStatus.QUEUED:
+        if state.status == RequestStatus.WAITING:
             if pages or computed:
                 raise PageAccountingError(f"queued job {rid} holds pages or computed tokens")
             return
@@ -402,7 +402,7 @@ class PrefillScheduler:
             )
         if len(pages) != math.ceil(state.scheduled_end / size):
             raise PageAccountingError(f"job {rid}: {len(pages)} pages for {state.scheduled_end} tokens")
-        if state.status == PrefillStatus.TRANSFERRING and computed != len(prompt):
+        if state.status == RequestStatus.SENDING_KV and computed != len(prompt):
             raise PageAccountingError(f"transferring job {rid} computed only {computed} of {len(prompt)}")
         for page_id, expected in zip(pages, block_hashes(prompt[:computed], size), strict=False):
             cached = cache.cached_hash(page_id)

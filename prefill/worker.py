@@ -1,10 +1,12 @@
 """A prefill rank's work, without the threads and collectives around it: jobs in, KV out.
 
-One ``step`` plans a batch (:class:`PrefillScheduler`), opens a transfer for every job whose
-last chunk is in it, runs the model with a per-layer hook that posts each layer's writes as soon
-as that layer's KV is in the pool (layer-wise mode), samples the first tokens and hands the
-notifications to the transport. ``tick`` polls the transport and gives a job's pages back once
-its transfer is over. With ``whole`` transfers every layer goes at the end, in one transfer.
+Jobs come from decode ranks, checked on the caller's thread (``admit``). One ``step`` plans a
+batch (:class:`PrefillScheduler`), opens a transfer for every job whose last chunk is in it, runs
+the model with a per-layer hook that posts each layer's writes as soon as that layer's KV is in
+the pool (layer-wise mode), samples the first tokens and hands the notifications to the
+transport. ``tick`` polls the transport and gives a job's pages back once its transfer is over.
+With ``whole`` transfers every layer goes at the end, in one transfer. ``publish`` pushes the
+prefix cache's KV events to the frontends that subscribed.
 
 On a GPU the hook must follow the layer's kernels (a CUDA event) before posting; on a CPU the
 forward is synchronous.
@@ -16,13 +18,21 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from tandem.engine.messages import LoopStats, RankId, RankStats, RequestResult, Role
+from tandem.engine.rank_loop import RankWorker
 from tandem.engine.request import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
 from tandem.kvtransfer.types import KVNotification, KVTransferError, TransferStats
 from tandem.prefill.job import PrefillJob
+from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
+
+if TYPE_CHECKING:
+    from tandem.cluster.outbox import RayOutbox
+    from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +47,40 @@ class PrefillWorkerStats:
     transfer_exposed_s: float = 0.0
 
 
-class PrefillWorker:
+class PrefillWorker(RankWorker):
     def __init__(
         self,
+        rank_id: RankId,
+        incarnation: int,
         scheduler: PrefillScheduler,
         runner: ModelRunner,
         transport: KVTransport,
         layerwise: bool = True,
         transfer_timeout_s: float = 30.0,
+        model_config: ModelConfig | None = None,
+        outbox: RayOutbox | None = None,
     ) -> None:
+        self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
+        self.model_config = model_config
+        self.outbox = outbox
+        self.kv_events = KVEventPublisher(self.name, scheduler.config.page_size, incarnation)
         self.scheduler = scheduler
         self.runner = runner
         self.transport = transport
         self.layerwise = layerwise
         self.transfer_timeout_s = transfer_timeout_s
-        self.stats = PrefillWorkerStats()
+        self.counters = PrefillWorkerStats()
         self._jobs: dict[str, PrefillJob] = {}
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
+
+    def admit(self, items: list[PrefillJob]) -> list[PrefillJob]:
+        cfg = self.model_config
+        if cfg is None:
+            raise RuntimeError(f"prefill rank {self.name} was built without a model config")
+        for job in items:
+            job.validate(cfg.vocab_size, cfg.max_position_embeddings, self.scheduler.config.page_size)
+        return list(items)
 
     def submit(self, jobs: list[PrefillJob]) -> None:
         """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
@@ -65,7 +91,7 @@ class PrefillWorker:
             try:
                 self.scheduler.add_job(job, now)
             except InvalidRequestError as error:  # e.g. a duplicate id: its decode rank times out
-                self.stats.jobs_failed += 1
+                self.counters.jobs_failed += 1
                 log.warning("prefill job %s refused: %s", job.request_id, error)
                 continue
             self._jobs[job.request_id] = job
@@ -83,12 +109,50 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def take_results(self) -> list[object]:
+    def take_results(self) -> list[RequestResult]:
         """A prefill rank reports to decode ranks through the transport, not through results."""
         return []
 
-    def fail_all(self, reason: str) -> list[object]:
+    def fail_all(self, reason: str) -> list[RequestResult]:
         return []
+
+    def subscribe(self, subscriber: str) -> KVEventBatch:
+        """Send this rank's KV events to the named actor from now on; the snapshot."""
+        return self.kv_events.subscribe(subscriber, self.scheduler.kv_cache.cached_block_hashes())
+
+    def unsubscribe(self, subscriber: str) -> None:
+        self.kv_events.unsubscribe(subscriber)
+
+    def publish(self) -> None:
+        """Each subscriber's batch of KV events; one that is gone loses its subscription."""
+        events = self.scheduler.take_events()
+        if self.outbox is None:
+            return
+        for subscriber, batch in self.kv_events.publish(events).items():
+            if not self.outbox.send(subscriber, "push_kv_events", batch):
+                self.kv_events.unsubscribe(subscriber)
+
+    def stats(self, loop: LoopStats) -> RankStats:
+        s = self.scheduler
+        sends, receives = self.transport.in_flight()
+        return RankStats(
+            rank=self.rank_id,
+            role=Role.PREFILL,
+            incarnation=self.incarnation,
+            loop=loop,
+            queued=s.num_queued,
+            computing=s.num_computing,
+            transferring=s.num_transferring,
+            free_pages=s.num_free_pages,
+            total_pages=s.config.num_pages,
+            cached_pages=s.kv_cache.num_cached_pages,
+            kv_bytes_sent=self.counters.kv_bytes_sent,
+            sends_in_flight=sends,
+            receives_in_flight=receives,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
 
     def tick(self) -> None:
         """Poll the transport: a finished or failed send gives its pages back."""
@@ -96,16 +160,16 @@ class PrefillWorker:
         for stats in events.sent:
             self.scheduler.transfer_over(stats.request_id)
             self._jobs.pop(stats.request_id, None)
-            self.stats.jobs_done += 1
-            self.stats.kv_bytes_sent += stats.bytes
-            self.stats.transfer_s += stats.duration_s
-            self.stats.transfer_exposed_s += stats.exposed_s
+            self.counters.jobs_done += 1
+            self.counters.kv_bytes_sent += stats.bytes
+            self.counters.transfer_s += stats.duration_s
+            self.counters.transfer_exposed_s += stats.exposed_s
             self.sent.append(stats)
         for failure in events.failed:
             if failure.role == "send":
                 self.scheduler.transfer_over(failure.request_id)
                 self._jobs.pop(failure.request_id, None)
-                self.stats.jobs_failed += 1
+                self.counters.jobs_failed += 1
                 self.failures.append(failure)
         for expired in self.scheduler.take_expired():
             self._jobs.pop(expired.request_id, None)
@@ -145,4 +209,4 @@ class PrefillWorker:
             timings = {"prefill_queue_s": done.timings.queue_s, "prefill_compute_s": done.timings.compute_s}
             notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
             self.transport.finish_send(done.request_id, notification, compute_done)
-        self.stats.steps += 1
+        self.counters.steps += 1

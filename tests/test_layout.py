@@ -45,11 +45,13 @@ def test_lint_bans_a_bare_import_of_every_package() -> None:
 def test_only_tandem_is_importable_outside_the_checkout(tmp_path: Path) -> None:
     tops = sorted({f.parts[0] for f in _package_folders()})
     code = (
-        "import importlib.util, tandem.router, tandem.cluster.cli\n"
+        "import importlib.util, tandem.router, tandem.cli.main\n"
         f"leaked = [m for m in {tops!r} if importlib.util.find_spec(m) is not None]\n"
         "assert not leaked, f'top-level modules in the environment: {leaked}'\n"
     )
     # run from elsewhere: inside the checkout the folders are importable by their own names
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
-    bare = subprocess.run([sys.executable, "-c", "import model"], cwd=tmp_path, capture_output=True, text=True)
+    bare = subprocess.run(
+        [sys.executable, "-c", "import model"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert bare.returncode != 0 and "No module named 'model'" in bare.stderr

@@ -13,7 +13,6 @@ from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import (
     AbortAction,
     DecodeFinished,
-    DecodePhase,
     DecodeSchedulerConfig,
     KVNotificationError,
     Reservation,
@@ -76,7 +75,7 @@ class Cluster:
     def add(self, *requests: Request) -> None:
         for request in requests:
             self.scheduler.add_request(request)
-            assert self.scheduler.phase(request.request_id) is DecodePhase.QUEUED
+            assert self.scheduler.status(request.request_id) is RequestStatus.WAITING
         self.check()
 
     def reserve(self) -> list[Reservation]:
@@ -178,10 +177,7 @@ class Cluster:
         assert record.request.is_finished and record.request.page_ids == []
         assert self.scheduler.get(record.request_id) is None
         assert (record.error is not None) == (record.finish_reason == "error")
-        if record.finish_reason in ("abort", "error"):
-            assert record.request.status == RequestStatus.FINISHED_ABORTED
-        else:
-            assert record.request.finish_reason == record.finish_reason
+        assert record.request.finish_reason == record.finish_reason
         self.finished[record.request_id] = record
 
 
@@ -241,15 +237,15 @@ def test_full_lifecycle() -> None:
     assert reservation.num_prompt_tokens == 6 and len(reservation.page_ids) == 2
     assert reservation.deadline_s == 105.0 and reservation.attempt == 0
     assert reservation.destination("decode-0", 3) == KVDestination("decode-0", 3, reservation.page_ids)
-    assert scheduler.phase("a") is DecodePhase.WAITING_FOR_KV
-    assert scheduler.get("a").status == RequestStatus.WAITING  # type: ignore[union-attr]
+    assert scheduler.status("a") is RequestStatus.WAITING_FOR_KV
+    assert scheduler.get("a").status == RequestStatus.WAITING_FOR_KV  # type: ignore[union-attr]
     assert scheduler.num_free_pages == 62 and scheduler.num_waiting_for_kv == 1
     assert cluster.prefill_prompts == [("a", make_request("a", 6).prompt_token_ids)]
     assert scheduler.schedule().is_empty  # nothing runs before its KV
 
     assert cluster.deliver("a", cached_tokens=4) is None
     request = scheduler.get("a")
-    assert request is not None and scheduler.phase("a") is DecodePhase.RUNNING
+    assert request is not None and scheduler.status("a") is RequestStatus.RUNNING
     assert request.status == RequestStatus.RUNNING
     assert request.output_token_ids == [token_for("a", 0)]
     assert (request.num_computed_tokens, request.num_cached_tokens) == (6, 4)
@@ -384,14 +380,14 @@ def test_expired_transfer_is_retried_at_the_front_and_then_succeeds() -> None:
     cluster.check()
 
     assert cluster.fail("a", retry=True) is None  # the transport reports the abort complete
-    assert scheduler.phase("a") is DecodePhase.QUEUED and scheduler.num_free_pages == free_pages + 2
+    assert scheduler.status("a") is RequestStatus.WAITING and scheduler.num_free_pages == free_pages + 2
     [second] = cluster.reserve()
     assert second.request_id == "a" and second.attempt == 1  # back at the front, ahead of "b"
     assert second.deadline_s == cluster.now + TIMEOUT_S
     # A notification of the first attempt arriving now is not taken for the second.
     assert scheduler.kv_arrived("a", 5, 0, attempt=first.attempt) is None
     assert scheduler.kv_failed("a", "late", retry=False, attempt=first.attempt) is None
-    assert scheduler.phase("a") is DecodePhase.WAITING_FOR_KV
+    assert scheduler.status("a") is RequestStatus.WAITING_FOR_KV
     cluster.deliver("a")
     cluster.drain()
     assert cluster.finished["a"].num_kv_retries == 1
@@ -433,7 +429,7 @@ def test_bad_notification_is_rejected_naming_the_field() -> None:
         cluster.scheduler.kv_arrived("a", 12, 7)
     with pytest.raises(KVNotificationError, match="first_token"):
         cluster.scheduler.kv_arrived("a", -1, 0)
-    assert cluster.scheduler.phase("a") is DecodePhase.WAITING_FOR_KV
+    assert cluster.scheduler.status("a") is RequestStatus.WAITING_FOR_KV
     cluster.check()
 
 
@@ -448,13 +444,13 @@ def test_abort_in_each_state() -> None:
 
     cluster.reserve()  # "running" (2 pages), "waiting" (2 pages)
     cluster.deliver("running")
-    assert scheduler.phase("queued") is DecodePhase.QUEUED
+    assert scheduler.status("queued") is RequestStatus.WAITING
     assert cluster.abort("queued") is AbortAction.DONE
     assert cluster.finished["queued"].finish_reason == "abort"
 
     assert cluster.abort("waiting") is AbortAction.CANCEL_TRANSFER
     assert cluster.abort("waiting") is AbortAction.CANCEL_TRANSFER  # idempotent until the transfer ends
-    assert scheduler.phase("waiting") is DecodePhase.WAITING_FOR_KV and scheduler.num_free_pages == 4
+    assert scheduler.status("waiting") is RequestStatus.WAITING_FOR_KV and scheduler.num_free_pages == 4
     cluster.now = 2 * TIMEOUT_S
     assert scheduler.expired(cluster.now) == []  # already being cancelled
     record = cluster.fail("waiting", retry=True)  # the cancelled transfer reports its end
@@ -466,13 +462,13 @@ def test_abort_in_each_state() -> None:
     cluster.deliver("victim")
     while "victim" not in cluster.preempted:  # "running" grows until "victim" is preempted
         cluster.step()
-    assert scheduler.phase("victim") is DecodePhase.PREEMPTED
+    assert scheduler.status("victim") is RequestStatus.PREEMPTED
     assert scheduler.get("victim").status == RequestStatus.PREEMPTED  # type: ignore[union-attr]
     assert cluster.abort("victim") is AbortAction.DONE
     assert cluster.finished["victim"].finish_reason == "abort"
     assert cluster.finished["victim"].request.output_token_ids  # outputs are kept in the record
 
-    assert scheduler.phase("running") is DecodePhase.RUNNING
+    assert scheduler.status("running") is RequestStatus.RUNNING
     assert cluster.abort("running") is AbortAction.DONE
     assert cluster.abort("running") is AbortAction.UNKNOWN
     assert cluster.abort("never-seen") is AbortAction.UNKNOWN
@@ -548,7 +544,7 @@ def test_preempted_request_is_recomputed_and_continues_identically() -> None:
     assert cluster.preempted == ["new"]
     victim = scheduler.get("new")
     assert victim is not None and victim.page_ids == [] and victim.num_preemptions == 1
-    assert scheduler.phase("new") is DecodePhase.PREEMPTED and scheduler.num_queued == 1
+    assert scheduler.status("new") is RequestStatus.PREEMPTED and scheduler.num_queued == 1
     outputs_before = list(victim.output_token_ids)
     assert outputs_before
 
@@ -561,7 +557,7 @@ def test_preempted_request_is_recomputed_and_continues_identically() -> None:
     assert victim is not None and victim.output_token_ids == outputs_before  # nothing decoded meanwhile
     assert reservation.num_prompt_tokens == victim.num_tokens - 1
     assert cluster.prefill_prompts[-1] == ("new", victim.all_token_ids[:-1])
-    assert victim.status == RequestStatus.PREEMPTED  # until its KV arrives
+    assert victim.status == RequestStatus.WAITING_FOR_KV  # its recomputed KV is on the way
 
     assert cluster.deliver("new", first_token=999, cached_tokens=0) is None  # the re-sampled token is ignored
     assert victim.output_token_ids == outputs_before and victim.num_cached_tokens == 4
@@ -588,7 +584,7 @@ def test_request_needing_a_page_preempts_itself_when_newest() -> None:
     output = cluster.step()  # both need a second page; one is free
     assert [c.request_id for c in output.chunks] == ["a"]
     assert output.preempted_request_ids == ("b",)
-    assert cluster.scheduler.phase("b") is DecodePhase.PREEMPTED
+    assert cluster.scheduler.status("b") is RequestStatus.PREEMPTED
     cluster.drain()
     assert cluster.finished["b"].request.output_token_ids == expected_outputs("b", 3)
     cluster.assert_all_free()

@@ -12,11 +12,13 @@ import pytest
 import ray
 import torch
 
-from tandem.cluster.cli import main
-from tandem.cluster.dep_group import DEPGroup, DEPGroupConfig, GroupNotReady, GroupState
+from tandem.cli.main import main
+from tandem.cluster.group import GroupConfig, GroupNotReady, GroupState, RankGroup
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
-from tandem.engine.dep_rank import FinishedRequest, RankRequest
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.colocated_role import ColocatedRole
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.messages import RankId, RankRequest, RequestResult
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.model.make_tiny import make_tiny_checkpoint
 
@@ -47,18 +49,22 @@ def _colocated(tiny: Path, requests: list[tuple[list[int], SamplingParams]]) -> 
     return [o.token_ids for o in engine.generate([p for p, _ in requests], [s for _, s in requests])]
 
 
+def _tokens(result: RequestResult) -> list[int]:
+    return list(result.token_ids)
+
+
 def _run(
-    group: DEPGroup, requests: list[tuple[list[int], SamplingParams]], ranks: list[int]
-) -> dict[str, FinishedRequest]:
+    group: RankGroup, requests: list[tuple[list[int], SamplingParams]], ranks: list[int]
+) -> dict[str, RequestResult]:
     for i, ((prompt, sampling), rank) in enumerate(zip(requests, ranks, strict=True)):
-        group.submit(rank, [RankRequest(f"r{i}", prompt, sampling)])
+        group.submit(rank, [RankRequest(f"r{i}", tuple(prompt), sampling)])
     return {r.request_id: r for r in group.run_to_completion(timeout_s=300)}
 
 
-def _check_all_pages_free(group: DEPGroup) -> None:
+def _check_all_pages_free(group: RankGroup) -> None:
     group.check_integrity()
     for s in group.stats():
-        assert s.running == s.waiting == 0 and s.free_pages == ENGINE.num_pages
+        assert s.running == s.queued == 0 and s.free_pages == ENGINE.num_pages
 
 
 def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
@@ -66,20 +72,20 @@ def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
     others run out at different steps, so ranks step on empty batches. Compared in float64,
     where summing expert outputs that come from other ranks rounds exactly alike."""
     requests = _requests(16, seed=1)
-    group = DEPGroup(DEPGroupConfig("dep4", str(tiny), 4, "float64", ENGINE))
+    group = RankGroup(GroupConfig("dep4", str(tiny), 4, ColocatedRole(ENGINE), "float64"))
     group.start()
     try:
         assert group.state is GroupState.READY and group.incarnation == 1
         done = _run(group, requests, [0] * 7 + [1] * 5 + [2] * 4)
-        assert [done[f"r{i}"].token_ids for i in range(16)] == _colocated(tiny, requests)
+        assert [_tokens(done[f"r{i}"]) for i in range(16)] == _colocated(tiny, requests)
         assert all(done[f"r{i}"].finish_reason == "length" for i in range(16))
         stats = group.stats()
-        assert len({s.steps for s in stats}) == 1  # lockstep: every rank took every step
+        assert len({s.loop.steps for s in stats}) == 1  # lockstep: every rank took every step
         assert [s.local_experts for s in stats] == [4, 4, 4, 4]  # 16 routed experts, a quarter each
         assert stats[3].moe_rows_received > 0  # the idle rank served its experts to the others
         _check_all_pages_free(group)
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-            group.submit(1, [RankRequest("bad", [1, 258], SamplingParams(max_tokens=2))])
+            group.submit(1, [RankRequest("bad", (1, 258), SamplingParams(max_tokens=2))])
     finally:
         group.stop()
     assert group.state is GroupState.STOPPED
@@ -88,33 +94,35 @@ def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
 @pytest.mark.slow
 def test_dep16_starts_and_matches(tiny: Path) -> None:
     requests = _requests(12, seed=2)
-    group = DEPGroup(DEPGroupConfig("dep16", str(tiny), 16, "float64", ENGINE))
+    group = RankGroup(GroupConfig("dep16", str(tiny), 16, ColocatedRole(ENGINE), "float64"))
     group.start()
     try:
         done = _run(group, requests, [i % 5 for i in range(12)])  # ranks 5..15 stay idle
-        assert [done[f"r{i}"].token_ids for i in range(12)] == _colocated(tiny, requests)
+        assert [_tokens(done[f"r{i}"]) for i in range(12)] == _colocated(tiny, requests)
         _check_all_pages_free(group)
     finally:
         group.stop()
 
 
 def test_killed_rank_fails_the_group_and_it_restarts_whole(tiny: Path) -> None:
-    group = DEPGroup(DEPGroupConfig("dep2", str(tiny), 2, "float32", ENGINE, collective_timeout_s=30))
+    group = RankGroup(
+        GroupConfig("dep2", str(tiny), 2, ColocatedRole(ENGINE), "float32", collective_timeout_s=30)
+    )
     group.start()
     try:
         long = SamplingParams(max_tokens=700, ignore_eos=True)
-        group.submit(0, [RankRequest("a", [1, 2, 3], long), RankRequest("b", [4, 5], long)])
-        group.submit(1, [RankRequest("c", [6, 7, 8, 9], long)])
+        group.submit(0, [RankRequest("a", (1, 2, 3), long), RankRequest("b", (4, 5), long)])
+        group.submit(1, [RankRequest("c", (6, 7, 8, 9), long)])
         deadline = time.monotonic() + 60
-        while not all(s.steps > 0 for s in group.stats()):
+        while not all(s.loop.steps > 0 for s in group.stats()):
             assert time.monotonic() < deadline
             time.sleep(0.05)
 
         # step 1: a rank dies mid-generation
-        ray.kill(group.actors[1])
+        ray.kill(group.actors[RankId("dep2", 1)])
         # step 2: within a bounded time the group is failed and every request in flight ends with the error
         killed = time.monotonic()
-        ended: dict[str, FinishedRequest] = {}
+        ended: dict[str, RequestResult] = {}
         while len(ended) < 3:
             assert time.monotonic() - killed < 30, "requests still hanging after a rank died"
             ended.update({r.request_id: r for r in group.poll()})
@@ -123,7 +131,7 @@ def test_killed_rank_fails_the_group_and_it_restarts_whole(tiny: Path) -> None:
             assert r.finish_reason == "error" and r.error is not None
             assert "DEP group dep2 incarnation 1 failed" in r.error and "rank 1" in r.error
         with pytest.raises(GroupNotReady):
-            group.submit(0, [RankRequest("d", [1], long)])
+            group.submit(0, [RankRequest("d", (1,), long)])
 
         # step 3: gang restart, a new incarnation that serves again
         group.restart()

@@ -13,12 +13,15 @@ import pytest
 import ray
 import torch
 
-from tandem.cluster.cluster import Cluster
+from tandem.cluster.controller import Cluster
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
-from tandem.engine.dep_rank import RankRequest
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.messages import RankId, RankRequest, RankStats
 from tandem.engine.request import SamplingParams
+from tandem.frontend.request_stream import StreamSummary
 from tandem.model.make_tiny import make_tiny_checkpoint
 
 PAGE = 8
@@ -57,56 +60,61 @@ def _expected(tiny: Path, requests: list[tuple[list[int], SamplingParams]]) -> l
     return [o.token_ids for o in engine.generate([p for p, _ in requests], [s for _, s in requests])]
 
 
-def _all_pages_free(cluster: Cluster) -> None:
-    cluster.check_integrity()
-    for s in cluster.stats():
-        assert s["free_pages"] == s["total_pages"] and s["in_flight"] == (0, 0), s
+def _check_all_free(stats: list[RankStats]) -> None:
+    for s in stats:
+        assert s.free_pages == s.total_pages and (s.sends_in_flight, s.receives_in_flight) == (0, 0), s
 
 
-def _run_chats(cluster: Cluster, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, object]:
-    waves = [requests[:12], requests[12:]]
-    done: dict[str, object] = {}
-    for w, wave in enumerate(waves):
-        batch = [RankRequest(f"r{12 * w + i}", p, s) for i, (p, s) in enumerate(wave)]
-        cluster.submit(batch)  # each wave concurrently
-        done |= cluster.run_to_completion({r.request_id for r in batch}, timeout_s=300)
+def _all_pages_free(server: Server) -> None:
+    ray.get(server.controller.check_integrity.remote())
+    _check_all_free(ray.get(server.controller.stats.remote()))
+
+
+def _serve(topology: Topology, tiny: Path) -> Server:
+    """The cluster behind its frontend: requests take the path gRPC requests take."""
+    server = Server(ServeOptions(topology, tiny, port=0, dtype="float64"))
+    server.start()
+    return server
+
+
+def _run_chats(server: Server, requests: list[tuple[list[int], SamplingParams]]) -> list[StreamSummary]:
+    done: list[StreamSummary] = []
+    for wave in (requests[:12], requests[12:]):  # each wave concurrently
+        done += server.generate([p for p, _ in wave], [s for _, s in wave])
     return done
 
 
-def _check(cluster: Cluster, tiny: Path, requests: list[tuple[list[int], SamplingParams]]) -> None:
-    done = _run_chats(cluster, requests)
-    expected = _expected(tiny, requests)
-    assert [done[f"r{i}"].token_ids for i in range(24)] == expected  # type: ignore[attr-defined]
+def _check(server: Server, tiny: Path, requests: list[tuple[list[int], SamplingParams]]) -> None:
+    done = _run_chats(server, requests)
+    assert [d.token_ids for d in done] == _expected(tiny, requests)
     # a second-wave request sent to a prefill rank that computed the shared prefix in the first
-    # wave finds it in that rank's cache (routing by cached prefix comes with the router)
-    warm = {done[f"r{i}"].prefill_rank for i in range(12)}  # type: ignore[attr-defined]
-    second_wave = [done[f"r{i}"] for i in range(12, 24)]
-    repeated = [r.bill for r in second_wave if r.prefill_rank in warm]  # type: ignore[attr-defined]
+    # wave finds it in that rank's cache
+    warm = {d.prefill_rank for d in done[:12]}
+    second_wave = done[12:]
+    repeated = [d.bill for d in second_wave if d.prefill_rank in warm]
     assert repeated and all(b.cached_tokens >= 2 * PAGE for b in repeated)
-    assert all(r.bill.new_prompt_tokens == r.bill.prompt_tokens - r.bill.cached_tokens for r in second_wave)  # type: ignore[attr-defined]
-    _all_pages_free(cluster)
+    assert all(d.bill.new_prompt_tokens == d.bill.prompt_tokens - d.bill.cached_tokens for d in second_wave)
+    _all_pages_free(server)
 
 
 def test_local_preset_matches_the_colocated_engine(tiny: Path) -> None:
-    cluster = Cluster(_topology("local"), str(tiny), "float64")
-    cluster.start()
+    server = _serve(_topology("local"), tiny)
     try:
-        _check(cluster, tiny, _chats(seed=1))
+        _check(server, tiny, _chats(seed=1))
     finally:
-        cluster.stop()
+        server.stop()
 
 
 def test_a_decode_pool_too_small_for_all_requests(tiny: Path) -> None:
     """10 pages of 8 tokens per decode rank: requests wait in the pre-allocation queue."""
-    cluster = Cluster(_topology("local", decode_pages=10), str(tiny), "float64")
-    cluster.start()
+    server = _serve(_topology("local", decode_pages=10), tiny)
     try:
         requests = _chats(seed=2)
-        done = _run_chats(cluster, requests)
-        assert [done[f"r{i}"].token_ids for i in range(24)] == _expected(tiny, requests)  # type: ignore[attr-defined]
-        _all_pages_free(cluster)
+        done = _run_chats(server, requests)
+        assert [d.token_ids for d in done] == _expected(tiny, requests)
+        _all_pages_free(server)
     finally:
-        cluster.stop()
+        server.stop()
 
 
 def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path: Path) -> None:
@@ -114,7 +122,7 @@ def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path
     again, and no placement group of the cluster stays reserved."""
     import dataclasses
 
-    from tandem.cluster.dep_group import GroupFailed, GroupState
+    from tandem.cluster.group import GroupFailed, GroupState
 
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     bad = cluster.decode[0]
@@ -131,26 +139,30 @@ def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path
 
 
 def test_a_prefill_rank_dying_never_leaves_a_request_hanging(tiny: Path) -> None:
+    """Decode ranks whose prefill peer died mid-flight, driven directly (their results come back
+    through ``collect``): each request fails with a clear error or is retried elsewhere."""
     cluster = Cluster(_topology("local", kv_timeout_s=3.0), str(tiny), "float64")
     cluster.start()
+    decode = cluster.decode[0]
     try:
-        ray.kill(cluster.prefill[0].actors[1])
-        cluster.submit(
-            [RankRequest(f"d{i}", [1 + i, 2, 3, 4], SamplingParams(max_tokens=4)) for i in range(6)]
-        )
+        ray.kill(cluster.prefill[0].actors[RankId("prefill0", 1)])
+        for i in range(6):
+            decode.submit(i % 2, [RankRequest(f"d{i}", (1 + i, 2, 3, 4), SamplingParams(max_tokens=4))])
         start = time.monotonic()
-        done = cluster.run_to_completion({f"d{i}" for i in range(6)}, timeout_s=60)
-        assert time.monotonic() - start < 30
+        done = {r.request_id: r for r in decode.run_to_completion(timeout_s=60)}
+        assert time.monotonic() - start < 30 and len(done) == 6
         for result in done.values():  # each either failed with a clear error or was retried and served
             assert result.error is None or "KV transfer" in result.error, result.error
+        cluster.watch()
         assert cluster.status()["prefill0"].startswith("failed"), cluster.status()
-        assert cluster.decode[0].failure is None, cluster.decode[0].failure
+        assert decode.failure is None, decode.failure
         assert cluster.heal() == ["prefill0"]
         assert cluster.status()["prefill0"] == "ready (incarnation 2)"
-        cluster.submit([RankRequest("after", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])
-        after = cluster.run_to_completion({"after"}, timeout_s=60)["after"]
+        decode.submit(0, [RankRequest("after", (5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True))])
+        (after,) = decode.run_to_completion(timeout_s=60)
         assert after.error is None and len(after.token_ids) == 3
-        _all_pages_free(cluster)
+        cluster.check_integrity()
+        _check_all_free(cluster.stats())
     finally:
         cluster.stop()
 
@@ -158,12 +170,11 @@ def test_a_prefill_rank_dying_never_leaves_a_request_hanging(tiny: Path) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["dep16-dep2", "9xdep2-1xdep16"])
 def test_large_presets_match_the_colocated_engine(tiny: Path, preset: str) -> None:
-    cluster = Cluster(_topology(preset), str(tiny), "float64")
-    cluster.start()
+    server = _serve(_topology(preset), tiny)
     try:
-        _check(cluster, tiny, _chats(seed=3))
+        _check(server, tiny, _chats(seed=3))
     finally:
-        cluster.stop()
+        server.stop()
 
 
 def test_disagg_benchmark_reports_ttft_itl_and_exposed_share(tiny: Path) -> None:
@@ -182,7 +193,7 @@ def test_generate_preset_through_the_named_controller(
 ) -> None:
     import json
 
-    from tandem.cluster.cli import main
+    from tandem.cli.main import main
 
     prompts = tmp_path / "p.jsonl"
     lines = [
@@ -221,15 +232,13 @@ def test_membership_and_draining(tiny: Path) -> None:
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     cluster.start()
     try:
-        assert cluster.membership() == {
-            "prefill": ["prefill0-r0", "prefill0-r1"],
-            "decode": ["decode0-r0", "decode0-r1"],
-        }
+        view = cluster.routing_view()
+        assert sorted(view.prefill) == [RankId("prefill0", 0), RankId("prefill0", 1)]
+        assert sorted(view.decode) == [RankId("decode0", 0), RankId("decode0", 1)]
         cluster.drain("prefill0")
-        assert cluster.membership()["prefill"] == [] and cluster.status()["prefill0"].startswith("draining")
+        assert cluster.routing_view().prefill == {} and cluster.status()["prefill0"].startswith("draining")
         cluster.drain("decode0")
-        with pytest.raises(RuntimeError, match="no decode group takes work"):
-            cluster.submit([RankRequest("x", [1, 2], SamplingParams(max_tokens=2))])
+        assert cluster.routing_view().decode == {} and cluster.status()["decode0"].startswith("draining")
         with pytest.raises(ValueError, match="no group 'decode9'"):
             cluster.drain("decode9")
     finally:

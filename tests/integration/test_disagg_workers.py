@@ -12,8 +12,10 @@ import torch
 
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeResult, DecodeWorker, PrefillDispatcher
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.messages import RankId, RequestResult
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
@@ -29,17 +31,21 @@ from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tandem.prefill.worker import PrefillWorker
 
 PAGE = 8
+PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
 
 
 class _Direct(PrefillDispatcher):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
-    def choose(self, request: Request, preferred: str | None = None) -> str:
-        return "prefill-0"
+    def choose(self, request: Request, preferred: RankId | None = None) -> RankId:
+        return PREFILL
 
-    def send(self, prefill_rank: str, job: PrefillJob) -> None:
+    def send(self, prefill_rank: RankId, job: PrefillJob) -> None:
         self.worker.submit([job])
+
+    def set_ranks(self, ranks: dict[RankId, object]) -> None:
+        raise AssertionError("a direct dispatcher has one prefill rank")
 
 
 def _model(path: Path) -> DeepseekV3:
@@ -61,6 +67,8 @@ def _workers(tiny: Path, decode_pages: int, layerwise: bool) -> tuple[PrefillWor
     p_pool = KVPool(cfg, 64, PAGE, torch.float64)
     d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64)
     prefill = PrefillWorker(
+        PREFILL,
+        1,
         PrefillScheduler(
             PrefillSchedulerConfig(
                 num_pages=64,
@@ -71,33 +79,37 @@ def _workers(tiny: Path, decode_pages: int, layerwise: bool) -> tuple[PrefillWor
             )
         ),
         ModelRunner(p_model, p_pool),
-        NixlTransport("prefill-0", 1, p_pool.layout, store),
+        NixlTransport(PREFILL.name, 1, p_pool.layout, store),
         layerwise=layerwise,
     )
     decode = DecodeWorker(
-        "decode-0",
+        DECODE,
         1,
         DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
         ModelRunner(d_model, d_pool),
-        NixlTransport("decode-0", 1, d_pool.layout, store),
+        NixlTransport(DECODE.name, 1, d_pool.layout, store),
         _Direct(prefill),
     )
     return prefill, decode
 
 
-def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, DecodeResult]:
-    decode.submit(requests)
+def _submit(decode: DecodeWorker, requests: list[Request]) -> None:
+    decode.submit([(r, Routing()) for r in requests])
+
+
+def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, RequestResult]:
+    _submit(decode, requests)
+    done: dict[str, RequestResult] = {}
     for _ in range(5000):
         decode.tick()
         prefill.tick()
         if prefill.has_work():
             prefill.step()
         decode.step()
-        if len(decode.results) == len(requests) and not prefill.scheduler.num_transferring:
+        done |= {r.request_id: r for r in decode.take_results()}
+        if len(done) == len(requests) and not prefill.scheduler.num_transferring:
             break
         prefill.tick()
-    done = {r.request_id: r for r in decode.results}
-    decode.results.clear()
     assert len(done) == len(requests)
     return done
 
@@ -128,15 +140,15 @@ def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: 
     first = _run(
         prefill, decode, _requests(prompts[:1], sampling[:1], "warm")
     )  # puts the prefix in the cache
-    assert first["warm0"].token_ids == expected[0]
+    assert list(first["warm0"].token_ids) == expected[0]
     done = _run(prefill, decode, _requests(prompts, sampling, "r"))
-    assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == expected
+    assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == expected
     for i in range(1, 6):  # the shared prefix came from the prefill rank's cache
         bill = done[f"r{i}"].bill
         assert bill.cached_tokens >= 16 and bill.new_prompt_tokens == len(prompts[i]) - bill.cached_tokens
         assert bill.kv_bytes > 0 and bill.ttft_s > 0 and len(bill.token_times_s) == bill.output_tokens == 12
-        assert bill.token_times_s == sorted(bill.token_times_s) and bill.token_times_s[0] == bill.ttft_s
-        assert done[f"r{i}"].prefill_rank == "prefill-0" and done[f"r{i}"].finish_reason == "length"
+        assert list(bill.token_times_s) == sorted(bill.token_times_s) and bill.token_times_s[0] == bill.ttft_s
+        assert done[f"r{i}"].prefill_rank == PREFILL and done[f"r{i}"].finish_reason == "length"
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 12
@@ -148,8 +160,8 @@ def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: 
 
 def _drive(
     prefill: PrefillWorker, decode: DecodeWorker, until: int, steps: int = 3000
-) -> dict[str, DecodeResult]:
-    done: dict[str, DecodeResult] = {}
+) -> dict[str, RequestResult]:
+    done: dict[str, RequestResult] = {}
     for _ in range(steps):
         decode.tick()
         prefill.tick()
@@ -166,19 +178,19 @@ def test_abort_at_every_stage_frees_every_page(tiny: Path) -> None:
     prefill, decode = _workers(tiny, decode_pages=8, layerwise=True)
     long = SamplingParams(max_tokens=24, ignore_eos=True)
     # "running" holds 5 of the 8 decode pages once it decodes; "queued" (4 pages) then waits
-    decode.submit(_requests([[7] * 40], [long], "running"))
+    _submit(decode, _requests([[7] * 40], [long], "running"))
     for _ in range(3000):
         _drive(prefill, decode, until=0, steps=1)
         if decode.scheduler.num_running:
             break
     assert decode.scheduler.num_running == 1 and decode.scheduler.num_free_pages < 4
-    decode.submit(_requests([[9] * 30], [long], "queued"))
+    _submit(decode, _requests([[9] * 30], [long], "queued"))
     decode.tick()
     assert decode.scheduler.num_queued == 1
     decode.abort("queued0")  # waiting for pages
     decode.abort("running0")  # decoding
     # waiting for KV: the job was sent but the prefill rank has not started it
-    decode.submit(_requests([[5] * 12], [long], "kv"))
+    _submit(decode, _requests([[5] * 12], [long], "kv"))
     decode.tick()
     assert decode.scheduler.num_waiting_for_kv == 1 and prefill.pending() == 1
     decode.abort("kv0")

@@ -22,14 +22,16 @@ import ray
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.cluster.client import ClientOptions, Outcome, generate_all, request_message
-from tandem.cluster.cluster import CONTROLLER_NAME, Controller
-from tandem.cluster.frontend import FRONTEND_NAME, Frontend, FrontendConfig
-from tandem.cluster.prompts import PromptSpec
+from tandem.cli.client import ClientOptions, Outcome, generate_all, request_message
+from tandem.cli.prompts import PromptSpec
+from tandem.cluster.controller import CONTROLLER_NAME, Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import PoolSpec, Topology
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
+from tandem.frontend.actor import Frontend
+from tandem.frontend.core import FRONTEND_NAME, FrontendConfig
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
@@ -348,7 +350,7 @@ def _message(**fields: Any) -> tandem_pb2.GenerateRequest:
         (tandem_pb2.GenerateRequest(text="hi"), "sampling"),
         (_message(text="hi", model="gpt-9"), "model"),
         (_message(text="hi", sampling=tandem_pb2.SamplingParams(max_tokens=1900)), "sampling.max_tokens"),
-        (_message(text="hi", request_id="a#1"), "request_id"),
+        (_message(text="hi", request_id="a\n1"), "request_id"),
         (_message(text="hi", sampling=tandem_pb2.SamplingParams(max_tokens=4, seed=2**63)), "sampling.seed"),
     ],
 )
@@ -473,7 +475,7 @@ def test_a_decode_rank_dying_ends_its_streams_and_its_group_comes_back(served: S
             status = _status(served)
             (rank,) = [r.name for g in status.groups if g.role == "decode" for r in g.ranks if r.running]
             view = ray.get(served.controller.routing_view.remote())
-            ray.kill(view.decode[rank])
+            ray.kill({r.name: a for r, a in view.decode.items()}[rank])
             killed = time.monotonic()
             async for response in call:
                 if response.HasField("summary"):

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
 
-CLI = [sys.executable, "-m", "tandem.cluster.cli"]
+CLI = [sys.executable, "-m", "tandem.cli"]
 
 
 def _tandem(

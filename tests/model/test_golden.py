@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.engine.colocated import ColocatedEngine, EngineConfig
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.checkpoint import load_checkpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.gpu_check import main as gpu_check_main
-from tandem.cluster.cli import main
+from tandem.cli.main import main
 from tandem.model.kernels.backend import UnknownKernelBackend, get_backend
 from tandem.model.make_tiny import make_tiny_checkpoint
 

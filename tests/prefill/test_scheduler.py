@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 
 from tandem.engine.prefix_cache import BlockRemoved, BlockStored, block_hashes
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.request import InvalidRequestError, RequestStatus, SamplingParams
 from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
 from tandem.kvtransfer.types import KVDestination
-from tandem.prefill.job import PrefillDone, PrefillJob, PrefillStatus
+from tandem.prefill.job import PrefillDone, PrefillJob
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler, PrefillSchedulerConfig, PrefillStateError
 
 PAGE = 4
@@ -186,7 +186,7 @@ def test_pages_are_held_while_transferring_and_released_by_transfer_over() -> No
     rank.step()
     scheduler, cache = rank.scheduler, rank.scheduler.kv_cache
     pages = rank.done["a"].src_page_ids
-    assert scheduler.status("a") == PrefillStatus.TRANSFERRING
+    assert scheduler.status("a") == RequestStatus.SENDING_KV
     assert scheduler.num_transferring == 1 and scheduler.num_free_pages == 32 - 3
     assert all(cache.refcount(p) == 1 for p in pages)
     assert scheduler.take_events() == [BlockStored(tuple(block_hashes(prompt, PAGE)), None, PAGE)]
@@ -270,11 +270,11 @@ def test_abort_in_each_state() -> None:
     rank.add(make_job("mid", list(range(10, 30))))
     rank.add(make_job("queued", list(range(40, 45))))
     rank.step()
-    assert scheduler.status("mid") == PrefillStatus.COMPUTING
+    assert scheduler.status("mid") == RequestStatus.RUNNING
     assert scheduler.abort("queued") == AbortAction.DEQUEUED and scheduler.num_queued == 0
     plan = scheduler.schedule(rank.now)  # a chunk of "mid" in flight when it is aborted
     sampled = rank.run(plan)
-    with pytest.raises(PrefillStateError, match="COMPUTING"):
+    with pytest.raises(PrefillStateError, match="RUNNING"):
         scheduler.transfer_over("mid")
     assert scheduler.abort("mid") == AbortAction.STOPPED
     scheduler.check_integrity()
@@ -282,7 +282,7 @@ def test_abort_in_each_state() -> None:
     scheduler.check_integrity()
     assert scheduler.num_computing == 0 and scheduler.num_free_pages == 32 - 2
     assert scheduler.abort("done") == AbortAction.ABORT_TRANSFER
-    assert scheduler.status("done") == PrefillStatus.TRANSFERRING and scheduler.num_free_pages == 30
+    assert scheduler.status("done") == RequestStatus.SENDING_KV and scheduler.num_free_pages == 30
     rank.transfer_over("done")
     assert scheduler.abort("done") == AbortAction.UNKNOWN and scheduler.num_free_pages == 32
     assert not scheduler.has_work()

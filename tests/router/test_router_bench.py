@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.router_bench import TraceError, read_trace, run_router_bench, shared_cache_hit_rate
-from tandem.cluster.cli import main
+from tandem.cli.main import main
 
 BLOCK = 512
 

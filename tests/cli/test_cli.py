@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cluster.cli import main
+from tandem.cli.main import main
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.request import SamplingParams
 from tandem.model.make_tiny import make_tiny_checkpoint
@@ -120,7 +120,7 @@ def test_missing_model_and_other_architecture(tmp_path: Path, capsys: pytest.Cap
 
 def test_console_script_end_to_end(tmp_path: Path) -> None:
     tiny_dir = tmp_path / "tiny"
-    cli = [sys.executable, "-m", "tandem.cluster.cli"]
+    cli = [sys.executable, "-m", "tandem.cli"]
     made = subprocess.run(
         [*cli, "model", "make-tiny", str(tiny_dir), "--seed", "1"], capture_output=True, text=True
     )

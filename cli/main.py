@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.cluster.prompts import PromptSpec
-from tandem.engine.colocated import EngineConfig
+from tandem.cli.prompts import PromptSpec
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
 
-    from tandem.cluster.cli_serving import add_serving_parsers
+    from tandem.cli.serving import add_serving_parsers
 
     add_serving_parsers(sub, _sampling_args)
 
@@ -151,7 +152,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command in ("serve", "client"):
-        from tandem.cluster.cli_serving import run_client, run_serve
+        from tandem.cli.serving import run_client, run_serve
 
         return run_serve(args) if args.command == "serve" else run_client(args, _sampling)
     if args.command == "bench" and args.bench_command == "disagg":
@@ -223,7 +224,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tandem.cluster.prompts import parse_prompt_ids, read_prompts_file
+    from tandem.cli.prompts import parse_prompt_ids, read_prompts_file
     from tandem.engine.colocated import DTYPES, ColocatedEngine
 
     base = _sampling(args)
@@ -263,7 +264,7 @@ def _encode(specs: list[PromptSpec], tokenizer: Tokenizer | None) -> list[list[i
     return prompts
 
 
-def _print_outputs(as_json: bool, outputs: list[tuple[list[int], str, int, int, str]]) -> None:
+def _print_outputs(as_json: bool, outputs: Sequence[tuple[list[int], str, int, int, str]]) -> None:
     if as_json:
         keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
         print(json.dumps({"outputs": [dict(zip(keys, o, strict=True)) for o in outputs]}))
@@ -275,7 +276,7 @@ def _print_outputs(as_json: bool, outputs: list[tuple[list[int], str, int, int, 
 def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
-    from tandem.cluster.disagg_generate import generate_on_cluster, result_record
+    from tandem.cli.generate import generate_on_cluster, summary_record
     from tandem.cluster.topology import Topology
     from tandem.engine.request import check_prompt
     from tandem.model.config import ModelConfig
@@ -287,26 +288,20 @@ def _generate_disaggregated(
     prompts = _encode(specs, tokenizer)
     for prompt in prompts:  # rejected here, before any actor starts
         check_prompt(prompt, cfg.vocab_size, engine_config.context_len(cfg))
-    results = generate_on_cluster(
+    summaries = generate_on_cluster(
         topology, str(args.model), prompts, [s.sampling for s in specs], args.dtype, args.address
     )
-    errors = [r.error for r in results if r.error]
+    errors = [s.error for s in summaries if s.error]
     if errors:
         raise CliError(errors[0])
     rows = [
-        (
-            r.token_ids,
-            tokenizer.decode(r.token_ids),
-            r.bill.prompt_tokens,
-            r.bill.cached_tokens,
-            r.finish_reason,
-        )
-        for r in results
+        (s.token_ids, s.text, s.bill.prompt_tokens, s.bill.cached_tokens, s.finish_reason) for s in summaries
     ]
     if args.json:
         keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
         outputs = [
-            dict(zip(keys, row, strict=True)) | result_record(r) for row, r in zip(rows, results, strict=True)
+            dict(zip(keys, row, strict=True)) | summary_record(s)
+            for row, s in zip(rows, summaries, strict=True)
         ]
         print(json.dumps({"outputs": outputs}))
     else:
@@ -315,7 +310,7 @@ def _generate_disaggregated(
 
 
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
-    from tandem.cluster.dep_generate import generate_on_dep_group
+    from tandem.cli.generate import generate_on_dep_group
     from tandem.engine.request import check_prompt
     from tandem.model.config import ModelConfig
     from tandem.model.tokenizer import Tokenizer
@@ -337,7 +332,13 @@ def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_conf
     _print_outputs(
         args.json,
         [
-            (r.token_ids, tokenizer.decode(r.token_ids), r.prompt_tokens, r.cached_tokens, r.finish_reason)
+            (
+                list(r.token_ids),
+                tokenizer.decode(list(r.token_ids)),
+                r.bill.prompt_tokens,
+                r.bill.cached_tokens,
+                r.finish_reason,
+            )
             for r in results
         ],
     )

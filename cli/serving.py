@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.cluster.prompts import PromptSpec
+from tandem.cli.prompts import PromptSpec
 from tandem.engine.request import InvalidRequestError, SamplingParams
 
 
@@ -101,8 +101,8 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
 
     import grpc
 
-    from tandem.cluster.client import ClientOptions, run_generate, status, wait_serving
-    from tandem.cluster.prompts import read_prompts_file
+    from tandem.cli.client import ClientOptions, run_generate, status, wait_serving
+    from tandem.cli.prompts import read_prompts_file
 
     options = ClientOptions(
         args.addr, _read_secret(args.token_file, "--token-file"), args.tls_ca, timeout_s=args.timeout
@@ -113,7 +113,7 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
             print("SERVING" if ok else "NOT_SERVING")
             return 0 if ok else 1
         if args.client_command == "status":
-            from tandem.cluster.client import message_dict
+            from tandem.cli.client import message_dict
 
             reply = asyncio.run(status(options, args.check_integrity))
             print(json.dumps(message_dict(reply), indent=2))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 
-from tandem.cluster.cluster import RoutingView
+from tandem.cluster.controller import RoutingView
+from tandem.engine.messages import RankId, RankStats
 from tandem.router.router import Router
 
 
@@ -17,7 +17,7 @@ from tandem.router.router import Router
 class RankStatusView:
     name: str
     role: str
-    stats: dict[str, Any]
+    stats: RankStats | None = None
     routed_prefill_tokens: int = 0
     routed_requests: int = 0
     indexed_blocks: int = 0
@@ -51,8 +51,8 @@ async def read_status(
     loads, blocks = router.loads(), router.cached_blocks()
     handles = view.prefill | view.decode
 
-    async def rank_status(rank: str, role: str) -> RankStatusView:
-        status = RankStatusView(rank, role, {})
+    async def rank_status(rank: RankId, role: str) -> RankStatusView:
+        status = RankStatusView(rank.name, role)
         handle = handles.get(rank)
         if handle is not None:
             try:
@@ -63,13 +63,13 @@ async def read_status(
             except ray.exceptions.RayError as exc:
                 lines = str(exc).strip().splitlines()
                 status.integrity = lines[-1] if lines else type(exc).__name__
-        status.routed_prefill_tokens = loads.prefill_tokens.get(rank, 0)
-        status.routed_requests = loads.decode_requests.get(rank, 0)
-        status.indexed_blocks = blocks.get(rank, 0)
+        status.routed_prefill_tokens = loads.prefill_tokens.get(rank.name, 0)
+        status.routed_requests = loads.decode_requests.get(rank.name, 0)
+        status.indexed_blocks = blocks.get(rank.name, 0)
         return status
 
     groups = []
     for g in view.groups:
-        ranks = await asyncio.gather(*[rank_status(rank, g.role) for rank in g.ranks])
-        groups.append(GroupStatusView(g.group_id, g.role, g.state, g.incarnation, list(ranks)))
+        ranks = await asyncio.gather(*[rank_status(rank, g.role.value) for rank in g.ranks])
+        groups.append(GroupStatusView(g.group_id, g.role.value, g.state, g.incarnation, list(ranks)))
     return StatusView(model, ready, groups, router.counters(), running)

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from tandem.cluster.request_stream import RequestStream, StreamChunk, StreamSummary
-from tandem.decode.worker import Bill, DecodeResult, TokenDelta
+from tandem.engine.messages import Bill, RankId, RequestResult, TokenDelta
+from tandem.engine.request import FinishReason
+from tandem.frontend.request_stream import RequestStream, StreamChunk, StreamSummary
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.model.tokenizer import Tokenizer
 
@@ -42,7 +43,8 @@ def test_deltas_out_of_order_and_repeated_come_out_once_in_order(tokenizer: Toke
     assert [t.index for t in first.timings] == [0, 1, 2, 3]
     assert [round(t.gap_s, 6) for t in first.timings] == [0.1, 0.1, 0.1, 0.0]
     assert stream.on_delta(TokenDelta("r", 1, tuple(ids[1:3]), (100.2, 100.3))) is None  # a repeat
-    result = DecodeResult("r", ids, "length", None, "prefill0-r0", "decode0-r1", Bill(prompt_tokens=3))
+    ranks = RankId("decode0", 1), RankId("prefill0", 0)
+    result = RequestResult("r", tuple(ids), FinishReason.LENGTH, Bill(prompt_tokens=3), *ranks)
     summary = stream.on_result(result)
     items = _drain(stream)
     assert items[-1] is summary and summary.token_ids == ids and summary.text == "hello"
@@ -66,6 +68,6 @@ def test_a_character_split_across_tokens_is_held_until_complete(tokenizer: Token
 def test_a_failure_ends_the_stream_with_the_tokens_so_far(tokenizer: Tokenizer) -> None:
     stream = _stream(tokenizer)
     stream.on_delta(TokenDelta("r", 0, (65, 66), (100.1, 100.2)))
-    summary = stream.fail("decode rank decode0-r0 failed", "decode0-r0")
+    summary = stream.fail("decode rank decode0-r0 failed", RankId("decode0", 0))
     assert summary.finish_reason == "error" and summary.error == "decode rank decode0-r0 failed"
     assert summary.token_ids == [65, 66] and stream.finished

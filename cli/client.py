@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.cluster.grpc_auth import channel_credentials
-from tandem.cluster.prompts import PromptSpec
+from tandem.cli.prompts import PromptSpec
+from tandem.frontend.grpc_auth import channel_credentials
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 

@@ -13,19 +13,19 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.cluster.grpc_auth import BearerTokenInterceptor, server_credentials
-from tandem.cluster.request_stream import StreamChunk, StreamSummary
+from tandem.engine.messages import RankId
 from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
+from tandem.frontend.core import FrontendCore, GenerateSpec
+from tandem.frontend.grpc_auth import BearerTokenInterceptor, server_credentials
+from tandem.frontend.request_stream import StreamChunk, StreamSummary
+from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
-
-if TYPE_CHECKING:
-    from tandem.cluster.frontend import FrontendCore, StatusView
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 MAX_REQUEST_ID_CHARS = 128
@@ -68,7 +68,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     async def Generate(
         self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
-        from tandem.cluster.frontend import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
+        from tandem.frontend.core import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
 
         arrival_unix_s = time.time()
         try:
@@ -101,15 +101,13 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return _status(await self.core.status(request.check_integrity))
 
     # ---- validation -----------------------------------------------------------------------
-    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_unix_s: float) -> Any:
-        from tandem.cluster.frontend import GenerateSpec
-
+    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_unix_s: float) -> GenerateSpec:
         core = self.core
         request_id = request.request_id or core.new_request_id()
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
-        if "#" in request_id or not request_id.isprintable():
-            raise InvalidRequestError("request_id", "must be printable and must not contain '#'")
+        if not request_id.isprintable():
+            raise InvalidRequestError("request_id", "must be printable")
         if request.model and request.model != core.config.model_name:
             raise InvalidRequestError(
                 "model", f"unknown model {request.model!r}; this server serves {core.config.model_name!r}"
@@ -204,10 +202,10 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
             latency=latency,
         ),
         placement=tandem_pb2.Placement(
-            prefill_group=_group(item.prefill_rank),
-            prefill_rank=item.prefill_rank or "",
-            decode_group=_group(item.decode_rank),
-            decode_rank=item.decode_rank,
+            prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",
+            prefill_rank=_name(item.prefill_rank),
+            decode_group=item.decode_rank.group_id if item.decode_rank else "",
+            decode_rank=_name(item.decode_rank),
             predicted_cached_tokens=route.predicted_cached_tokens if route else 0,
             route_branch=route.branch if route else "",
         ),
@@ -217,37 +215,42 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
     return tandem_pb2.GenerateResponse(request_id=request_id, summary=summary)
 
 
-def _group(rank: str | None) -> str:
-    return rank.rsplit("-r", 1)[0] if rank else ""
+def _name(rank: RankId | None) -> str:
+    return rank.name if rank else ""
 
 
 def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
-    def count(stats: dict[str, Any], key: str) -> int:
-        value = stats.get(key, 0)
-        return sum(value) if isinstance(value, tuple | list) else int(value)  # in_flight: (sends, receives)
-
     groups = []
     for g in view.groups:
-        ranks = [
-            tandem_pb2.RankStatus(
-                name=r.name,
-                role=r.role,
-                queued=count(r.stats, "queued"),
-                running=count(r.stats, "running"),
-                waiting_for_kv=count(r.stats, "waiting_for_kv"),
-                computing=count(r.stats, "computing"),
-                transferring=count(r.stats, "transferring"),
-                free_pages=count(r.stats, "free_pages"),
-                total_pages=count(r.stats, "total_pages"),
-                cached_pages=count(r.stats, "cached_pages"),
-                transfers_in_flight=count(r.stats, "in_flight"),
-                routed_prefill_tokens=r.routed_prefill_tokens,
-                routed_requests=r.routed_requests,
-                indexed_blocks=r.indexed_blocks,
-                integrity=r.integrity,
+        ranks = []
+        for r in g.ranks:
+            s = r.stats
+            counts = (
+                {
+                    "queued": s.queued,
+                    "running": s.running,
+                    "waiting_for_kv": s.waiting_for_kv,
+                    "computing": s.computing,
+                    "transferring": s.transferring,
+                    "free_pages": s.free_pages,
+                    "total_pages": s.total_pages,
+                    "cached_pages": s.cached_pages,
+                    "transfers_in_flight": s.sends_in_flight + s.receives_in_flight,
+                }
+                if s is not None
+                else {}
             )
-            for r in g.ranks
-        ]
+            ranks.append(
+                tandem_pb2.RankStatus(
+                    name=r.name,
+                    role=r.role,
+                    routed_prefill_tokens=r.routed_prefill_tokens,
+                    routed_requests=r.routed_requests,
+                    indexed_blocks=r.indexed_blocks,
+                    integrity=r.integrity,
+                    **counts,
+                )
+            )
         groups.append(
             tandem_pb2.GroupStatus(
                 group_id=g.group_id, role=g.role, state=g.state, incarnation=g.incarnation, ranks=ranks

@@ -1,19 +1,20 @@
-"""A DEP group of rank actors, seen from the process that runs it (the CLI, later the controller).
+"""A DEP group of rank actors of one role, seen from the process that runs it (the controller,
+or the CLI for a colocated group).
 
 States: ``starting -> ready -> failed -> (restart) starting -> ready ...``; ``stopped`` at the end.
-A group is placed, started and restarted whole (gang restart): a rank that dies takes the group
-down, every request in flight on any of its ranks ends with :class:`GroupFailed`'s message, and
-``restart`` builds a new incarnation on a new placement group.
+A group is placed, started and restarted whole (gang restart): a rank that dies, or whose loop
+fails, takes the group down; every request its ranks still owed a result through ``collect``
+ends with :class:`GroupFailed`'s message, and ``restart`` builds a new incarnation on a new
+placement group. (Requests streamed to a frontend end there: it sees the group fail.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -21,9 +22,10 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.placement import RankResources, place_group, release_group
-from tandem.cluster.rank_actor import DEPRankActor, RankSpec
-from tandem.engine.colocated import EngineConfig
-from tandem.engine.dep_rank import FinishedRequest, RankRequest, RankStats
+from tandem.cluster.rank_actor import RankActor, RankSpec
+from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult
+from tandem.engine.request import FinishReason
+from tandem.engine.role_spec import RoleSpec
 
 
 class GroupState(enum.Enum):
@@ -44,30 +46,30 @@ class GroupFailed(RuntimeError):
         self.group_id, self.incarnation, self.reason = group_id, incarnation, reason
 
 
-@dataclass
-class DEPGroupConfig:
+@dataclass(frozen=True)
+class GroupConfig:
     group_id: str
     model_dir: str
     size: int
+    role: RoleSpec
     dtype: str = "float32"
-    engine: EngineConfig = field(default_factory=EngineConfig)
     resources: RankResources | None = None  # None: detected from the Ray cluster at start
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
 
 
-class DEPGroup:
-    def __init__(self, config: DEPGroupConfig) -> None:
+class RankGroup:
+    def __init__(self, config: GroupConfig) -> None:
         if config.size < 1:
             raise ValueError(f"a DEP group needs at least one rank, got size {config.size}")
         self.config = config
         self.incarnation = 0
         self.state = GroupState.STOPPED
         self.failure: str | None = None
-        self._actors: list[ray.actor.ActorHandle] = []
-        self._loops: dict[ray.ObjectRef, int] = {}
+        self._actors: list[Any] = []  # RankActor handles, by rank
+        self._loops: dict[ray.ObjectRef, int] = {}  # each rank's ``run`` call
         self._pg: PlacementGroup | None = None
-        self._in_flight: dict[str, int] = {}  # request id -> rank
+        self._in_flight: dict[str, int] = {}  # request id -> rank, for results through collect
         # placement group names are global to the Ray namespace: two clusters (or a test's
         # leftovers) that both have a "prefill0" must not collide
         self._placement_tag = uuid.uuid4().hex[:8]
@@ -77,8 +79,17 @@ class DEPGroup:
         return self.config.group_id
 
     @property
-    def actors(self) -> list[ray.actor.ActorHandle]:
-        return list(self._actors)
+    def role(self) -> str:
+        return self.config.role.role.value
+
+    @property
+    def rank_ids(self) -> list[RankId]:
+        return [RankId(self.group_id, rank) for rank in range(self.config.size)]
+
+    @property
+    def actors(self) -> dict[RankId, Any]:
+        """Each rank's actor handle (empty unless started)."""
+        return dict(zip(self.rank_ids, self._actors, strict=False))
 
     def start(self) -> None:
         """Place and start a new incarnation; returns when every rank is ready to step."""
@@ -86,20 +97,19 @@ class DEPGroup:
         self.incarnation += 1
         self.state, self.failure = GroupState.STARTING, None
         resources = cfg.resources or RankResources.detect()
-        name = f"{cfg.group_id}-{self.incarnation}-{self._placement_tag}"
-        self._pg = place_group(name, cfg.size, resources)
+        self._pg = place_group(
+            f"{cfg.group_id}-{self.incarnation}-{self._placement_tag}", cfg.size, resources
+        )
         bundle = resources.bundle()
         self._actors = [
-            self._actor_class()
-            .options(
+            RankActor.options(  # type: ignore[attr-defined]
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=rank
                 ),
-            )
-            .remote(self._spec(rank))
-            for rank in range(cfg.size)
+            ).remote(self._spec(rank_id))
+            for rank, rank_id in enumerate(self.rank_ids)
         ]
         try:
             master = str(ray.get(self._actors[0].rendezvous_address.remote(), timeout=cfg.start_timeout_s))
@@ -111,36 +121,25 @@ class DEPGroup:
         self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
         self.state = GroupState.READY
 
-    def _actor_class(self) -> Any:
-        return DEPRankActor
-
-    def _spec(self, rank: int) -> Any:
+    def _spec(self, rank_id: RankId) -> RankSpec:
         cfg = self.config
-        return RankSpec(cfg.model_dir, cfg.dtype, cfg.group_id, self.incarnation, rank, cfg.size, cfg.engine,
-                        cfg.collective_timeout_s)  # fmt: skip
-
-    def _submit_call(self, actor: Any, requests: list[RankRequest]) -> Any:
-        return actor.submit.remote(requests)
-
-    def _signals_rank_failure(self, result: Any) -> bool:
-        """A colocated rank reports errors only when its loop failed."""
-        return result.error is not None
-
-    def _error_result(self, request_id: str, message: str) -> Any:
-        return FinishedRequest(request_id, [], 0, 0, "error", message)
+        return RankSpec(
+            rank_id, self.incarnation, cfg.size, cfg.model_dir, cfg.dtype, cfg.role, cfg.collective_timeout_s
+        )
 
     def submit(self, rank: int, requests: list[RankRequest]) -> None:
-        """Queue requests on one rank (validated there: ``InvalidRequestError`` for bad input)."""
+        """Queue requests on one rank (checked there: ``InvalidRequestError`` for bad input)."""
         if self.state is not GroupState.READY:
             raise GroupNotReady(self.group_id, self.state)
         if not 0 <= rank < self.config.size:
             raise ValueError(f"rank {rank} is not in DEP group {self.group_id} of {self.config.size} ranks")
         try:
-            ray.get(self._submit_call(self._actors[rank], requests))
+            ray.get(self._actors[rank].submit.remote(requests))
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
         for r in requests:
-            self._in_flight[r.request_id] = rank
+            if r.frontend is None:
+                self._in_flight[r.request_id] = rank
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_rank: dict[int, list[str]] = {}
@@ -149,17 +148,15 @@ class DEPGroup:
                 by_rank.setdefault(self._in_flight[request_id], []).append(request_id)
         ray.get([self._actors[rank].abort.remote(ids) for rank, ids in by_rank.items()])
 
-    def poll(self, wait_s: float = 0.5) -> list[Any]:
+    def poll(self, wait_s: float = 0.5) -> list[RequestResult]:
         """Finished requests of every rank (waiting up to ``wait_s`` for some). Finds a failed
         rank: the group is marked failed and torn down, and every request still in flight on any
         rank comes back with :class:`GroupFailed`'s message naming the cause."""
         if self.state is not GroupState.READY:
             return []
-        refs: dict[ray.ObjectRef, int] = {
-            a.collect.remote(wait_s): rank for rank, a in enumerate(self._actors)
-        }
+        refs = {a.collect.remote(wait_s): rank for rank, a in enumerate(self._actors)}
         ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 5.0)
-        finished: list[Any] = []
+        finished: list[RequestResult] = []
         deaths: list[str] = []
         errors: list[str] = []
         for ref, rank in refs.items():
@@ -179,7 +176,6 @@ class DEPGroup:
                 deaths.append(f"rank {rank} died")
             except Exception as exc:
                 errors.append(f"rank {rank}: {_cause(exc)}")
-        errors += [r.error for r in finished if self._signals_rank_failure(r)]
         if deaths or errors:
             # a dead rank is the cause; its peers' collective errors are the consequence
             self._fail(sorted(set(deaths))[0] if deaths else errors[0])
@@ -189,18 +185,20 @@ class DEPGroup:
             return finished
         assert self.failure is not None
         message = str(GroupFailed(self.group_id, self.incarnation, self.failure))
-        results = [r if r.error is None else dataclasses.replace(r, error=message) for r in finished]
+        results = [r if r.error is None else replace(r, error=message) for r in finished]
         returned = {r.request_id for r in results}
         results += [
-            FinishedRequest(i, [], 0, 0, "error", message) for i in self._in_flight if i not in returned
+            RequestResult(i, (), FinishReason.ERROR, Bill(), RankId(self.group_id, rank), error=message)
+            for i, rank in self._in_flight.items()
+            if i not in returned
         ]
         self._in_flight.clear()
         return results
 
-    def run_to_completion(self, timeout_s: float) -> list[Any]:
+    def run_to_completion(self, timeout_s: float) -> list[RequestResult]:
         """Poll until nothing is in flight (or ``timeout_s`` passes, raising ``TimeoutError``)."""
         deadline = time.monotonic() + timeout_s
-        results: list[FinishedRequest] = []
+        results: list[RequestResult] = []
         while self._in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self._in_flight)} requests of group {self.group_id} still running")
@@ -211,7 +209,7 @@ class DEPGroup:
         return list(ray.get([a.stats.remote() for a in self._actors]))
 
     def check_integrity(self) -> None:
-        """Page accounting on every rank; call while the group is idle."""
+        """Page accounting on every rank."""
         ray.get([a.check_integrity.remote() for a in self._actors])
 
     def restart(self) -> None:

@@ -38,7 +38,7 @@ class KVEventFeed:
         self._next_seq[rank] = 0
         self._early[rank] = {}
         try:
-            snapshot: KVEventBatch = await handle.subscribe_kv_events.remote(self.subscriber)
+            snapshot: KVEventBatch = await handle.subscribe.remote(self.subscriber)
         except Exception as exc:
             log.warning("prefill rank %s: KV event subscription failed: %s", rank, exc)
             if self.following.get(rank) == incarnation:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cluster.frontend import FrontendConfig, FrontendCore
 from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.prefill.kv_events import KVEventBatch
 

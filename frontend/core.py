@@ -1,8 +1,10 @@
-"""The frontend: an async Ray actor that hosts the gRPC server, tokenises, routes and streams.
+"""The frontend's core: everything but the gRPC server and the actor around it. It tokenises,
+routes and streams; the gRPC service (``grpc_service``) and ``tandem generate`` on a cluster
+both call :meth:`FrontendCore.generate`, so every request takes this one path.
 
 ::
 
-    Generate ─▶ validate (grpc_service) ─▶ route (router/) ─▶ decode rank.submit_requests
+    Generate ─▶ validate (grpc_service) ─▶ route (router/) ─▶ decode rank.submit
                                                                    │ one StreamBatch a step
     client ◀── chunks + summary ◀── RequestStream ◀── push_stream ◀┘
     prefill ranks ── push_kv_events ─▶ the router's block-hash index
@@ -30,15 +32,14 @@ from typing import Any
 
 import ray
 
-from tandem.cluster.cluster import CONTROLLER_NAME, RoutingView
-from tandem.cluster.frontend_status import StatusView, read_status
-from tandem.cluster.kv_event_feed import KVEventFeed
-from tandem.cluster.request_stream import RequestStream, Route, StreamChunk, StreamSummary
-from tandem.decode.worker import StreamBatch
-from tandem.engine.dep_rank import RankRequest
+from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
+from tandem.engine.messages import RankId, RankRequest, RankStats, StreamBatch
 from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import max_kv_pages
+from tandem.frontend.kv_event_feed import KVEventFeed
+from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
+from tandem.frontend.status import StatusView, read_status
 from tandem.prefill.kv_events import KVEventBatch
 from tandem.router.router import NoRankAvailable, Router
 
@@ -52,7 +53,7 @@ async def _abort_after(submit: Any, running: _Running) -> None:
     running.send_abort()
 
 
-def _last_line(error: Exception) -> str:
+def last_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return lines[-1] if lines else type(error).__name__
 
@@ -105,8 +106,8 @@ class _Running:
 
     stream: RequestStream
     rank_request_id: str
-    decode_rank: str
-    decode_key: tuple[str, int]  # (rank, incarnation) it was sent to
+    decode_rank: RankId
+    incarnation: int  # of the decode rank it was sent to
     handle: Any  # the decode rank's actor
     submitting: bool = True
     abort_requested: bool = False
@@ -131,7 +132,8 @@ class FrontendCore:
         self.running: dict[str, _Running] = {}  # by the client's request id
         self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
         self.ready = False
-        self._incarnations: dict[str, int] = {}  # rank -> incarnation in the current view
+        self._incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
+        self._rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
         self.kv_events = KVEventFeed(self.router, config.name)
         self._tasks: set[asyncio.Future[None]] = set()
 
@@ -165,25 +167,25 @@ class FrontendCore:
             )
         except NoRankAvailable as exc:
             raise FrontendUnavailable(str(exc)) from None
+        routed_s = time.time() - routed_at
+        rank, prefill_rank = self._rank_ids[decision.decode_rank], self._rank_ids[decision.prefill_rank]
         stream.route = Route(
-            decision.prefill_rank,
-            decision.decode_rank,
+            prefill_rank,
+            rank,
             decision.predicted_cached_tokens,
             decision.branch,
             queue_s=routed_at - stream.arrival_unix_s,
-            routing_s=time.time() - routed_at,
+            routing_s=routed_s,
         )
-        rank = decision.decode_rank
-        key = (rank, self._incarnations.get(rank, -1))
-        running = _Running(stream, rank_request_id, rank, key, view.decode[rank])
+        running = _Running(stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank])
         self.running[spec.request_id] = self._by_rank_id[rank_request_id] = running
-        request = RankRequest(rank_request_id, prompt, spec.sampling, decision.prefill_rank, self.config.name)
-        submit = running.handle.submit_requests.remote([request])
+        request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
+        submit = running.handle.submit.remote([request])
         try:
             try:
                 await asyncio.shield(submit)  # a cancel here leaves the submit to finish first
             except ray.exceptions.RayError as exc:
-                stream.fail(f"decode rank {rank} did not take the request: {_last_line(exc)}", rank)
+                stream.fail(f"decode rank {rank} did not take the request: {last_line(exc)}", rank)
             running.submitting = False
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
@@ -244,7 +246,7 @@ class FrontendCore:
                 self.router.prefill_done(result.request_id)
                 running.stream.on_result(result)
 
-    def fail_rank(self, rank: str, why: str) -> None:
+    def fail_rank(self, rank: RankId, why: str) -> None:
         """End every stream a decode rank held: it is gone and will report nothing."""
         for running in list(self.running.values()):
             if running.decode_rank == rank and not running.stream.finished:
@@ -262,19 +264,19 @@ class FrontendCore:
         incarnations = {rank: g.incarnation for g in view.groups for rank in g.ranks}
         states = {rank: g.state for g in view.groups for rank in g.ranks}
         self.view, self._incarnations = view, incarnations
-        self.router.set_ranks(sorted(view.prefill), sorted(view.decode))
-        self.kv_events.keep_only(set(view.prefill))
+        self._rank_ids = {rank.name: rank for g in view.groups for rank in g.ranks}
+        self.router.set_ranks(sorted(r.name for r in view.prefill), sorted(r.name for r in view.decode))
+        self.kv_events.keep_only({r.name for r in view.prefill})
         for rank, handle in view.prefill.items():
-            if self.kv_events.needs_subscription(rank, incarnations[rank]):
-                self._tasks.add(
-                    task := asyncio.ensure_future(self.kv_events.subscribe(rank, incarnations[rank], handle))
-                )
+            if self.kv_events.needs_subscription(rank.name, incarnations[rank]):
+                subscribe = self.kv_events.subscribe(rank.name, incarnations[rank], handle)
+                self._tasks.add(task := asyncio.ensure_future(subscribe))
                 task.add_done_callback(self._tasks.discard)
         await self._read_decode_stats(view)
         # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
         # by itself: end it here
         for running in list(self.running.values()):
-            rank, incarnation = running.decode_key
+            rank, incarnation = running.decode_rank, running.incarnation
             gone = (
                 states.get(rank) in ("failed", "stopped")
                 or incarnations.get(rank, incarnation) != incarnation
@@ -285,98 +287,22 @@ class FrontendCore:
         self.ready = (
             bool(view.prefill)
             and bool(view.decode)
-            and bool(self.kv_events.following.keys() & view.prefill.keys())
+            and bool(self.kv_events.following.keys() & {r.name for r in view.prefill})
         )
 
     async def _read_decode_stats(self, view: RoutingView) -> None:
-        names = sorted(view.decode)
+        ranks = sorted(view.decode)
         replies = await asyncio.gather(
-            *[view.decode[n].stats.remote() for n in names], return_exceptions=True
+            *[view.decode[r].stats.remote() for r in ranks], return_exceptions=True
         )
-        for name, stats in zip(names, replies, strict=True):
+        for rank, stats in zip(ranks, replies, strict=True):
             if isinstance(stats, ray.exceptions.RayActorError):
-                self.fail_rank(name, f"decode rank {name} died while serving the request")
-            elif isinstance(stats, dict):
-                running = stats["running"] + stats["waiting_for_kv"]
-                self.router.update_decode_stats(name, stats["free_pages"], running, stats["total_pages"])
+                self.fail_rank(rank, f"decode rank {rank} died while serving the request")
+            elif isinstance(stats, RankStats):
+                running = stats.running + stats.waiting_for_kv
+                self.router.update_decode_stats(rank.name, stats.free_pages, running, stats.total_pages)
 
     async def status(self, check_integrity: bool) -> StatusView:
         return await read_status(
             self.view, self.router, self.config.model_name, self.ready, len(self.running), check_integrity
         )
-
-
-@ray.remote(num_cpus=0)
-class Frontend:
-    """The gRPC server as a named async Ray actor; ranks push streams and KV events to it."""
-
-    def __init__(self, config: FrontendConfig) -> None:
-        self.config = config
-        self.core = FrontendCore(config)
-        self._server: Any = None
-        self._health: Any = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._serving: bool | None = None
-        self.port = 0
-
-    async def start(self) -> int:
-        """Bind the port and start serving (NOT_SERVING until the pools are ready); the port."""
-        from tandem.cluster.grpc_service import build_server
-
-        self._server, self._health, self.port = build_server(self.core)
-        await self._server.start()
-        await self._set_health(False)
-        self._tasks.append(asyncio.create_task(self._refresh_loop()))
-        return self.port
-
-    async def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.core.ready and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.core.ready
-
-    async def push_stream(self, batch: StreamBatch) -> None:
-        self.core.on_stream(batch)
-
-    async def push_kv_events(self, batch: KVEventBatch) -> None:
-        self.core.on_kv_events(batch)
-
-    async def stop(self, grace_s: float = 2.0) -> None:
-        for task in self._tasks:
-            task.cancel()
-        view = self.core.view
-        if view is not None:  # the prefill ranks stop pushing KV events here
-            for handle in view.prefill.values():
-                with contextlib.suppress(ray.exceptions.RayError):
-                    handle.unsubscribe_kv_events.remote(self.config.name)
-        if self._server is not None:
-            await self._set_health(False)
-            await self._server.stop(grace_s)
-
-    async def _refresh_loop(self) -> None:
-        controller: Any = None
-        while True:
-            try:
-                if controller is None:  # the frontend may start before the controller
-                    try:
-                        controller = ray.get_actor(self.config.controller)
-                    except ValueError:
-                        self.core.ready = False
-                if controller is not None:
-                    await self.core.refresh(controller)
-            except ray.exceptions.RayError as exc:
-                log.warning("refresh failed: %s", _last_line(exc))
-                self.core.ready, controller = False, None
-            except Exception:  # keep refreshing; never leave health SERVING on a frozen view
-                log.exception("refresh failed")
-                self.core.ready = False
-            await self._set_health(self.core.ready)
-            await asyncio.sleep(self.config.refresh_s)
-
-    async def _set_health(self, serving: bool) -> None:
-        if serving == self._serving:
-            return
-        from tandem.cluster.grpc_service import set_serving
-
-        await set_serving(self._health, serving)
-        self._serving = serving

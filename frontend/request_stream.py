@@ -9,16 +9,17 @@ before the summary, stamped with the time the result arrived.
 ::
 
     push_stream(StreamBatch) -> on_delta(TokenDelta) -> StreamChunk  --\\
-                                on_result(DecodeResult) -> StreamChunk? + StreamSummary -> queue -> gRPC
+                                on_result(RequestResult) -> StreamChunk? + StreamSummary -> queue -> gRPC
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tandem.decode.worker import Bill, DecodeResult, TokenDelta
+from tandem.engine.messages import Bill, RankId, RequestResult, TokenDelta
+from tandem.engine.request import FinishReason
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -40,8 +41,8 @@ class StreamChunk:
 class Route:
     """Where the frontend sent the request and why."""
 
-    prefill_rank: str
-    decode_rank: str
+    prefill_rank: RankId
+    decode_rank: RankId
     predicted_cached_tokens: int
     branch: str
     queue_s: float
@@ -50,14 +51,14 @@ class Route:
 
 @dataclass(frozen=True)
 class StreamSummary:
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None
     token_ids: list[int]
     text: str
     bill: Bill
     route: Route | None
-    prefill_rank: str | None  # where the KV was computed (a retry may differ from the route)
-    decode_rank: str
+    prefill_rank: RankId | None  # where the KV was computed (a retry may differ from the route)
+    decode_rank: RankId | None
     ttft_s: float  # from the frontend arrival
     e2e_s: float
 
@@ -95,11 +96,12 @@ class RequestStream:
             self.queue.put_nowait(chunk)
         return chunk
 
-    def on_result(self, result: DecodeResult) -> StreamSummary:
+    def on_result(self, result: RequestResult) -> StreamSummary:
         """End the stream with ``result``: any tokens not streamed yet, then the summary."""
         now = time.time()
-        if result.bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
-            result.bill.prompt_tokens = result.bill.new_prompt_tokens = self.prompt_tokens
+        bill = result.bill
+        if bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
+            bill = replace(bill, prompt_tokens=self.prompt_tokens)
         for index in range(self._next_index, len(result.token_ids)):
             self._pending.setdefault(index, (result.token_ids[index], now))
         chunk = self._drain()
@@ -115,7 +117,7 @@ class RequestStream:
             error=result.error,
             token_ids=list(self._tokens),
             text=self.tokenizer.decode(self._tokens),
-            bill=result.bill,
+            bill=bill,
             route=self.route,
             prefill_rank=result.prefill_rank,
             decode_rank=result.decode_rank,
@@ -127,11 +129,13 @@ class RequestStream:
         self.queue.put_nowait(summary)
         return summary
 
-    def fail(self, reason: str, decode_rank: str = "") -> StreamSummary:
+    def fail(self, reason: str, decode_rank: RankId | None = None) -> StreamSummary:
         """End the stream with an error the ranks did not report (e.g. its rank is gone)."""
-        bill = Bill(prompt_tokens=self.prompt_tokens, new_prompt_tokens=self.prompt_tokens)
-        result = DecodeResult(self.request_id, list(self._tokens), "error", reason, None, decode_rank, bill)
-        return self.on_result(result)
+        bill = Bill(prompt_tokens=self.prompt_tokens)
+        tokens = tuple(self._tokens)
+        return self.on_result(
+            RequestResult(self.request_id, tokens, FinishReason.ERROR, bill, decode_rank, error=reason)
+        )
 
     def _drain(self) -> StreamChunk | None:
         assert self._detokenizer is not None

@@ -1,0 +1,237 @@
+"""A disaggregated cluster built from a topology: the prefill pool and the decode pool.
+
+:class:`Cluster` starts every group, tells each decode rank the prefill ranks (membership), and
+watches the groups: a failed group is rebuilt whole and the membership sent again. Requests do
+not pass through here: frontends route them to ranks themselves, from the ``routing_view``.
+:class:`Controller` is the cluster as a named Ray actor, so frontends and tools find it by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from tandem.cluster.group import GroupConfig, GroupState, RankGroup
+from tandem.cluster.placement import RankResources
+from tandem.cluster.topology import PoolSpec, Topology
+from tandem.decode.role import DecodeRole
+from tandem.engine.messages import RankId, RankStats, Role
+from tandem.prefill.role import PrefillRole
+
+CONTROLLER_NAME = "tandem-controller"
+
+
+@dataclass(frozen=True)
+class GroupView:
+    group_id: str
+    role: Role
+    state: str  # starting, ready, draining, failed or stopped
+    incarnation: int
+    ranks: tuple[RankId, ...]
+
+
+@dataclass(frozen=True)
+class RoutingView:
+    """What a frontend routes over: the rank actors of groups that take work, by role, and
+    every group's state. A rebuilt group's ranks keep their ids and get new handles."""
+
+    prefill: dict[RankId, Any]
+    decode: dict[RankId, Any]
+    groups: tuple[GroupView, ...]
+    page_size: int
+    prefill_capacity_tokens: int  # KV one prefill rank holds: a prompt's ceiling
+    decode_capacity_tokens: int  # KV one decode rank holds: prompt + output's ceiling
+
+
+class Cluster:
+    def __init__(self, topology: Topology, model_dir: str, dtype: str = "float32") -> None:
+        self.topology = topology
+        resources = RankResources.detect(topology.cpus_per_rank)
+        layerwise = topology.kv_transfer == "layerwise"
+
+        def prefill(pool: PoolSpec) -> PrefillRole:
+            return PrefillRole(
+                pool.num_pages,
+                pool.page_size,
+                pool.max_num_seqs,
+                pool.max_num_batched_tokens,
+                layerwise,
+                topology.kv_timeout_s,
+            )
+
+        def decode(pool: PoolSpec) -> DecodeRole:
+            return DecodeRole(pool.num_pages, pool.page_size, pool.max_num_seqs, topology.kv_timeout_s)
+
+        def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
+            return [
+                RankGroup(GroupConfig(f"{name}{i}", model_dir, pool.dep, role, dtype, resources))
+                for i in range(pool.groups)
+            ]
+
+        self.prefill = groups("prefill", topology.prefill, prefill(topology.prefill))
+        self.decode = groups("decode", topology.decode, decode(topology.decode))
+        self._draining: set[str] = set()
+
+    @property
+    def groups(self) -> list[RankGroup]:
+        return [*self.prefill, *self.decode]
+
+    def start(self) -> None:
+        """Start every group; if one fails, stop those already started (their ranks and
+        placement groups) before raising, so a failed start leaves nothing behind."""
+        try:
+            for g in self.groups:
+                g.start()
+            self._send_membership()
+        except BaseException:
+            for g in self.groups:
+                g.stop()
+            raise
+
+    def _takes_work(self, g: RankGroup) -> bool:
+        return g.state is GroupState.READY and g.group_id not in self._draining
+
+    def _send_membership(self) -> None:
+        """Tell every live decode rank the prefill ranks that take jobs (ready, not draining)."""
+        ranks: dict[RankId, Any] = {}
+        for g in self.prefill:
+            if self._takes_work(g):
+                ranks |= g.actors
+        ray.get(
+            [
+                a.set_peers.remote(ranks)
+                for g in self.decode
+                if g.state is GroupState.READY
+                for a in g.actors.values()
+            ]
+        )
+
+    def routing_view(self) -> RoutingView:
+        def state(g: RankGroup) -> str:
+            draining = g.group_id in self._draining and g.state is GroupState.READY
+            return "draining" if draining else g.state.value
+
+        live = [g for g in self.groups if self._takes_work(g)]
+        views = tuple(
+            GroupView(g.group_id, g.config.role.role, state(g), g.incarnation, tuple(g.rank_ids))
+            for g in self.groups
+        )
+        return RoutingView(
+            prefill={r: a for g in live if g in self.prefill for r, a in g.actors.items()},
+            decode={r: a for g in live if g in self.decode for r, a in g.actors.items()},
+            groups=views,
+            page_size=self.topology.prefill.page_size,
+            prefill_capacity_tokens=self.topology.prefill.num_pages * self.topology.prefill.page_size,
+            decode_capacity_tokens=self.topology.decode.num_pages * self.topology.decode.page_size,
+        )
+
+    def drain(self, group_id: str) -> None:
+        """Stop sending a group new work; what it has runs to the end."""
+        if group_id not in {g.group_id for g in self.groups}:
+            raise ValueError(f"no group {group_id!r}; groups: {sorted(g.group_id for g in self.groups)}")
+        self._draining.add(group_id)
+        self._send_membership()
+
+    def watch(self, wait_s: float = 0.0) -> None:
+        """Look at every group once: a rank that died, or whose loop failed, fails its group.
+        (Their requests end at the frontends, which stream them.)"""
+        for g in self.groups:
+            g.poll(wait_s)
+
+    def heal(self) -> list[str]:
+        """Rebuild every failed group (gang restart) and resend the membership; the rebuilt ids."""
+        rebuilt = []
+        for g in self.groups:
+            if g.state is GroupState.FAILED:
+                g.restart()
+                rebuilt.append(g.group_id)
+        if rebuilt:
+            self._send_membership()
+        return rebuilt
+
+    def stats(self) -> list[RankStats]:
+        out: list[RankStats] = []
+        for g in self.groups:
+            if g.state is GroupState.READY:
+                out.extend(g.stats())
+        return out
+
+    def check_integrity(self) -> None:
+        for g in self.groups:
+            if g.state is GroupState.READY:
+                g.check_integrity()
+
+    def status(self) -> dict[str, str]:
+        return {v.group_id: f"{v.state} (incarnation {v.incarnation})" for v in self.routing_view().groups}
+
+    def stop(self) -> None:
+        for g in self.groups:
+            g.stop()
+
+
+@ray.remote(max_concurrency=8)  # type: ignore[call-overload]
+class Controller:
+    """The cluster as a named Ray actor (``tandem-controller``): frontends and tools find it by
+    name. A watch thread looks at the groups and rebuilds failed ones every ``health_interval_s``.
+
+    ``routing_view`` answers from a copy refreshed after every change, without the lock: a
+    group's rebuild holds the lock for as long as its ranks take to start, and frontends must
+    see the failed group (and route around it) meanwhile."""
+
+    def __init__(
+        self, topology: Topology, model_dir: str, dtype: str = "float32", health_interval_s: float = 0.5
+    ) -> None:
+        self.cluster = Cluster(topology, model_dir, dtype)
+        self.health_interval_s = health_interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_loop, daemon=True)
+        self._view = self.cluster.routing_view()
+        self.rebuilt: list[str] = []
+
+    def start(self) -> dict[str, str]:
+        with self._lock:
+            self.cluster.start()
+            self._view = self.cluster.routing_view()
+        self._watch.start()
+        return self.cluster.status()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self.cluster.watch()
+                self._view = self.cluster.routing_view()  # a failure shows before the rebuild
+            with self._lock:
+                rebuilt = self.cluster.heal()
+                if rebuilt:
+                    self.rebuilt += rebuilt
+                    self._view = self.cluster.routing_view()
+            self._stop.wait(self.health_interval_s / 10)
+
+    def status(self) -> dict[str, str]:
+        with self._lock:
+            return self.cluster.status()
+
+    def routing_view(self) -> RoutingView:
+        return self._view
+
+    def stats(self) -> list[RankStats]:
+        with self._lock:
+            return self.cluster.stats()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.cluster.check_integrity()
+
+    def drain(self, group_id: str) -> None:
+        with self._lock:
+            self.cluster.drain(group_id)
+            self._view = self.cluster.routing_view()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.cluster.stop()

@@ -1,0 +1,46 @@
+"""How a decode rank on Ray picks a prefill rank for a job and sends it there."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from tandem.decode.worker import PrefillDispatcher
+from tandem.engine.messages import RankId
+from tandem.engine.prefix_cache import block_hash
+from tandem.engine.request import Request
+from tandem.prefill.job import PrefillJob
+
+
+class NoPrefillRank(RuntimeError):
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"no prefill rank is known to this decode rank for request {request_id}")
+
+
+class RayPrefillDispatcher(PrefillDispatcher):
+    """The router's choice when it made one and the rank is known; otherwise (requests from no
+    router, and retries) prefix affinity: a prompt with a full first page goes to the prefill rank
+    its first block hash picks (so prompts that share a system prompt meet the same prefix
+    cache); shorter prompts go round-robin. A job goes by a fire-and-forget call."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.ranks: dict[RankId, Any] = {}
+        self._next = itertools.count()
+
+    def set_ranks(self, ranks: dict[RankId, Any]) -> None:
+        self.ranks = dict(ranks)
+
+    def choose(self, request: Request, preferred: RankId | None = None) -> RankId:
+        if preferred is not None and preferred in self.ranks:
+            return preferred
+        ranks = sorted(self.ranks)
+        if not ranks:
+            raise NoPrefillRank(request.request_id)
+        prompt = request.prompt_token_ids
+        if len(prompt) > self.page_size:
+            return ranks[block_hash(None, prompt[: self.page_size]) % len(ranks)]
+        return ranks[next(self._next) % len(ranks)]
+
+    def send(self, prefill_rank: RankId, job: PrefillJob) -> None:
+        self.ranks[prefill_rank].submit.remote([job])

@@ -1,0 +1,57 @@
+"""A decode rank's role: its KV pool and batch limits, and how long it waits for a prompt's KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.engine.messages import Role
+from tandem.engine.role_spec import RoleSpec
+
+if TYPE_CHECKING:
+    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_loop import RankWorker
+
+
+@dataclass(frozen=True)
+class DecodeRole(RoleSpec):
+    role: ClassVar[Role] = Role.DECODE
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    kv_timeout_s: float = 30.0
+
+    def build(self, ctx: RankContext) -> RankWorker:
+        # here, on the rank: the worker's modules load torch, this one must not
+        from tandem.decode.dispatch import RayPrefillDispatcher
+        from tandem.decode.scheduler import DecodeScheduler
+        from tandem.decode.types import DecodeSchedulerConfig
+        from tandem.decode.worker import DecodeWorker
+        from tandem.engine.runner import ModelRunner
+        from tandem.kvtransfer.metadata import RayMetadataStore
+        from tandem.kvtransfer.nixl_transport import NixlTransport
+        from tandem.model.kv_pool import KVPool
+
+        cfg = ctx.model_config
+        pool = KVPool(cfg, self.num_pages, self.page_size, ctx.dtype, ctx.device)
+        scheduler = DecodeScheduler(
+            DecodeSchedulerConfig(
+                num_pages=self.num_pages,
+                page_size=self.page_size,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=cfg.max_position_embeddings,
+                kv_wait_timeout_s=self.kv_timeout_s,
+            )
+        )
+        transport = NixlTransport(ctx.rank_id.name, ctx.incarnation, pool.layout, RayMetadataStore())
+        return DecodeWorker(
+            ctx.rank_id,
+            ctx.incarnation,
+            scheduler,
+            ModelRunner(ctx.model, pool, lockstep=True),
+            transport,
+            RayPrefillDispatcher(self.page_size),
+            self.kv_timeout_s,
+            model_config=cfg,
+            outbox=ctx.outbox,
+        )

@@ -1,0 +1,27 @@
+"""A colocated rank's role: prefill and decode on one rank over one KV pool, no transfer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.messages import Role
+from tandem.engine.role_spec import RoleSpec
+
+if TYPE_CHECKING:
+    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_loop import RankWorker
+
+
+@dataclass(frozen=True)
+class ColocatedRole(RoleSpec):
+    role: ClassVar[Role] = Role.COLOCATED
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def build(self, ctx: RankContext) -> RankWorker:
+        from tandem.engine.colocated import ColocatedEngine
+        from tandem.engine.colocated_worker import ColocatedWorker
+
+        engine = ColocatedEngine(ctx.model, self.engine, lockstep=True)
+        return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher)

@@ -1,0 +1,26 @@
+"""How one rank's engine is sized (pages, batch limits, context); free of torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one rank's engine is sized. ``num_pages`` wins over ``kv_pool_bytes`` when set."""
+
+    page_size: int = 64
+    num_pages: int | None = None
+    kv_pool_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def context_len(self, cfg: ModelConfig) -> int:
+        """Tokens a request may hold (prompt + output): the model's context, or less if set."""
+        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -1,0 +1,202 @@
+"""The one step loop of every rank of a DEP group: prefill, decode and colocated alike.
+
+Threads: ``run`` is the loop and the only thread that touches the worker. Calls from other
+threads (submits, aborts, questions) are queued as functions that the loop runs at the top of an
+iteration (``post``, or ``call`` to wait for the answer). Per iteration every rank:
+
+  1. runs the queued calls, then ``worker.tick()`` (polls its transport),
+  2. with nothing to compute, waits a little for a call (an idle group does not spin),
+  3. joins the one-integer all-reduce that tells whether any rank of the group has work,
+  4. if so, steps: its own batch, or an empty one, so that every MoE all-to-all has all ranks,
+  5. hands the worker's finished results to ``collect`` and lets it ``publish`` (pushes to
+     frontends and subscribers).
+
+When the loop fails (a peer gone mid-collective) every request the worker holds ends with that
+error, is published once more, and the error is raised: the rank's ``run`` call ends with it,
+which is how its group learns of the failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tandem.engine.messages import LoopStats, RankStats, RequestResult
+
+T = TypeVar("T")
+
+
+class RoleMismatch(RuntimeError):
+    """A call the rank's role does not answer (KV events of a decode rank, say)."""
+
+
+class RankWorker(ABC):
+    """A role's work on one rank. ``admit`` runs on the caller's thread; everything else on
+    the loop's. The last three are capabilities of some roles only."""
+
+    name: str
+
+    @abstractmethod
+    def admit(self, items: list[Any]) -> Any:
+        """Check submitted items without touching the loop's state (``InvalidRequestError`` for
+        the first bad one); what ``submit`` takes."""
+
+    @abstractmethod
+    def submit(self, admitted: Any) -> None: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def tick(self) -> None:
+        """Every iteration, stepping or not: poll the transport, expire deadlines."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Something to compute this step (not merely waiting on a transfer)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """One step of the group; may be an empty batch (the MoE layers serve the peers)."""
+
+    @abstractmethod
+    def take_results(self) -> list[RequestResult]:
+        """Results to report through ``collect`` since the last call."""
+
+    @abstractmethod
+    def fail_all(self, reason: str) -> list[RequestResult]:
+        """End everything the worker holds with ``reason``; the results to report."""
+
+    @abstractmethod
+    def stats(self, loop: LoopStats) -> RankStats: ...
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise ``PageAccountingError`` unless the rank's pages and requests agree."""
+
+    def publish(self) -> None:  # noqa: B027  (a role with nothing to push keeps this)
+        """End of an iteration: push streams and events to the actors that asked for them."""
+
+    def subscribe(self, subscriber: str) -> Any:
+        raise RoleMismatch(f"rank {self.name} publishes no events")
+
+    def unsubscribe(self, subscriber: str) -> None:
+        raise RoleMismatch(f"rank {self.name} publishes no events")
+
+    def set_peers(self, peers: dict[Any, Any]) -> None:
+        raise RoleMismatch(f"rank {self.name} sends work to no other rank")
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, rank: str, reason: str) -> None:
+        super().__init__(f"rank {rank} has failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+
+class RankLoop:
+    def __init__(
+        self,
+        worker: RankWorker,
+        name: str,
+        agree: Callable[[bool], bool],
+        idle_wait_s: float = 0.005,
+    ) -> None:
+        """``agree(has_work)`` is the group's all-reduce: whether any rank has work."""
+        self.worker = worker
+        self.name = name
+        self._agree = agree
+        self.idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._results_ready = threading.Condition(self._lock)
+        self._calls: list[Callable[[Any], None]] = []
+        self._results: list[RequestResult] = []
+        self._steps = self._idle_waits = 0
+        self._agree_s = self._step_s = 0.0
+        self.failure: str | None = None
+
+    def post(self, call: Callable[[Any], None]) -> None:
+        """Run ``call(worker)`` on the loop thread (validate arguments before posting)."""
+        with self._lock:
+            if self.failure is not None:
+                raise RankFailed(self.name, self.failure)
+            self._calls.append(call)
+        self._ready.set()
+
+    def call(self, function: Callable[[Any], T], timeout_s: float) -> T:
+        """Run ``function(worker)`` on the loop thread and return its result (or raise its
+        exception); ``TimeoutError`` when the loop does not get to it within ``timeout_s``."""
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def run(worker: Any) -> None:
+            try:
+                outcome.append((True, function(worker)))
+            except Exception as exc:  # handed to the caller, not the loop
+                outcome.append((False, exc))
+            done.set()
+
+        self.post(run)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"rank {self.name}: the step loop did not answer within {timeout_s} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def collect(self, timeout_s: float) -> list[RequestResult]:
+        """Results since the last call; waits up to ``timeout_s`` for at least one."""
+        with self._results_ready:
+            if not self._results:
+                self._results_ready.wait(timeout_s)
+            out, self._results = self._results, []
+            return out
+
+    def stats(self) -> RankStats:
+        return self.worker.stats(LoopStats(self._steps, self._idle_waits, self._agree_s, self._step_s))
+
+    def run(self, stop: threading.Event) -> None:
+        worker = self.worker
+        try:
+            while not stop.is_set():
+                self._run_calls()
+                worker.tick()
+                has_work = worker.has_work()
+                if not has_work:
+                    self._idle_waits += 1
+                    if self._ready.wait(self.idle_wait_s):
+                        self._run_calls()
+                        has_work = worker.has_work()
+                t0 = time.perf_counter()
+                anyone = self._agree(has_work)
+                t1 = time.perf_counter()
+                self._agree_s += t1 - t0
+                if anyone:
+                    worker.step()
+                    self._steps += 1
+                    self._step_s += time.perf_counter() - t1
+                self._publish(worker.take_results())
+                worker.publish()
+        except Exception as exc:
+            reason = f"rank {self.name} failed: {type(exc).__name__}: {exc}"
+            with self._lock:
+                self.failure = reason
+            self._publish(worker.fail_all(reason))
+            worker.publish()
+            raise
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+            self._ready.clear()
+        for call in calls:
+            call(self.worker)
+
+    def _publish(self, results: list[RequestResult]) -> None:
+        if results:
+            with self._results_ready:
+                self._results.extend(results)
+                self._results_ready.notify_all()

@@ -1,0 +1,24 @@
+"""A rank's role, as the process that starts the rank describes it: sizes and timeouts, free
+of torch. The rank builds its worker from it once its model is loaded (``build``), so the
+controller and the CLI can describe prefill, decode and colocated ranks without loading torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.engine.messages import Role
+
+if TYPE_CHECKING:
+    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_loop import RankWorker
+
+
+class RoleSpec(ABC):
+    role: ClassVar[Role]
+
+    @abstractmethod
+    def build(self, ctx: RankContext) -> RankWorker:
+        """The rank's worker, over the model and place in its group that ``ctx`` holds; runs on
+        the rank."""

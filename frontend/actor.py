@@ -1,0 +1,109 @@
+"""The frontend actor: a named async Ray actor hosting the gRPC server around a
+:class:`FrontendCore`. Ranks push it their token streams and KV events; a refresh task keeps its
+view of the cluster and its health service current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import ray
+
+from tandem.engine.messages import StreamBatch
+from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, last_line
+from tandem.frontend.grpc_service import build_server, set_serving
+from tandem.frontend.request_stream import StreamSummary
+from tandem.prefill.kv_events import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class Frontend:
+    """The gRPC server as a named async Ray actor; ranks push streams and KV events to it."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.core = FrontendCore(config)
+        self._server: Any = None
+        self._health: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._serving: bool | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind the port and start serving (NOT_SERVING until the pools are ready); the port."""
+        self._server, self._health, self.port = build_server(self.core)
+        await self._server.start()
+        await self._set_health(False)
+        self._tasks.append(asyncio.create_task(self._refresh_loop()))
+        return self.port
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.core.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.core.ready
+
+    async def generate(self, specs: list[GenerateSpec]) -> list[StreamSummary]:
+        """Run requests concurrently through the same core as gRPC's ``Generate``; each one's
+        summary, in order (it holds every token). ``tandem generate`` on a cluster and the
+        cluster benchmarks send their requests here."""
+
+        async def one(spec: GenerateSpec) -> StreamSummary:
+            spec = replace(spec, arrival_unix_s=time.time())  # arrival on this process's clock
+            async for item in self.core.generate(spec):
+                if isinstance(item, StreamSummary):
+                    return item
+            raise RuntimeError(f"request {spec.request_id}: the stream ended without a summary")
+
+        return list(await asyncio.gather(*(one(spec) for spec in specs)))
+
+    async def push_stream(self, batch: StreamBatch) -> None:
+        self.core.on_stream(batch)
+
+    async def push_kv_events(self, batch: KVEventBatch) -> None:
+        self.core.on_kv_events(batch)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        view = self.core.view
+        if view is not None:  # the prefill ranks stop pushing KV events here
+            for handle in view.prefill.values():
+                with contextlib.suppress(ray.exceptions.RayError):
+                    handle.unsubscribe.remote(self.config.name)
+        if self._server is not None:
+            await self._set_health(False)
+            await self._server.stop(grace_s)
+
+    async def _refresh_loop(self) -> None:
+        controller: Any = None
+        while True:
+            try:
+                if controller is None:  # the frontend may start before the controller
+                    try:
+                        controller = ray.get_actor(self.config.controller)
+                    except ValueError:
+                        self.core.ready = False
+                if controller is not None:
+                    await self.core.refresh(controller)
+            except ray.exceptions.RayError as exc:
+                log.warning("refresh failed: %s", last_line(exc))
+                self.core.ready, controller = False, None
+            except Exception:  # keep refreshing; never leave health SERVING on a frozen view
+                log.exception("refresh failed")
+                self.core.ready = False
+            await self._set_health(self.core.ready)
+            await asyncio.sleep(self.config.refresh_s)
+
+    async def _set_health(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        await set_serving(self._health, serving)
+        self._serving = serving

@@ -1,0 +1,58 @@
+"""A prefill rank's role: its KV pool (a prefix cache), its batch limits and how its KV leaves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.engine.messages import Role
+from tandem.engine.role_spec import RoleSpec
+
+if TYPE_CHECKING:
+    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_loop import RankWorker
+
+
+@dataclass(frozen=True)
+class PrefillRole(RoleSpec):
+    role: ClassVar[Role] = Role.PREFILL
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    layerwise: bool = True  # post each layer's writes as soon as it is computed
+    kv_timeout_s: float = 30.0
+
+    def build(self, ctx: RankContext) -> RankWorker:
+        # here, on the rank: the worker's modules load torch, this one must not
+        from tandem.engine.runner import ModelRunner
+        from tandem.kvtransfer.metadata import RayMetadataStore
+        from tandem.kvtransfer.nixl_transport import NixlTransport
+        from tandem.model.kv_pool import KVPool
+        from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+        from tandem.prefill.worker import PrefillWorker
+
+        cfg = ctx.model_config
+        pool = KVPool(cfg, self.num_pages, self.page_size, ctx.dtype, ctx.device)
+        scheduler = PrefillScheduler(
+            PrefillSchedulerConfig(
+                num_pages=self.num_pages,
+                page_size=self.page_size,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=cfg.max_position_embeddings,
+                vocab_size=cfg.vocab_size,
+            )
+        )
+        transport = NixlTransport(ctx.rank_id.name, ctx.incarnation, pool.layout, RayMetadataStore())
+        return PrefillWorker(
+            ctx.rank_id,
+            ctx.incarnation,
+            scheduler,
+            ModelRunner(ctx.model, pool, lockstep=True),
+            transport,
+            self.layerwise,
+            self.kv_timeout_s,
+            model_config=cfg,
+            outbox=ctx.outbox,
+        )
