@@ -55,3 +55,36 @@ def test_only_tandem_is_importable_outside_the_checkout(tmp_path: Path) -> None:
         [sys.executable, "-c", "import model"], cwd=tmp_path, capture_output=True, text=True
     )
     assert bare.returncode != 0 and "No module named 'model'" in bare.stderr
+
+
+# the processes that never run the model: the frontend, the controller, the CLI; and what they
+# import to describe ranks and talk to them
+TORCH_FREE = (
+    "tandem.engine.messages",
+    "tandem.frontend.actor",
+    "tandem.frontend.grpc_service",
+    "tandem.router.router",
+    "tandem.cluster.controller",
+    "tandem.cluster.serve",
+    "tandem.cluster.rank_actor",
+    "tandem.cli.main",
+    "tandem.cli.generate",
+    "tandem.prefill.role",
+    "tandem.decode.role",
+    "tandem.engine.colocated_role",
+    "tandem.kvtransfer.transport",
+    "tandem.kvtransfer.types",
+    "tandem.kvtransfer.metadata",
+    "tandem.kvtransfer.descriptors",
+)
+
+
+def test_processes_that_never_run_the_model_do_not_import_torch() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    heavy = [m for m in ('torch', 'tandem.model.deepseek') if m in sys.modules]\n"
+        "    assert not heavy, f'importing {name} loaded {heavy}'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
