@@ -1,1 +1,2 @@
-"""Benchmarks: load generation, trace replay, reports."""
+"""Benchmarks: the engine, DEP groups, KV transfer, disaggregated against colocated, the router
+over a trace, and the GPU kernel check."""

@@ -119,11 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.cluster.topology import TopologyError
-    from tandem.model.checkpoint import CheckpointError
-    from tandem.model.config import ModelConfigError
+    from tandem.model.errors import ModelFileError
     from tandem.model.kernels.backend import UnknownKernelBackend
     from tandem.model.make_tiny import TinyCheckpointError
-    from tandem.model.tokenizer import TokenizerError
 
     args = build_parser().parse_args(argv)
     try:
@@ -132,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         TopologyError,
         CliError,
         InvalidRequestError,
-        ModelConfigError,
-        CheckpointError,
-        TokenizerError,
+        ModelFileError,
         TinyCheckpointError,
         UnknownKernelBackend,
     ) as exc:

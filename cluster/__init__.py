@@ -1,2 +1,2 @@
-"""Cluster layer: config and topology presets, Ray bootstrap, placement of DEP groups, the
-controller, the frontend, metrics, the autoscaler and the ``tandem`` command line."""
+"""The cluster: topologies and presets, Ray bootstrap, placement of DEP groups, the rank actor
+shell, groups (states, gang restart, drain), the controller and ``serve``."""

@@ -4,9 +4,14 @@ jobs for, finished records, abort outcomes, typed errors."""
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
+from tandem.engine.config_checks import (
+    check_context,
+    check_non_negative_int,
+    check_positive_ints,
+    check_seconds,
+)
 from tandem.engine.request import FinishReason, Request
 from tandem.kvtransfer.types import KVDestination
 
@@ -85,20 +90,9 @@ class DecodeSchedulerConfig:
     max_kv_retries: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_num_seqs", "max_model_len", "max_reservations_in_flight"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
-        timeout = self.kv_wait_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(f"kv_wait_timeout_s must be a positive number of seconds, got {timeout!r}")
-        retries = self.max_kv_retries
-        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
-            raise ValueError(f"max_kv_retries must be an integer >= 0, got {retries!r}")
+        check_positive_ints(
+            self, "num_pages", "page_size", "max_num_seqs", "max_model_len", "max_reservations_in_flight"
+        )
+        check_context(self.max_model_len)
+        check_seconds("kv_wait_timeout_s", self.kv_wait_timeout_s)
+        check_non_negative_int("max_kv_retries", self.max_kv_retries)

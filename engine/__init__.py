@@ -1,2 +1,3 @@
 """What every rank shares: request state, page allocator, prefix cache and KV events, the
-scheduler, the model runner and the colocated engine."""
+colocated scheduler and engine, the model runner, expert-parallel dispatch, the one rank loop,
+and the torch-free messages between processes (``messages.py``)."""

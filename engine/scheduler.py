@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache, block_hashes
 from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -45,12 +46,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
+        check_positive_ints(
+            self, "num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"
+        )
+        check_context(self.max_model_len)
 
 
 @dataclass(frozen=True)

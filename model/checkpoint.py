@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem.model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.errors import ModelFileError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,16 +49,8 @@ ExpertFilter = Callable[[int, int], bool]
 FLOAT32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ModelFileError):
     """The checkpoint's files do not hold the tensors the config describes."""
-
-    def __init__(self, path: Path | str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
-        return (type(self), (self.path, self.message))
 
 
 @dataclass(frozen=True)

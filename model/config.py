@@ -13,20 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.model.errors import ModelFileError
+
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ModelFileError):
     """``config.json`` is missing, unreadable or describes something Tandem cannot run."""
-
-    def __init__(self, path: Path | str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
-        return (type(self), (self.path, self.message))
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,16 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from tandem.model.errors import ModelFileError
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CONFIG_FILE = "config.json"
 _REPLACEMENT = "\ufffd"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ModelFileError):
     """The model directory's tokenizer files are missing, unreadable or inconsistent."""
-
-    def __init__(self, path: Path | str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
-        return (type(self), (self.path, self.message))
 
 
 class Tokenizer:

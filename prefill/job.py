@@ -134,7 +134,8 @@ class PrefillDone:
 @dataclass(frozen=True)
 class PrefillExpired:
     """A job whose deadline passed while it was queued; it was dropped before using any page.
-    The caller tells the decode rank, which frees ``destination``."""
+    Nothing is sent: the decode rank's own deadline for this transfer has passed too, and it
+    frees ``destination`` when its transport reports the transfer over."""
 
     request_id: str
     destination: KVDestination

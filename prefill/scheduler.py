@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import KVEvent, PrefixCache, block_hashes
 from tandem.engine.request import InvalidRequestError, RequestStatus
@@ -58,17 +59,14 @@ class PrefillSchedulerConfig:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (prompt and output), got {self.max_model_len}")
+        check_positive_ints(
+            self, "num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"
+        )
+        check_context(self.max_model_len)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        vocab = self.vocab_size
-        if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0):
-            raise ValueError(f"vocab_size must be a positive integer or None, got {vocab!r}")
+        if self.vocab_size is not None:
+            check_positive_ints(self, "vocab_size")
 
 
 class AbortAction(enum.Enum):

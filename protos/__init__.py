@@ -1,1 +1,1 @@
-"""gRPC protocol: ``tandem.proto`` and its generated stubs. Not built yet."""
+"""gRPC protocol: ``tandem.proto`` and its generated stubs (``python -m tandem.protos.generate``)."""

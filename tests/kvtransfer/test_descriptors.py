@@ -35,4 +35,3 @@ def test_messages_round_trip_and_garbage_is_rejected() -> None:
     assert msg == {"kind": "done", "request_id": "r1", "sender": "prefill-0", "first_token": 5}
     assert decode_message(b"\xff not json") is None
     assert decode_message(b'{"kind": "done"}') is None
-
