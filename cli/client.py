@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.cli.output import emit
 from tandem.cli.prompts import PromptSpec
 from tandem.frontend.grpc_auth import channel_credentials
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
@@ -187,22 +187,21 @@ def run_generate(
         if not chunk.text:
             return
         if len(specs) == 1:
-            sys.stdout.write(chunk.text)
+            emit(chunk.text, end="")
         else:
-            sys.stdout.write(f"[{index}] {chunk.text!r}\n")
-        sys.stdout.flush()
+            emit(f"[{index}] {chunk.text!r}")
 
     outcomes = asyncio.run(
         generate_all(options, specs, concurrency, on_chunk if stream and not as_json else None)
     )
     if as_json:
-        print(json.dumps({"outputs": [o.record() for o in outcomes]}))
+        emit(json.dumps({"outputs": [o.record() for o in outcomes]}))
         return 0
     if stream and len(specs) == 1:
-        print()
+        emit()
     for outcome in outcomes:
         assert outcome.summary is not None
         if not stream:
-            print(f"[{outcome.index}] {outcome.summary.text}")
-        print(bill_line(outcome))
+            emit(f"[{outcome.index}] {outcome.summary.text}")
+        emit(bill_line(outcome))
     return 0

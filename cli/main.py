@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.cli.output import command_output, emit
 from tandem.cli.prompts import PromptSpec
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import InvalidRequestError, SamplingParams
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        with command_output():
+            return _dispatch(args)
     except (
         TopologyError,
         CliError,
@@ -143,7 +145,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.model.make_tiny import make_tiny_checkpoint
 
         path = make_tiny_checkpoint(args.dir, seed=args.seed)
-        print(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
+        emit(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
         return 0
     if args.command == "generate":
         return _generate(args)
@@ -163,7 +165,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.output_tokens,
             address=args.address,
         )
-        print(json.dumps(result, indent=None if args.json else 2))
+        emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "kvtransfer":
         from tandem.bench.kvtransfer_bench import run_kvtransfer_bench
@@ -171,7 +173,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.size_mib < 1:
             raise InvalidRequestError("--size-mib", f"must be at least 1, got {args.size_mib}")
         result = run_kvtransfer_bench(args.size_mib, args.repeats, args.address)
-        print(json.dumps(result, indent=None if args.json else 2))
+        emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "router":
         from tandem.bench import router_bench
@@ -187,7 +189,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:  # TraceError, a bad option or an unknown policy
             raise CliError(str(exc)) from exc
-        print(json.dumps(result) if args.json else router_bench.format_report(result))
+        emit(json.dumps(result) if args.json else router_bench.format_report(result))
         return 0
     if args.command == "bench" and args.bench_command == "dep":
         from tandem.bench.dep_bench import run_dep_bench
@@ -201,7 +203,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.dtype,
             args.address,
         )
-        print(json.dumps(result, indent=None if args.json else 2))
+        emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench":
         from tandem.bench.engine_bench import run_engine_bench
@@ -214,7 +216,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
             temperature=args.temperature,
         )
-        print(json.dumps(result, indent=None if args.json else 2))
+        emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     raise CliError(f"unknown command {args.command}")
 
@@ -263,10 +265,10 @@ def _encode(specs: list[PromptSpec], tokenizer: Tokenizer | None) -> list[list[i
 def _print_outputs(as_json: bool, outputs: Sequence[tuple[list[int], str, int, int, str]]) -> None:
     if as_json:
         keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
-        print(json.dumps({"outputs": [dict(zip(keys, o, strict=True)) for o in outputs]}))
+        emit(json.dumps({"outputs": [dict(zip(keys, o, strict=True)) for o in outputs]}))
     else:
         for o in outputs:
-            print(o[1])
+            emit(o[1])
 
 
 def _generate_disaggregated(
@@ -299,7 +301,7 @@ def _generate_disaggregated(
             dict(zip(keys, row, strict=True)) | summary_record(s)
             for row, s in zip(rows, summaries, strict=True)
         ]
-        print(json.dumps({"outputs": outputs}))
+        emit(json.dumps({"outputs": outputs}))
     else:
         _print_outputs(False, rows)
     return 0

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tandem.cli.output import emit
 from tandem.cli.prompts import PromptSpec
 from tandem.engine.request import InvalidRequestError, SamplingParams
 
@@ -92,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
     )
-    return serve(options)
+    return serve(options, announce=emit)
 
 
 def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace], SamplingParams]) -> int:
@@ -110,13 +111,13 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
     try:
         if args.client_command == "health":
             ok = asyncio.run(wait_serving(options, args.wait))
-            print("SERVING" if ok else "NOT_SERVING")
+            emit("SERVING" if ok else "NOT_SERVING")
             return 0 if ok else 1
         if args.client_command == "status":
             from tandem.cli.client import message_dict
 
             reply = asyncio.run(status(options, args.check_integrity))
-            print(json.dumps(message_dict(reply), indent=2))
+            emit(json.dumps(message_dict(reply), indent=2))
             return 0
         base = sampling(args)
         if args.concurrency < 1:

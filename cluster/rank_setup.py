@@ -17,9 +17,13 @@ from tandem.engine.colocated import DTYPES
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
 from tandem.engine.messages import RankId
 from tandem.engine.rank_loop import RankLoop
+from tandem.engine.runner import ModelRunner
+from tandem.kvtransfer.metadata import RayMetadataStore
+from tandem.kvtransfer.nixl_transport import NixlTransport
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
 
 if TYPE_CHECKING:
     from tandem.cluster.outbox import RayOutbox
@@ -38,6 +42,17 @@ class RankContext:
     device: torch.device
     dtype: torch.dtype
     outbox: RayOutbox
+
+    def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+        return KVPool(self.model_config, num_pages, page_size, self.dtype, self.device)
+
+    def runner(self, pool: KVPool) -> ModelRunner:
+        """The model over ``pool``, stepping in lockstep with the group."""
+        return ModelRunner(self.model, pool, lockstep=True)
+
+    def transport(self, pool: KVPool) -> NixlTransport:
+        """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""
+        return NixlTransport(self.rank_id.name, self.incarnation, pool.layout, RayMetadataStore())
 
 
 def rank_device() -> torch.device:

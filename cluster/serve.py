@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -126,8 +127,9 @@ class Server:
                 ray.kill(actor)
 
 
-def serve(options: ServeOptions) -> int:
-    """Run until SIGINT or SIGTERM; 0 after a clean shutdown."""
+def serve(options: ServeOptions, announce: Callable[[str], None] = print) -> int:
+    """Run until SIGINT or SIGTERM; 0 after a clean shutdown. ``announce`` prints the serving
+    and shutting-down lines."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -139,14 +141,13 @@ def serve(options: ServeOptions) -> int:
         port = server.start()
         # after Ray's start-up, which installs its own SIGTERM handler in this process
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        print(
+        announce(
             f"tandem: serving {server.model_name} on {options.host}:{port} "
-            f"({options.topology.describe()}); Ctrl-C stops",
-            flush=True,
+            f"({options.topology.describe()}); Ctrl-C stops"
         )
         while not stop.wait(0.5):
             pass
-        print("tandem: shutting down", flush=True)
+        announce("tandem: shutting down")
     finally:
         server.stop()
         shutdown_ray()

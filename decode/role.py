@@ -27,31 +27,18 @@ class DecodeRole(RoleSpec):
         from tandem.decode.scheduler import DecodeScheduler
         from tandem.decode.types import DecodeSchedulerConfig
         from tandem.decode.worker import DecodeWorker
-        from tandem.engine.runner import ModelRunner
-        from tandem.kvtransfer.metadata import RayMetadataStore
-        from tandem.kvtransfer.nixl_transport import NixlTransport
-        from tandem.model.kv_pool import KVPool
 
         cfg = ctx.model_config
-        pool = KVPool(cfg, self.num_pages, self.page_size, ctx.dtype, ctx.device)
-        scheduler = DecodeScheduler(
-            DecodeSchedulerConfig(
-                num_pages=self.num_pages,
-                page_size=self.page_size,
-                max_num_seqs=self.max_num_seqs,
-                max_model_len=cfg.max_position_embeddings,
-                kv_wait_timeout_s=self.kv_timeout_s,
-            )
+        pool = ctx.kv_pool(self.num_pages, self.page_size)
+        config = DecodeSchedulerConfig(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=cfg.max_position_embeddings,
+            kv_wait_timeout_s=self.kv_timeout_s,
         )
-        transport = NixlTransport(ctx.rank_id.name, ctx.incarnation, pool.layout, RayMetadataStore())
+        dispatcher = RayPrefillDispatcher(self.page_size)
         return DecodeWorker(
-            ctx.rank_id,
-            ctx.incarnation,
-            scheduler,
-            ModelRunner(ctx.model, pool, lockstep=True),
-            transport,
-            RayPrefillDispatcher(self.page_size),
-            self.kv_timeout_s,
-            model_config=cfg,
-            outbox=ctx.outbox,
-        )
+            ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.runner(pool), ctx.transport(pool),
+            dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
+        )  # fmt: skip

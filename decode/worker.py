@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
@@ -84,29 +84,17 @@ class _Track:
     prefill_rank: RankId | None = None
     expect_at: float = 0.0
     streamed: int = 0  # output tokens already pushed to the frontend
-    kv_bytes: int = 0
-    kv_wait_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    kv_transfer_exposed_s: float = 0.0
-    reservation_wait_s: float = 0.0
-    prefill_queue_s: float = 0.0
-    prefill_compute_s: float = 0.0
+    measured: Bill = field(default_factory=Bill)  # the reservation and KV figures so far
     token_times_s: list[float] = field(default_factory=list)
 
     def bill(self, request: Request | None, now: float) -> Bill:
         ttft = self.token_times_s[0] if self.token_times_s else 0.0
         e2e = now - self.arrival
-        return Bill(
+        return replace(
+            self.measured,
             prompt_tokens=request.num_prompt_tokens if request else 0,
             cached_tokens=request.num_cached_tokens if request else 0,
             output_tokens=len(request.output_token_ids) if request else 0,
-            kv_bytes=self.kv_bytes,
-            kv_wait_s=self.kv_wait_s,
-            kv_transfer_s=self.kv_transfer_s,
-            kv_transfer_exposed_s=self.kv_transfer_exposed_s,
-            reservation_wait_s=self.reservation_wait_s,
-            prefill_queue_s=self.prefill_queue_s,
-            prefill_compute_s=self.prefill_compute_s,
             ttft_s=ttft,
             token_times_s=tuple(self.token_times_s),
             decode_s=max(e2e - ttft, 0.0) if self.token_times_s else 0.0,
@@ -278,13 +266,16 @@ class DecodeWorker(RankWorker):
         track = self._tracks.get(transfer.request_id)
         if track is not None:
             timings = got.notification.timings
-            track.kv_bytes += got.stats.bytes
-            track.kv_wait_s = now - track.expect_at
-            track.prefill_queue_s = timings.get("prefill_queue_s", 0.0)
-            track.prefill_compute_s = timings.get("prefill_compute_s", 0.0)
-            track.kv_transfer_s = timings.get("kv_transfer_s", 0.0)
-            track.kv_transfer_exposed_s = max(
-                track.kv_wait_s - track.prefill_queue_s - track.prefill_compute_s, 0.0
+            kv_wait = now - track.expect_at
+            queue, compute = timings.get("prefill_queue_s", 0.0), timings.get("prefill_compute_s", 0.0)
+            track.measured = replace(
+                track.measured,
+                kv_bytes=track.measured.kv_bytes + got.stats.bytes,
+                kv_wait_s=kv_wait,
+                prefill_queue_s=queue,
+                prefill_compute_s=compute,
+                kv_transfer_s=timings.get("kv_transfer_s", 0.0),
+                kv_transfer_exposed_s=max(kv_wait - queue - compute, 0.0),
             )
             if not track.token_times_s:
                 track.token_times_s.append(now - track.arrival)
@@ -328,7 +319,7 @@ class DecodeWorker(RankWorker):
         track.transfer, track.prefill_rank, track.expect_at = transfer, prefill_rank, time.monotonic()
         self._transfers[transfer.key] = transfer
         if reservation.attempt <= 1:
-            track.reservation_wait_s = track.expect_at - track.arrival
+            track.measured = replace(track.measured, reservation_wait_s=track.expect_at - track.arrival)
         self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
         job = PrefillJob(
             request_id=transfer.key,

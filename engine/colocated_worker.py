@@ -7,15 +7,7 @@ from typing import Any
 
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.dep import ExpertParallelDispatcher
-from tandem.engine.messages import (
-    Bill,
-    LoopStats,
-    RankId,
-    RankRequest,
-    RankStats,
-    RequestResult,
-    Role,
-)
+from tandem.engine.messages import Bill, LoopStats, RankId, RankRequest, RankStats, RequestResult, Role
 from tandem.engine.rank_loop import RankWorker
 from tandem.engine.request import FinishReason, Request
 

@@ -25,15 +25,11 @@ class PrefillRole(RoleSpec):
 
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
-        from tandem.engine.runner import ModelRunner
-        from tandem.kvtransfer.metadata import RayMetadataStore
-        from tandem.kvtransfer.nixl_transport import NixlTransport
-        from tandem.model.kv_pool import KVPool
         from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
         from tandem.prefill.worker import PrefillWorker
 
         cfg = ctx.model_config
-        pool = KVPool(cfg, self.num_pages, self.page_size, ctx.dtype, ctx.device)
+        pool = ctx.kv_pool(self.num_pages, self.page_size)
         scheduler = PrefillScheduler(
             PrefillSchedulerConfig(
                 num_pages=self.num_pages,
@@ -44,13 +40,12 @@ class PrefillRole(RoleSpec):
                 vocab_size=cfg.vocab_size,
             )
         )
-        transport = NixlTransport(ctx.rank_id.name, ctx.incarnation, pool.layout, RayMetadataStore())
         return PrefillWorker(
             ctx.rank_id,
             ctx.incarnation,
             scheduler,
-            ModelRunner(ctx.model, pool, lockstep=True),
-            transport,
+            ctx.runner(pool),
+            ctx.transport(pool),
             self.layerwise,
             self.kv_timeout_s,
             model_config=cfg,

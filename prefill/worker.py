@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.messages import LoopStats, RankId, RankStats, RequestResult, Role
@@ -35,16 +34,6 @@ if TYPE_CHECKING:
     from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillWorkerStats:
-    steps: int = 0
-    jobs_done: int = 0
-    jobs_failed: int = 0
-    kv_bytes_sent: int = 0
-    transfer_s: float = 0.0
-    transfer_exposed_s: float = 0.0
 
 
 class PrefillWorker(RankWorker):
@@ -69,7 +58,7 @@ class PrefillWorker(RankWorker):
         self.transport = transport
         self.layerwise = layerwise
         self.transfer_timeout_s = transfer_timeout_s
-        self.counters = PrefillWorkerStats()
+        self.kv_bytes_sent = 0
         self._jobs: dict[str, PrefillJob] = {}
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
@@ -91,7 +80,6 @@ class PrefillWorker(RankWorker):
             try:
                 self.scheduler.add_job(job, now)
             except InvalidRequestError as error:  # e.g. a duplicate id: its decode rank times out
-                self.counters.jobs_failed += 1
                 log.warning("prefill job %s refused: %s", job.request_id, error)
                 continue
             self._jobs[job.request_id] = job
@@ -146,7 +134,7 @@ class PrefillWorker(RankWorker):
             free_pages=s.num_free_pages,
             total_pages=s.config.num_pages,
             cached_pages=s.kv_cache.num_cached_pages,
-            kv_bytes_sent=self.counters.kv_bytes_sent,
+            kv_bytes_sent=self.kv_bytes_sent,
             sends_in_flight=sends,
             receives_in_flight=receives,
         )
@@ -160,16 +148,12 @@ class PrefillWorker(RankWorker):
         for stats in events.sent:
             self.scheduler.transfer_over(stats.request_id)
             self._jobs.pop(stats.request_id, None)
-            self.counters.jobs_done += 1
-            self.counters.kv_bytes_sent += stats.bytes
-            self.counters.transfer_s += stats.duration_s
-            self.counters.transfer_exposed_s += stats.exposed_s
+            self.kv_bytes_sent += stats.bytes
             self.sent.append(stats)
         for failure in events.failed:
             if failure.role == "send":
                 self.scheduler.transfer_over(failure.request_id)
                 self._jobs.pop(failure.request_id, None)
-                self.counters.jobs_failed += 1
                 self.failures.append(failure)
         for expired in self.scheduler.take_expired():
             self._jobs.pop(expired.request_id, None)
@@ -209,4 +193,3 @@ class PrefillWorker(RankWorker):
             timings = {"prefill_queue_s": done.timings.queue_s, "prefill_compute_s": done.timings.compute_s}
             notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
             self.transport.finish_send(done.request_id, notification, compute_done)
-        self.counters.steps += 1

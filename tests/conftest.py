@@ -9,12 +9,21 @@ CI runs a representative subset.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from tandem.model.make_tiny import make_tiny_checkpoint
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint of seed 0, made once for the tests that only read it."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

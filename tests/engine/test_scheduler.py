@@ -17,6 +17,7 @@ from tandem.engine.scheduler import (
     SchedulerOutput,
     StaleSchedulerOutputError,
 )
+from tests.simulated_kv import SimulatedKV
 
 PAGE = 4
 
@@ -41,20 +42,14 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, sample: Callable[[Sequence[int]], int] = next_token) -> None:
         self.scheduler = scheduler
         self.sample = sample
-        self.kv: dict[tuple[int, int], int] = {}
+        self.kv = SimulatedKV(PAGE)
 
     def run(self, plan: SchedulerOutput) -> dict[str, int]:
-        cache = self.scheduler.kv_cache
         sampled = {}
         for chunk in plan.chunks:
-            end = chunk.start_position + len(chunk.token_ids)
-            assert len(chunk.page_ids) * PAGE >= end
-            for position, token in enumerate(chunk.token_ids, chunk.start_position):
-                page = chunk.page_ids[position // PAGE]
-                assert cache.refcount(page) == 1 and not cache.is_cached(page), "write to a shared page"
-                self.kv[page, position % PAGE] = token
-            if chunk.sample:
-                context = [self.kv[chunk.page_ids[p // PAGE], p % PAGE] for p in range(end)]
+            assert len(chunk.page_ids) * PAGE >= chunk.start_position + len(chunk.token_ids)
+            context = self.kv.write(chunk, self.scheduler.kv_cache)
+            if context is not None:
                 sampled[chunk.request_id] = self.sample(context)
         return sampled
 

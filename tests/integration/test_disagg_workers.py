@@ -99,17 +99,7 @@ def _submit(decode: DecodeWorker, requests: list[Request]) -> None:
 
 def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, RequestResult]:
     _submit(decode, requests)
-    done: dict[str, RequestResult] = {}
-    for _ in range(5000):
-        decode.tick()
-        prefill.tick()
-        if prefill.has_work():
-            prefill.step()
-        decode.step()
-        done |= {r.request_id: r for r in decode.take_results()}
-        if len(done) == len(requests) and not prefill.scheduler.num_transferring:
-            break
-        prefill.tick()
+    done = _drive(prefill, decode, until=len(requests), steps=5000)
     assert len(done) == len(requests)
     return done
 

@@ -35,11 +35,6 @@ PREFIX = "model.layers.1.mlp."
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
 def tiny_cfg(tiny_dir: Path) -> ModelConfig:
     return ModelConfig.from_dir(tiny_dir)
 

@@ -8,15 +8,10 @@ import pytest
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from tandem.model.make_tiny import BOS_ID, EOS_ID, byte_level_alphabet, make_tiny_checkpoint
+from tandem.model.make_tiny import BOS_ID, EOS_ID, byte_level_alphabet
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = ["Hello, world!", "héllo 世界 🙂", "  leading spaces\nand a newline\t", "ß∂ƒ©˙∆˚¬ 🙂🙂 Ελληνικά"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

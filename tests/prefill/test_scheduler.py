@@ -17,6 +17,7 @@ from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
 from tandem.kvtransfer.types import KVDestination
 from tandem.prefill.job import PrefillDone, PrefillJob
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler, PrefillSchedulerConfig, PrefillStateError
+from tests.simulated_kv import SimulatedKV
 
 PAGE = 4
 
@@ -58,7 +59,7 @@ class Rank:
         settings.update(overrides)
         self.scheduler = PrefillScheduler(PrefillSchedulerConfig(**settings))  # type: ignore[arg-type]
         self.now = 0.0
-        self.kv: dict[tuple[int, int], int] = {}
+        self.kv = SimulatedKV(PAGE)
         self.jobs: dict[str, PrefillJob] = {}
         self.done: dict[str, PrefillDone] = {}
 
@@ -68,17 +69,11 @@ class Rank:
         self.scheduler.check_integrity()
 
     def run(self, plan: SchedulerOutput) -> dict[str, int]:
-        cache = self.scheduler.kv_cache
         sampled = {}
         for chunk in plan.chunks:
-            end = chunk.start_position + len(chunk.token_ids)
-            assert len(chunk.page_ids) == math.ceil(end / PAGE)
-            for position, token in enumerate(chunk.token_ids, chunk.start_position):
-                page = chunk.page_ids[position // PAGE]
-                assert cache.refcount(page) == 1 and not cache.is_cached(page), "write to a shared page"
-                self.kv[page, position % PAGE] = token
-            if chunk.sample:
-                context = [self.kv[chunk.page_ids[p // PAGE], p % PAGE] for p in range(end)]
+            assert len(chunk.page_ids) == math.ceil((chunk.start_position + len(chunk.token_ids)) / PAGE)
+            context = self.kv.write(chunk, self.scheduler.kv_cache)
+            if context is not None:
                 sampled[chunk.request_id] = next_token(context, chunk.output_index)
         return sampled
 
@@ -93,7 +88,7 @@ class Rank:
             job = self.jobs[result.request_id]
             prompt = job.prompt_token_ids
             assert len(result.src_page_ids) == len(job.destination.page_ids)
-            sent = [self.kv[result.src_page_ids[p // PAGE], p % PAGE] for p in range(len(prompt))]
+            sent = [self.kv.slots[result.src_page_ids[p // PAGE], p % PAGE] for p in range(len(prompt))]
             assert sent == list(prompt), f"{result.request_id}: the pages to send do not hold the prompt"
             assert result.first_token == next_token(prompt, job.output_index)
             self.done[result.request_id] = result
