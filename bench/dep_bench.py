@@ -7,18 +7,17 @@ lockstep and exchange MoE rows. Times are each rank's own wall clock, averaged o
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.random_prompts import RandomPrompts
 from tandem.cluster.group import GroupConfig, RankGroup
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import RankRequest
 from tandem.engine.request import SamplingParams
-from tandem.model.config import ModelConfig
 
 
 def run_dep_bench(
@@ -31,8 +30,7 @@ def run_dep_bench(
     address: str | None = None,
 ) -> dict[str, Any]:
     init_ray(address)
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
-    rng = random.Random(0)
+    random_prompts = RandomPrompts(model_dir)
     runs = []
     for size in sizes:
         role = ColocatedRole(EngineConfig(enable_prefix_caching=False))
@@ -41,9 +39,7 @@ def run_dep_bench(
         try:
             sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
             for rank in range(size):
-                prompts = [
-                    [rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(requests_per_rank)
-                ]
+                prompts = random_prompts.make(requests_per_rank, prompt_tokens)
                 group.submit(
                     rank, [RankRequest(f"r{rank}-{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
                 )

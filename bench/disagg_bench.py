@@ -10,19 +10,18 @@ exposed share is the part of TTFT spent waiting for KV beyond the prefill's own 
 from __future__ import annotations
 
 import itertools
-import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.random_prompts import RandomPrompts
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
 from tandem.engine.colocated import DTYPES, ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
-from tandem.model.config import ModelConfig
 
 
 def _summary(ttft: list[float], itl: list[float], exposed: list[float] | None = None) -> dict[str, Any]:
@@ -100,13 +99,12 @@ def run_disagg_bench(
     address: str | None = None,
 ) -> dict[str, Any]:
     init_ray(address)
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
-    rng = random.Random(0)
+    random_prompts = RandomPrompts(model_dir)
     sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     base = Topology.preset(preset)
     runs = []
     for c in concurrencies or [1, 16]:
-        prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(max(requests, c))]
+        prompts = random_prompts.make(max(requests, c), prompt_tokens)
         rounds = [prompts[i : i + c] for i in range(0, len(prompts), c)]
         row: dict[str, Any] = {"concurrency": c, "requests": len(prompts)}
         row["colocated"] = _colocated(model_dir, dtype, rounds, sampling)

@@ -8,6 +8,7 @@ not pass through here: frontends route them to ranks themselves, from the ``rout
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from tandem.engine.messages import RankId, RankStats, Role
 from tandem.prefill.role import PrefillRole
 
 CONTROLLER_NAME = "tandem-controller"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,20 +52,6 @@ class Cluster:
     def __init__(self, topology: Topology, model_dir: str, dtype: str = "float32") -> None:
         self.topology = topology
         resources = RankResources.detect(topology.cpus_per_rank)
-        layerwise = topology.kv_transfer == "layerwise"
-
-        def prefill(pool: PoolSpec) -> PrefillRole:
-            return PrefillRole(
-                pool.num_pages,
-                pool.page_size,
-                pool.max_num_seqs,
-                pool.max_num_batched_tokens,
-                layerwise,
-                topology.kv_timeout_s,
-            )
-
-        def decode(pool: PoolSpec) -> DecodeRole:
-            return DecodeRole(pool.num_pages, pool.page_size, pool.max_num_seqs, topology.kv_timeout_s)
 
         def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
             return [
@@ -71,8 +59,26 @@ class Cluster:
                 for i in range(pool.groups)
             ]
 
-        self.prefill = groups("prefill", topology.prefill, prefill(topology.prefill))
-        self.decode = groups("decode", topology.decode, decode(topology.decode))
+        p, d = topology.prefill, topology.decode
+        self.prefill = groups(
+            "prefill",
+            p,
+            PrefillRole(
+                num_pages=p.num_pages,
+                page_size=p.page_size,
+                max_num_seqs=p.max_num_seqs,
+                kv_timeout_s=topology.kv_timeout_s,
+                max_num_batched_tokens=p.max_num_batched_tokens,
+                layerwise=topology.kv_transfer == "layerwise",
+            ),
+        )
+        decode = DecodeRole(
+            num_pages=d.num_pages,
+            page_size=d.page_size,
+            max_num_seqs=d.max_num_seqs,
+            kv_timeout_s=topology.kv_timeout_s,
+        )
+        self.decode = groups("decode", d, decode)
         self._draining: set[str] = set()
 
     @property
@@ -201,14 +207,17 @@ class Controller:
 
     def _watch_loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                self.cluster.watch()
-                self._view = self.cluster.routing_view()  # a failure shows before the rebuild
-            with self._lock:
-                rebuilt = self.cluster.heal()
-                if rebuilt:
-                    self.rebuilt += rebuilt
-                    self._view = self.cluster.routing_view()
+            try:
+                with self._lock:
+                    self.cluster.watch()
+                    self._view = self.cluster.routing_view()  # a failure shows before the rebuild
+                with self._lock:
+                    rebuilt = self.cluster.heal()
+                    if rebuilt:
+                        self.rebuilt += rebuilt
+                        self._view = self.cluster.routing_view()
+            except Exception:  # a rebuild that failed is tried again; the watch never stops
+                log.exception("controller: watching the groups failed")
             self._stop.wait(self.health_interval_s / 10)
 
     def status(self) -> dict[str, str]:

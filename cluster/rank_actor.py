@@ -14,17 +14,16 @@ loop thread. This module stays free of torch: the processes that start ranks imp
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from tandem.engine.messages import RankId, RankStats, RequestResult
+from tandem.engine.rank_loop import RankFailed, RankLoop
 from tandem.engine.role_spec import RoleSpec
-
-if TYPE_CHECKING:
-    from tandem.engine.rank_loop import RankLoop
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,10 @@ class RankActor:
         self._require().post(lambda worker: worker.unsubscribe(subscriber))
 
     def set_peers(self, peers: dict[RankId, Any]) -> None:
-        """The ranks this one sends work to (a decode rank's prefill ranks), with their handles."""
-        self._require().post(lambda worker: worker.set_peers(peers))
+        """The ranks this one sends work to (a decode rank's prefill ranks), with their handles.
+        A rank whose loop has failed needs none: its group is about to be rebuilt."""
+        with contextlib.suppress(RankFailed):
+            self._require().post(lambda worker: worker.set_peers(peers))
 
     def stop(self) -> None:
         self._stop.set()

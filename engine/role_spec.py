@@ -6,6 +6,7 @@ controller and the CLI can describe prefill, decode and colocated ranks without 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.engine.messages import Role
@@ -22,3 +23,14 @@ class RoleSpec(ABC):
     def build(self, ctx: RankContext) -> RankWorker:
         """The rank's worker, over the model and place in its group that ``ctx`` holds; runs on
         the rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PooledRole(RoleSpec, ABC):
+    """A role of the disaggregated cluster: a KV pool of its own and a deadline on every KV
+    transfer."""
+
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    kv_timeout_s: float = 30.0

@@ -6,22 +6,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.engine.messages import Role
-from tandem.engine.role_spec import RoleSpec
+from tandem.engine.role_spec import PooledRole
 
 if TYPE_CHECKING:
     from tandem.cluster.rank_setup import RankContext
     from tandem.engine.rank_loop import RankWorker
 
 
-@dataclass(frozen=True)
-class PrefillRole(RoleSpec):
+@dataclass(frozen=True, kw_only=True)
+class PrefillRole(PooledRole):
     role: ClassVar[Role] = Role.PREFILL
-    num_pages: int
-    page_size: int
-    max_num_seqs: int
     max_num_batched_tokens: int
     layerwise: bool = True  # post each layer's writes as soon as it is computed
-    kv_timeout_s: float = 30.0
 
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
