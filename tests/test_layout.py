@@ -88,3 +88,16 @@ def test_processes_that_never_run_the_model_do_not_import_torch() -> None:
         "    assert not heavy, f'importing {name} loaded {heavy}'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    modules = [
+        p.relative_to(ROOT).as_posix()
+        for folder in _package_folders()
+        for p in sorted((ROOT / folder).glob("*.py"))
+        if p.name != "__init__.py" and not p.name.startswith("tandem_pb2")
+    ]
+    assert modules
+    missing = [m for m in modules if f"`{m}`" not in page]
+    assert not missing, f"docs/architecture.md has no line for {missing}"

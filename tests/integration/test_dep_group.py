@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,23 +13,18 @@ import torch
 
 from tandem.cli.main import main
 from tandem.cluster.group import GroupConfig, GroupNotReady, GroupState, RankGroup
-from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import RankId, RankRequest, RequestResult
 from tandem.engine.request import InvalidRequestError, SamplingParams
-from tandem.model.make_tiny import make_tiny_checkpoint
 
 ENGINE = EngineConfig(page_size=8, num_pages=96)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dep") / "tiny", seed=0)
-    init_ray()
-    yield path
-    shutdown_ray()
+def tiny(tiny_dir: Path, ray_started: None) -> Path:
+    return tiny_dir
 
 
 def _requests(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import ray
 import torch
 
 from tandem.cluster.controller import Cluster
-from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
@@ -22,17 +20,13 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import RankId, RankRequest, RankStats
 from tandem.engine.request import SamplingParams
 from tandem.frontend.request_stream import StreamSummary
-from tandem.model.make_tiny import make_tiny_checkpoint
 
 PAGE = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("cluster") / "tiny", seed=0)
-    init_ray()
-    yield path
-    shutdown_ray()
+def tiny(tiny_dir: Path, ray_started: None) -> Path:
+    return tiny_dir
 
 
 def _topology(preset: str, decode_pages: int = 96, kv_timeout_s: float = 30.0) -> Topology:

@@ -7,7 +7,6 @@ import pytest
 from tandem.engine.page_allocator import PageAllocator
 from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCache, block_hashes
 from tandem.router.index import BlockIndex, IndexIntegrityError
-from tandem.router.ranks import InvalidRankName, split_rank_name
 
 PAGE = 4
 
@@ -90,12 +89,3 @@ def test_check_integrity_notices_maps_that_disagree() -> None:
 def test_apply_rejects_what_is_not_an_event() -> None:
     with pytest.raises(TypeError):
         BlockIndex().apply("p0-r0", "BlockStored")  # type: ignore[arg-type]
-
-
-def test_split_rank_name() -> None:
-    assert split_rank_name("prefill0-r1") == ("prefill0", 1)
-    assert split_rank_name("decode-big-r12") == ("decode-big", 12)
-    assert split_rank_name("a-r0-r3") == ("a-r0", 3)
-    for bad in ("prefill0", "prefill0-r", "-r1", "prefill0-rx"):
-        with pytest.raises(InvalidRankName, match="<group>-r<index>"):
-            split_rank_name(bad)
