@@ -101,3 +101,17 @@ def test_the_architecture_page_names_every_module() -> None:
     assert modules
     missing = [m for m in modules if f"`{m}`" not in page]
     assert not missing, f"docs/architecture.md has no line for {missing}"
+
+
+def test_mypy_sees_the_installed_names_in_the_checkout(tmp_path: Path) -> None:
+    """A type error across ``tandem.*`` modules fails mypy: the names resolve to the checkout's
+    code (through ``tandem/``), not to unknown modules that would type as ``Any``."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from tandem.router.router import Router\n\nx: int = Router().counters()\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), str(planted)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 1 and 'expression has type "dict[str, int]"' in run.stdout, run.stdout
