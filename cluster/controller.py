@@ -141,11 +141,11 @@ class Cluster:
         self._draining.add(group_id)
         self._send_membership()
 
-    def watch(self, wait_s: float = 0.0) -> None:
+    def watch(self) -> None:
         """Look at every group once: a rank that died, or whose loop failed, fails its group.
         (Their requests end at the frontends, which stream them.)"""
         for g in self.groups:
-            g.poll(wait_s)
+            g.check()
 
     def heal(self) -> list[str]:
         """Rebuild every failed group (gang restart) and resend the membership; the rebuilt ids."""

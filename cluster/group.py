@@ -11,6 +11,7 @@ placement group. (Requests streamed to a frontend end there: it sees the group f
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -26,6 +27,8 @@ from tandem.cluster.rank_actor import RankActor, RankSpec
 from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult
 from tandem.engine.request import FinishReason
 from tandem.engine.role_spec import RoleSpec
+
+log = logging.getLogger(__name__)
 
 
 class GroupState(enum.Enum):
@@ -68,6 +71,7 @@ class RankGroup:
         self.failure: str | None = None
         self._actors: list[Any] = []  # RankActor handles, by rank
         self._loops: dict[ray.ObjectRef, int] = {}  # each rank's ``run`` call
+        self._collecting: dict[int, ray.ObjectRef] = {}  # rank -> its ``collect`` call not yet answered
         self._pg: PlacementGroup | None = None
         self._in_flight: dict[str, int] = {}  # request id -> rank, for results through collect
         # placement group names are global to the Ray namespace: two clusters (or a test's
@@ -154,31 +158,24 @@ class RankGroup:
         rank comes back with :class:`GroupFailed`'s message naming the cause."""
         if self.state is not GroupState.READY:
             return []
-        refs = {a.collect.remote(wait_s): rank for rank, a in enumerate(self._actors)}
-        ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 5.0)
+        for rank, actor in enumerate(self._actors):
+            if rank not in self._collecting:  # one collect out per rank: a slow one is waited for
+                self._collecting[rank] = actor.collect.remote(wait_s)
+        refs = {ref: rank for rank, ref in self._collecting.items()}
+        answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s + 5.0)
         finished: list[RequestResult] = []
         deaths: list[str] = []
         errors: list[str] = []
-        for ref, rank in refs.items():
+        for ref in answered:
+            rank = refs[ref]
+            del self._collecting[rank]
             try:
-                finished.extend(ray.get(ref, timeout=0))
+                finished.extend(ray.get(ref))
             except ray.exceptions.RayActorError:
                 deaths.append(f"rank {rank} died")
             except Exception as exc:
                 errors.append(f"rank {rank}: {_cause(exc)}")
-        ended, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
-        for loop_ref in ended:
-            rank = self._loops[loop_ref]
-            try:
-                ray.get(loop_ref)
-                errors.append(f"rank {rank} stopped stepping")
-            except ray.exceptions.RayActorError:
-                deaths.append(f"rank {rank} died")
-            except Exception as exc:
-                errors.append(f"rank {rank}: {_cause(exc)}")
-        if deaths or errors:
-            # a dead rank is the cause; its peers' collective errors are the consequence
-            self._fail(sorted(set(deaths))[0] if deaths else errors[0])
+        self._check(deaths, errors)
         if self.state is not GroupState.FAILED:
             for done in finished:
                 self._in_flight.pop(done.request_id, None)
@@ -194,6 +191,27 @@ class RankGroup:
         ]
         self._in_flight.clear()
         return results
+
+    def check(self) -> None:
+        """Fail the group if a rank died or its loop ended, without calling any rank (the
+        controller's watch: its ranks push their results, nothing waits in ``collect``)."""
+        if self.state is GroupState.READY:
+            self._check([], [])
+
+    def _check(self, deaths: list[str], errors: list[str]) -> None:
+        ended, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
+        for loop_ref in ended:
+            rank = self._loops[loop_ref]
+            try:
+                ray.get(loop_ref)
+                errors.append(f"rank {rank} stopped stepping")
+            except ray.exceptions.RayActorError:
+                deaths.append(f"rank {rank} died")
+            except Exception as exc:
+                errors.append(f"rank {rank}: {_cause(exc)}")
+        if deaths or errors:
+            # a dead rank is the cause; its peers' collective errors are the consequence
+            self._fail(sorted(set(deaths))[0] if deaths else errors[0])
 
     def run_to_completion(self, timeout_s: float) -> list[RequestResult]:
         """Poll until nothing is in flight (or ``timeout_s`` passes, raising ``TimeoutError``)."""
@@ -224,13 +242,14 @@ class RankGroup:
     def _fail(self, reason: str) -> None:
         if self.state is GroupState.FAILED:
             return
+        log.warning("DEP group %s incarnation %d failed: %s", self.group_id, self.incarnation, reason)
         self.state, self.failure = GroupState.FAILED, reason
         self._teardown()
 
     def _teardown(self) -> None:
         for actor in self._actors:
             ray.kill(actor)
-        self._actors, self._loops = [], {}
+        self._actors, self._loops, self._collecting = [], {}, {}
         if self._pg is not None:
             release_group(self._pg)
             self._pg = None
