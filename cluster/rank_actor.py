@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from tandem.engine.messages import RankId, RankStats, RequestResult
-from tandem.engine.rank_loop import RankFailed, RankLoop
+from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
 from tandem.engine.role_spec import RoleSpec
 
 
@@ -76,7 +76,7 @@ class RankActor:
         loop.post(lambda worker: worker.submit(admitted))
 
     def abort(self, request_ids: list[str]) -> None:
-        def abort_all(worker: Any) -> None:
+        def abort_all(worker: RankWorker) -> None:
             for request_id in request_ids:
                 worker.abort(request_id)
 

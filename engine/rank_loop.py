@@ -112,13 +112,13 @@ class RankLoop:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._results_ready = threading.Condition(self._lock)
-        self._calls: list[Callable[[Any], None]] = []
+        self._calls: list[Callable[[RankWorker], None]] = []
         self._results: list[RequestResult] = []
         self._steps = self._idle_waits = 0
         self._agree_s = self._step_s = 0.0
         self.failure: str | None = None
 
-    def post(self, call: Callable[[Any], None]) -> None:
+    def post(self, call: Callable[[RankWorker], None]) -> None:
         """Run ``call(worker)`` on the loop thread (validate arguments before posting)."""
         with self._lock:
             if self.failure is not None:
@@ -126,13 +126,13 @@ class RankLoop:
             self._calls.append(call)
         self._ready.set()
 
-    def call(self, function: Callable[[Any], T], timeout_s: float) -> T:
+    def call(self, function: Callable[[RankWorker], T], timeout_s: float) -> T:
         """Run ``function(worker)`` on the loop thread and return its result (or raise its
         exception); ``TimeoutError`` when the loop does not get to it within ``timeout_s``."""
         done = threading.Event()
         outcome: list[Any] = []
 
-        def run(worker: Any) -> None:
+        def run(worker: RankWorker) -> None:
             try:
                 outcome.append((True, function(worker)))
             except Exception as exc:  # handed to the caller, not the loop
@@ -156,6 +156,7 @@ class RankLoop:
             return out
 
     def stats(self) -> RankStats:
+        """Read off the loop thread, without stopping it: counts may be an iteration old."""
         return self.worker.stats(LoopStats(self._steps, self._idle_waits, self._agree_s, self._step_s))
 
     def run(self, stop: threading.Event) -> None:

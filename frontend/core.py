@@ -40,6 +40,8 @@ from tandem.engine.scheduler import max_kv_pages
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
 from tandem.frontend.status import StatusView, read_status
+from tandem.model.config import ModelConfig
+from tandem.model.tokenizer import Tokenizer
 from tandem.prefill.kv_events import KVEventBatch
 from tandem.router.router import NoRankAvailable, Router
 
@@ -121,9 +123,6 @@ class FrontendCore:
     """Everything but the gRPC server: tokenizer, router, streams, rank handles."""
 
     def __init__(self, config: FrontendConfig) -> None:
-        from tandem.model.config import ModelConfig
-        from tandem.model.tokenizer import Tokenizer
-
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
