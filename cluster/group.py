@@ -166,15 +166,23 @@ class RankGroup:
         finished: list[RequestResult] = []
         deaths: list[str] = []
         errors: list[str] = []
+        erring: list[ray.ObjectRef] = []  # loops of ranks that reported errors
         for ref in answered:
             rank = refs[ref]
             del self._collecting[rank]
             try:
-                finished.extend(ray.get(ref))
+                results: list[RequestResult] = ray.get(ref)
             except ray.exceptions.RayActorError:
                 deaths.append(f"rank {rank} died")
+                continue
             except Exception as exc:
                 errors.append(f"rank {rank}: {_cause(exc)}")
+                continue
+            finished.extend(results)
+            if any(r.error is not None for r in results):
+                erring += [loop for loop, r in self._loops.items() if r == rank]
+        if erring:  # a failing loop reports its requests' errors just before it ends
+            ray.wait(erring, num_returns=len(erring), timeout=1.0)
         self._check(deaths, errors)
         if self.state is not GroupState.FAILED:
             for done in finished:

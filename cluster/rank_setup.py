@@ -118,6 +118,8 @@ def start_rank(
         spec.rank_id, spec.incarnation, cfg, model, dispatcher, device, DTYPES[spec.dtype], outbox
     )
     worker = spec.role.build(ctx)
-    return RankLoop(
-        worker, spec.rank_id.name, lambda has_work: any_rank_has_work(has_work, dispatcher.group, device)
-    )
+
+    def agree(has_work: bool) -> bool:
+        return any_rank_has_work(has_work, dispatcher.group, device)
+
+    return RankLoop(worker, spec.rank_id.name, agree, spec.role.idle_wait_s)

@@ -106,11 +106,14 @@ class Server:
             raise
         return self.port
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[StreamSummary]:
-        """Run prompts through the frontend, as gRPC requests run; the summaries in order."""
+    def generate(
+        self, prompts: list[list[int]], sampling: list[SamplingParams], timeout_s: float = 600.0
+    ) -> list[StreamSummary]:
+        """Run prompts through the frontend, as gRPC requests run; the summaries in order
+        (``GetTimeoutError`` when they are not all done within ``timeout_s``)."""
         pairs = enumerate(zip(prompts, sampling, strict=True))
         specs = [GenerateSpec(f"req-{i}", list(p), s) for i, (p, s) in pairs]
-        return list(ray.get(self.frontend.generate.remote(specs)))
+        return list(ray.get(self.frontend.generate.remote(specs), timeout=timeout_s))
 
     def stop(self) -> None:
         """Frontend first (no new work), then the groups; each step runs even if one before failed."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ColocatedRole(RoleSpec):
     role: ClassVar[Role] = Role.COLOCATED
+    idle_wait_s: ClassVar[float] = 0.02  # nothing arrives by transfer: no need to look often
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def build(self, ctx: RankContext) -> RankWorker:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 class RoleSpec(ABC):
     role: ClassVar[Role]
+    # how long an idle rank waits for work before it joins the group's next agreement
+    idle_wait_s: ClassVar[float] = 0.005
 
     @abstractmethod
     def build(self, ctx: RankContext) -> RankWorker:

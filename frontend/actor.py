@@ -51,15 +51,18 @@ class Frontend:
         return self.core.ready
 
     async def generate(self, specs: list[GenerateSpec]) -> list[StreamSummary]:
-        """Run requests concurrently through the same core as gRPC's ``Generate``; each one's
-        summary, in order (it holds every token). ``tandem generate`` on a cluster and the
-        cluster benchmarks send their requests here."""
+        """Run requests through the same core as gRPC's ``Generate``, at most
+        ``max_running_requests`` at once (the rest wait here, and that wait is their frontend
+        queue time); each one's summary, in order (it holds every token). ``tandem generate`` on
+        a cluster and the cluster benchmarks send their requests here."""
+        slots = asyncio.Semaphore(self.config.max_running_requests)
 
         async def one(spec: GenerateSpec) -> StreamSummary:
             spec = replace(spec, arrival_unix_s=time.time())  # arrival on this process's clock
-            async for item in self.core.generate(spec):
-                if isinstance(item, StreamSummary):
-                    return item
+            async with slots, contextlib.aclosing(self.core.generate(spec)) as items:
+                async for item in items:
+                    if isinstance(item, StreamSummary):
+                        return item
             raise RuntimeError(f"request {spec.request_id}: the stream ended without a summary")
 
         return list(await asyncio.gather(*(one(spec) for spec in specs)))

@@ -64,9 +64,10 @@ def _all_pages_free(server: Server) -> None:
     _check_all_free(ray.get(server.controller.stats.remote()))
 
 
-def _serve(topology: Topology, tiny: Path) -> Server:
+def _serve(topology: Topology, tiny: Path, max_running_requests: int = 256) -> Server:
     """The cluster behind its frontend: requests take the path gRPC requests take."""
-    server = Server(ServeOptions(topology, tiny, port=0, dtype="float64"))
+    options = ServeOptions(topology, tiny, port=0, dtype="float64", max_running_requests=max_running_requests)
+    server = Server(options)
     server.start()
     return server
 
@@ -100,8 +101,9 @@ def test_local_preset_matches_the_colocated_engine(tiny: Path) -> None:
 
 
 def test_a_decode_pool_too_small_for_all_requests(tiny: Path) -> None:
-    """10 pages of 8 tokens per decode rank: requests wait in the pre-allocation queue."""
-    server = _serve(_topology("local", decode_pages=10), tiny)
+    """10 pages of 8 tokens per decode rank: requests wait in the pre-allocation queue. The
+    frontend runs 5 at once: the others wait there, and none is refused."""
+    server = _serve(_topology("local", decode_pages=10), tiny, max_running_requests=5)
     try:
         requests = _chats(seed=2)
         done = _run_chats(server, requests)
