@@ -3,8 +3,9 @@ transfer) against the colocated engine, on the same machine, at several concurre
 
 Every configuration serves the same requests (random prompts, greedy, ``ignore_eos``): at
 concurrency ``c``, rounds of ``c`` requests submitted together until ``requests`` have run.
-TTFT is from submission to the first token; ITL is the mean gap between a request's tokens; the
-exposed share is the part of TTFT spent waiting for KV beyond the prefill's own queue and compute.
+TTFT is from submission to the first token (at the frontend for the cluster); ITL is the mean gap
+between a request's tokens; the exposed share is the KV transfer's exposed time (last layer
+computed -> KV usable on the decode rank) over TTFT.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def _disaggregated(
             for summary in server.generate(prompts, [sampling] * len(prompts)):
                 if summary.error:
                     raise RuntimeError(summary.error)
-                ttft.append(summary.bill.ttft_s)
-                itl += _itl(list(summary.bill.token_times_s))
+                ttft.append(summary.ttft_s)
+                itl += list(summary.token_gaps_s)
                 exposed.append(summary.bill.kv_transfer_exposed_s)
     finally:
         server.stop()

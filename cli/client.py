@@ -164,19 +164,27 @@ async def wait_serving(options: ClientOptions, wait_s: float) -> bool:
 
 
 def bill_line(outcome: Outcome) -> str:
+    """One request's bill: tokens, then the end-to-end composition (frontend, then decode rank),
+    then what the prefill ranks measured inside the KV wait."""
     s = outcome.summary
     assert s is not None
     b, lat, p = s.bill, s.bill.latency, s.placement
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
     error = f" error={s.error!r}" if s.error else ""
+    retries = f" attempts={len(b.attempts)}" if len(b.attempts) > 1 else ""
     return (
         f"[{outcome.index}] finish={s.finish_reason}{error} prompt={b.prompt_tokens} "
         f"(cached {b.cached_tokens}, new {b.new_prompt_tokens}) output={b.output_tokens} "
-        f"ttft={lat.ttft_s * 1e3:.1f}ms decode={lat.decode_s * 1e3:.1f}ms e2e={lat.e2e_s * 1e3:.1f}ms "
-        f"(queue {lat.queue_s * 1e3:.2f}, routing {lat.routing_s * 1e3:.2f}, "
-        f"reservation {lat.reservation_wait_s * 1e3:.2f}, prefill queue {lat.prefill_queue_s * 1e3:.2f}, "
-        f"prefill {lat.prefill_compute_s * 1e3:.2f}, kv {lat.kv_transfer_s * 1e3:.2f} "
-        f"exposed {lat.kv_transfer_exposed_s * 1e3:.2f}) prefill={p.prefill_rank} decode={p.decode_rank} "
-        f"route={p.route_branch}"
+        f"kv={b.kv_bytes}B{retries} ttft={ms(lat.ttft_s)}ms e2e={ms(lat.e2e_s)}ms "
+        f"= queue {ms(lat.queue_s)} + routing {ms(lat.routing_s)} + pickup {ms(lat.pickup_s)} "
+        f"+ reservation {ms(lat.reservation_wait_s)} + kv wait {ms(lat.kv_wait_s)} "
+        f"+ accept {ms(lat.kv_accept_s)} + decode {ms(lat.decode_s)} "
+        f"[kv wait: prefill queue {ms(lat.prefill_queue_s)}, compute {ms(lat.prefill_compute_s)}, "
+        f"transfer {ms(lat.kv_transfer_s)} exposed {ms(lat.kv_transfer_exposed_s)}] "
+        f"prefill={p.prefill_rank} decode={p.decode_rank} route={p.route_branch}"
     )
 
 

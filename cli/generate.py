@@ -82,12 +82,17 @@ def summary_record(summary: StreamSummary) -> dict[str, Any]:
             "new_prompt_tokens": bill.new_prompt_tokens,
             "output_tokens": bill.output_tokens,
             "kv_bytes": bill.kv_bytes,
-            "kv_transfer_s": round(bill.kv_transfer_s, 6),
-            "kv_transfer_exposed_s": round(bill.kv_transfer_exposed_s, 6),
-            "prefill_queue_s": round(bill.prefill_queue_s, 6),
-            "prefill_compute_s": round(bill.prefill_compute_s, 6),
-            "ttft_s": round(bill.ttft_s, 6),
+            "attempts": len(bill.attempts),
+            "preemptions": bill.preemptions,
+            "latency": {part: round(s, 6) for part, s in summary.latency_parts().items()}
+            | {
+                "prefill_queue": round(bill.prefill_queue_s, 6),
+                "prefill_compute": round(bill.prefill_compute_s, 6),
+                "kv_transfer": round(bill.kv_transfer_s, 6),
+                "kv_transfer_exposed": round(bill.kv_transfer_exposed_s, 6),
+                "ttft": round(summary.ttft_s, 6),
+                "e2e": round(summary.e2e_s, 6),
+            },
             "token_times_s": [round(t, 6) for t in bill.token_times_s],
-            "e2e_s": round(bill.e2e_s, 6),
         },
     }

@@ -153,6 +153,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.cli.serving import run_client, run_serve
 
         return run_serve(args) if args.command == "serve" else run_client(args, _sampling)
+    if args.command == "metrics":
+        from tandem.cli.serving import run_metrics
+
+        return run_metrics(args)
     if args.command == "bench" and args.bench_command == "disagg":
         from tandem.bench.disagg_bench import run_disagg_bench
 

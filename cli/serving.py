@@ -28,6 +28,19 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv.add_argument("--auth-token-file", type=Path, default=None, help="require this bearer token")
     srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    srv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics and the deployment's discovery document /sd here (0: a free port)",
+    )
+
+    metrics = sub.add_parser("metrics", help="Prometheus set-up").add_subparsers(
+        dest="metrics_command", required=True
+    )
+    pcfg = metrics.add_parser("prometheus-config", help="print the scrape configuration of a deployment")
+    pcfg.add_argument("--addr", required=True, help="HOST:PORT of `tandem serve --metrics-port`")
+    pcfg.add_argument("--scrape-interval", type=float, default=5.0, help="seconds")
 
     client = sub.add_parser("client", help="talk to a running `tandem serve`").add_subparsers(
         dest="client_command", required=True
@@ -76,6 +89,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:
         raise InvalidRequestError("--max-running-requests", "must be at least 1")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise InvalidRequestError("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
+    if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
+        raise InvalidRequestError("--metrics-port", f"{args.metrics_port} is the gRPC port (--port) too")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidRequestError(
             "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
@@ -92,8 +109,22 @@ def run_serve(args: argparse.Namespace) -> int:
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
+        metrics_port=args.metrics_port,
     )
     return serve(options, announce=emit)
+
+
+def run_metrics(args: argparse.Namespace) -> int:
+    """``tandem metrics prometheus-config``: the scrape configuration, for ``prometheus.yml``."""
+    from tandem.metrics.discovery import prometheus_config
+
+    host, sep, port = args.addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidRequestError("--addr", f"expected HOST:PORT, got {args.addr!r}")
+    if not args.scrape_interval > 0:
+        raise InvalidRequestError("--scrape-interval", f"must be > 0 seconds, got {args.scrape_interval}")
+    emit(prometheus_config(args.addr, args.scrape_interval, args.scrape_interval), end="")
+    return 0
 
 
 def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace], SamplingParams]) -> int:

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
 from tandem.cluster.group import GroupConfig, GroupState, RankGroup
 from tandem.cluster.placement import RankResources
+from tandem.cluster.rank_actor import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.decode.role import DecodeRole
 from tandem.engine.messages import RankId, RankStats, Role
+from tandem.metrics.controller import ControllerMetrics, GroupFigures
+from tandem.metrics.discovery import ScrapeTarget
+from tandem.metrics.http import MetricsServer
+from tandem.metrics.labels import ControllerLabels, RankLabels
 from tandem.prefill.role import PrefillRole
 
 CONTROLLER_NAME = "tandem-controller"
@@ -46,16 +51,32 @@ class RoutingView:
     page_size: int
     prefill_capacity_tokens: int  # KV one prefill rank holds: a prompt's ceiling
     decode_capacity_tokens: int  # KV one decode rank holds: prompt + output's ceiling
+    # every /metrics of the cluster: the controller's and each rank's of every started group
+    metrics_targets: tuple[ScrapeTarget, ...] = ()
 
 
 class Cluster:
-    def __init__(self, topology: Topology, model_dir: str, dtype: str = "float32") -> None:
+    """``metrics_host``: where each rank serves its Prometheus metrics (empty: its node's
+    address; ``None``: no rank serves metrics); ``model_name`` labels them."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        model_dir: str,
+        dtype: str = "float32",
+        model_name: str = "",
+        metrics_host: str | None = None,
+    ) -> None:
         self.topology = topology
+        self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
         resources = RankResources.detect(topology.cpus_per_rank)
+        metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
         def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
             return [
-                RankGroup(GroupConfig(f"{name}{i}", model_dir, pool.dep, role, dtype, resources))
+                RankGroup(
+                    GroupConfig(f"{name}{i}", model_dir, pool.dep, role, dtype, resources, metrics=metrics)
+                )
                 for i in range(pool.groups)
             ]
 
@@ -132,7 +153,18 @@ class Cluster:
             page_size=self.topology.prefill.page_size,
             prefill_capacity_tokens=self.topology.prefill.num_pages * self.topology.prefill.page_size,
             decode_capacity_tokens=self.topology.decode.num_pages * self.topology.decode.page_size,
+            metrics_targets=tuple(self._rank_targets()),
         )
+
+    def _rank_targets(self) -> list[ScrapeTarget]:
+        out = []
+        for g in self.groups:
+            if g.state is not GroupState.READY:
+                continue
+            for rank, address in g.metrics_addresses.items():
+                labels = RankLabels(self.model_name, g.role, g.group_id, rank.name, str(g.incarnation))
+                out.append(ScrapeTarget(address, "rank", labels.as_dict()))
+        return out
 
     def drain(self, group_id: str) -> None:
         """Stop sending a group new work; what it has runs to the end."""
@@ -188,20 +220,47 @@ class Controller:
     see the failed group (and route around it) meanwhile."""
 
     def __init__(
-        self, topology: Topology, model_dir: str, dtype: str = "float32", health_interval_s: float = 0.5
+        self,
+        topology: Topology,
+        model_dir: str,
+        dtype: str = "float32",
+        health_interval_s: float = 0.5,
+        model_name: str = "",
+        metrics_host: str | None = None,
     ) -> None:
-        self.cluster = Cluster(topology, model_dir, dtype)
+        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics_host)
         self.health_interval_s = health_interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watch_loop, daemon=True)
-        self._view = self.cluster.routing_view()
+        self._metrics: MetricsServer | None = None
+        self._own_target: tuple[ScrapeTarget, ...] = ()
+        if metrics_host is not None:  # the controller's own metrics, served beside the ranks'
+            labels = ControllerLabels(self.cluster.model_name)
+            metrics = ControllerMetrics(labels, self._group_figures)
+            self._metrics = MetricsServer(metrics.registry, metrics_host or ray.util.get_node_ip_address())
+            self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
+        self._view = self._routing_view()
         self.rebuilt: list[str] = []
+
+    def _routing_view(self) -> RoutingView:
+        view = self.cluster.routing_view()
+        return replace(view, metrics_targets=self._own_target + view.metrics_targets)
+
+    def _group_figures(self) -> list[GroupFigures]:
+        """From the last published view: a scrape never waits on a rebuild. A group is started
+        once, then once per rebuild after a failure, so its restarts are its incarnation - 1."""
+        return [
+            GroupFigures(
+                v.group_id, v.role.value, v.state, v.incarnation, max(v.incarnation - 1, 0), len(v.ranks)
+            )
+            for v in self._view.groups
+        ]
 
     def start(self) -> dict[str, str]:
         with self._lock:
             self.cluster.start()
-            self._view = self.cluster.routing_view()
+            self._view = self._routing_view()
         self._watch.start()
         return self.cluster.status()
 
@@ -210,12 +269,12 @@ class Controller:
             try:
                 with self._lock:
                     self.cluster.watch()
-                    self._view = self.cluster.routing_view()  # a failure shows before the rebuild
+                    self._view = self._routing_view()  # a failure shows before the rebuild
                 with self._lock:
                     rebuilt = self.cluster.heal()
                     if rebuilt:
                         self.rebuilt += rebuilt
-                        self._view = self.cluster.routing_view()
+                        self._view = self._routing_view()
             except Exception:  # a rebuild that failed is tried again; the watch never stops
                 log.exception("controller: watching the groups failed")
             self._stop.wait(self.health_interval_s / 10)
@@ -238,9 +297,12 @@ class Controller:
     def drain(self, group_id: str) -> None:
         with self._lock:
             self.cluster.drain(group_id)
-            self._view = self.cluster.routing_view()
+            self._view = self._routing_view()
 
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
             self.cluster.stop()
+            self._view = self._routing_view()
+        if self._metrics is not None:
+            self._metrics.close()

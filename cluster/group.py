@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.placement import RankResources, place_group, release_group
-from tandem.cluster.rank_actor import RankActor, RankSpec
+from tandem.cluster.rank_actor import MetricsSpec, RankActor, RankSpec
 from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult
 from tandem.engine.request import FinishReason
 from tandem.engine.role_spec import RoleSpec
@@ -59,6 +59,7 @@ class GroupConfig:
     resources: RankResources | None = None  # None: detected from the Ray cluster at start
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
+    metrics: MetricsSpec | None = None  # None: the ranks serve no metrics
 
 
 class RankGroup:
@@ -74,6 +75,7 @@ class RankGroup:
         self._collecting: dict[int, ray.ObjectRef] = {}  # rank -> its ``collect`` call not yet answered
         self._pg: PlacementGroup | None = None
         self._in_flight: dict[str, int] = {}  # request id -> rank, for results through collect
+        self.metrics_addresses: dict[RankId, str] = {}  # each rank's /metrics, this incarnation
         # placement group names are global to the Ray namespace: two clusters (or a test's
         # leftovers) that both have a "prefill0" must not collide
         self._placement_tag = uuid.uuid4().hex[:8]
@@ -118,6 +120,10 @@ class RankGroup:
         try:
             master = str(ray.get(self._actors[0].rendezvous_address.remote(), timeout=cfg.start_timeout_s))
             ray.get([a.setup.remote(master) for a in self._actors], timeout=cfg.start_timeout_s)
+            addresses = ray.get(
+                [a.metrics_address.remote() for a in self._actors], timeout=cfg.start_timeout_s
+            )
+            self.metrics_addresses = {r: a for r, a in zip(self.rank_ids, addresses, strict=True) if a}
         except Exception as exc:
             self._teardown()
             self.state, self.failure = GroupState.FAILED, f"start failed: {exc}"
@@ -128,7 +134,14 @@ class RankGroup:
     def _spec(self, rank_id: RankId) -> RankSpec:
         cfg = self.config
         return RankSpec(
-            rank_id, self.incarnation, cfg.size, cfg.model_dir, cfg.dtype, cfg.role, cfg.collective_timeout_s
+            rank_id,
+            self.incarnation,
+            cfg.size,
+            cfg.model_dir,
+            cfg.dtype,
+            cfg.role,
+            cfg.collective_timeout_s,
+            cfg.metrics,
         )
 
     def submit(self, rank: int, requests: list[RankRequest]) -> None:
@@ -258,6 +271,7 @@ class RankGroup:
         for actor in self._actors:
             ray.kill(actor)
         self._actors, self._loops, self._collecting = [], {}, {}
+        self.metrics_addresses = {}
         if self._pg is not None:
             release_group(self._pg)
             self._pg = None

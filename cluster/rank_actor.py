@@ -24,6 +24,18 @@ import ray
 from tandem.engine.messages import RankId, RankStats, RequestResult
 from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
 from tandem.engine.role_spec import RoleSpec
+from tandem.metrics.http import MetricsServer
+from tandem.metrics.labels import RankLabels
+from tandem.metrics.rank import RankMetrics
+
+
+@dataclass(frozen=True)
+class MetricsSpec:
+    """Serve the rank's Prometheus metrics, labelled with ``model``, on ``host`` (empty: the
+    node's address, which the rest of the cluster reaches) and a port the OS picks."""
+
+    model: str
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class RankSpec:
     dtype: str
     role: RoleSpec
     collective_timeout_s: float = 60.0
+    metrics: MetricsSpec | None = None
 
 
 class RankNotReady(RuntimeError):
@@ -56,13 +69,32 @@ class RankActor:
         self._outbox = RayOutbox(spec.rank_id.name)
         self._stop = threading.Event()
         self._loop: RankLoop | None = None
+        self._metrics_server: MetricsServer | None = None
 
     def rendezvous_address(self) -> str:
         return self._rendezvous.open(self.spec.collective_timeout_s)
 
     def setup(self, master: str) -> RankId:
-        self._loop = self._setup.start_rank(self.spec, self._rendezvous, self.device, master, self._outbox)
-        return self.spec.rank_id
+        spec = self.spec
+        self._loop = loop = self._setup.start_rank(spec, self._rendezvous, self.device, master, self._outbox)
+        if spec.metrics is not None:
+            labels = RankLabels(
+                model=spec.metrics.model,
+                role=spec.role.role.value,
+                group=spec.rank_id.group_id,
+                rank=spec.rank_id.name,
+                incarnation=str(spec.incarnation),
+            )
+            metrics = RankMetrics(labels)
+            metrics.watch(loop.stats)
+            loop.worker.metrics = metrics
+            host = spec.metrics.host or ray.util.get_node_ip_address()
+            self._metrics_server = MetricsServer(metrics.registry, host)
+        return spec.rank_id
+
+    def metrics_address(self) -> str | None:
+        """``host:port`` of this rank's ``/metrics`` (``None`` when it serves none)."""
+        return self._metrics_server.address if self._metrics_server is not None else None
 
     def run(self) -> str:
         self._require().run(self._stop)
@@ -110,6 +142,8 @@ class RankActor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
 
     def _require(self) -> RankLoop:
         if self._loop is None:

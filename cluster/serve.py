@@ -62,6 +62,15 @@ class ServeOptions:
     tls_key_file: str | None = None
     max_running_requests: int = 256
     ready_timeout_s: float = 600.0
+    metrics_port: int | None = None  # the frontend's /metrics and /sd (0: a free port); None: none
+
+    @property
+    def rank_metrics_host(self) -> str | None:
+        """Where the controller and the ranks serve metrics: loopback for an embedded Ray, each
+        node's own address on a cluster; ``None`` when the deployment serves no metrics."""
+        if self.metrics_port is None:
+            return None
+        return "" if self.address else "127.0.0.1"
 
 
 class Server:
@@ -74,12 +83,17 @@ class Server:
         self.controller: Any = None
         self.frontend: Any = None
         self.port = 0
+        self.metrics_address: str | None = None
 
     def start(self) -> int:
         o = self.options
         init_ray(o.address)
         self.controller = Controller.options(name=CONTROLLER_NAME).remote(  # type: ignore[attr-defined]
-            o.topology, str(self.model_dir), o.dtype
+            o.topology,
+            str(self.model_dir),
+            o.dtype,
+            model_name=self.model_name,
+            metrics_host=o.rank_metrics_host,
         )
         try:
             ray.get(self.controller.start.remote())
@@ -92,6 +106,8 @@ class Server:
                 auth_token=o.auth_token,
                 tls_cert_file=o.tls_cert_file,
                 tls_key_file=o.tls_key_file,
+                metrics_host=o.host,
+                metrics_port=o.metrics_port,
             )
             # on this node: the port is bound where the operator started serve
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -99,6 +115,7 @@ class Server:
                 name=FRONTEND_NAME, scheduling_strategy=here
             ).remote(config)
             self.port = ray.get(self.frontend.start.remote())
+            self.metrics_address = ray.get(self.frontend.metrics_address.remote())
             if not ray.get(self.frontend.wait_ready.remote(o.ready_timeout_s)):
                 raise TimeoutError(f"the pools were not ready within {o.ready_timeout_s:.0f} s")
         except BaseException:
@@ -144,9 +161,12 @@ def serve(options: ServeOptions, announce: Callable[[str], None] = print) -> int
         port = server.start()
         # after Ray's start-up, which installs its own SIGTERM handler in this process
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        metrics = (
+            f"; metrics and discovery on http://{server.metrics_address}" if server.metrics_address else ""
+        )
         announce(
             f"tandem: serving {server.model_name} on {options.host}:{port} "
-            f"({options.topology.describe()}); Ctrl-C stops"
+            f"({options.topology.describe()}){metrics}; Ctrl-C stops"
         )
         while not stop.wait(0.5):
             pass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
@@ -27,6 +27,7 @@ from tandem.decode.types import AbortAction, DecodeFinished, Reservation
 from tandem.engine.messages import (
     Bill,
     LoopStats,
+    PrefillAttempt,
     RankId,
     RankRequest,
     RankStats,
@@ -41,7 +42,7 @@ from tandem.engine.request import FinishReason, InvalidRequestError, Request, ch
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import admit_new_request
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
-from tandem.kvtransfer.types import KVTransferAborted
+from tandem.kvtransfer.types import KVTransferAborted, failure_cause
 from tandem.prefill.job import PrefillJob
 
 if TYPE_CHECKING:
@@ -75,30 +76,50 @@ class Routing:
 
 @dataclass
 class _Track:
-    """The decode worker's record of one request it holds: routing, its current transfer and
-    the figures of its bill as they are measured (on this rank's monotonic clock)."""
+    """The decode worker's record of one request it holds: routing, its current transfer, and
+    the readings of this rank's monotonic clock its bill is made of. Where the request is, the
+    scheduler says; the track only times it: queued since ``queued_at``, waiting for KV since
+    ``expect_at``, running since ``running_at``."""
 
-    arrival: float
+    arrival: float  # received by the rank's actor
     routing: Routing = field(default_factory=Routing)
     transfer: TransferId | None = None
     prefill_rank: RankId | None = None
+    job_tokens: int = 0  # tokens the current attempt's prefill job carries
+    queued_at: float | None = None
     expect_at: float = 0.0
+    running_at: float | None = None
     streamed: int = 0  # output tokens already pushed to the frontend
-    measured: Bill = field(default_factory=Bill)  # the reservation and KV figures so far
-    token_times_s: list[float] = field(default_factory=list)
+    pickup_s: float = 0.0
+    reservation_wait_s: float = 0.0
+    decode_s: float = 0.0
+    preemptions: int = 0
+    attempts: list[PrefillAttempt] = field(default_factory=list)
+    token_at: list[float] = field(default_factory=list)  # when each output token was known
+
+    def stop_running(self, now: float) -> None:
+        if self.running_at is not None:
+            self.decode_s += now - self.running_at
+            self.running_at = None
 
     def bill(self, request: Request | None, now: float) -> Bill:
-        ttft = self.token_times_s[0] if self.token_times_s else 0.0
-        e2e = now - self.arrival
-        return replace(
-            self.measured,
+        self.stop_running(now)
+        delivered = [a for a in self.attempts if a.delivered]
+        cached = sum(a.cached_tokens for a in delivered)
+        times = tuple(t - self.arrival for t in self.token_at)
+        return Bill(
             prompt_tokens=request.num_prompt_tokens if request else 0,
-            cached_tokens=request.num_cached_tokens if request else 0,
+            cached_tokens=cached,
+            new_prompt_tokens=sum(a.prompt_tokens for a in delivered) - cached,
             output_tokens=len(request.output_token_ids) if request else 0,
-            ttft_s=ttft,
-            token_times_s=tuple(self.token_times_s),
-            decode_s=max(e2e - ttft, 0.0) if self.token_times_s else 0.0,
-            e2e_s=e2e,
+            preemptions=self.preemptions,
+            attempts=tuple(self.attempts),
+            pickup_s=self.pickup_s,
+            reservation_wait_s=self.reservation_wait_s,
+            decode_s=self.decode_s,
+            rank_s=now - self.arrival,
+            first_token_s=times[0] if times else 0.0,
+            token_times_s=times,
         )
 
 
@@ -127,9 +148,12 @@ class DecodeWorker(RankWorker):
         self._transfers: dict[str, TransferId] = {}  # transport key -> the transfer it names
         self._results: list[RequestResult] = []
         self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
+        self.kv_bytes_received = 0
+        self.preemptions = 0
+        self.failure_counts: dict[tuple[str, str], int] = {}
 
     # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
-    def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing]]:
+    def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing, float]]:
         """Requests built and checked against this rank's limits: one that could never run
         fails here, alone, instead of on the loop."""
         cfg = self.model_config
@@ -137,6 +161,7 @@ class DecodeWorker(RankWorker):
             raise RuntimeError(f"decode rank {self.name} was built without a model config")
         config = self.scheduler.config
         eos = frozenset(cfg.eos_token_ids)
+        received = time.monotonic()
         admitted = []
         for r in items:
             r.sampling.validate()
@@ -144,13 +169,13 @@ class DecodeWorker(RankWorker):
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
             request = Request(r.request_id, prompt, r.sampling, eos, cfg.max_position_embeddings)
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
-            admitted.append((request, Routing(r.prefill_rank, r.frontend)))
+            admitted.append((request, Routing(r.prefill_rank, r.frontend), received))
         return admitted
 
-    def submit(self, admitted: list[tuple[Request, Routing]]) -> None:
+    def submit(self, admitted: list[tuple[Request, Routing, float]]) -> None:
         now = time.monotonic()
-        for request, routing in admitted:
-            track = _Track(now, routing)
+        for request, routing, received in admitted:
+            track = _Track(received, routing, queued_at=now, pickup_s=now - received)
             try:
                 self.scheduler.add_request(request)
             except InvalidRequestError as error:  # e.g. its id is in use here: it alone fails
@@ -196,6 +221,15 @@ class DecodeWorker(RankWorker):
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
+        preempted_at = time.monotonic()
+        for request_id in plan.preempted_request_ids:  # back in the queue, to be recomputed
+            self.preemptions += 1
+            track = self._tracks.get(request_id)
+            if track is not None:
+                track.stop_running(preempted_at)
+                track.queued_at, track.preemptions = preempted_at, track.preemptions + 1
+        if self.metrics is not None:
+            self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         sampled = self.runner.run(plan)
         now, now_unix_s = time.monotonic(), time.time()
         requests = [r for r in (self.scheduler.get(c.request_id) for c in plan.chunks) if r is not None]
@@ -204,7 +238,7 @@ class DecodeWorker(RankWorker):
         for request, count in zip(requests, before, strict=True):
             track = self._tracks.get(request.request_id)
             if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
-                track.token_times_s.append(now - track.arrival)
+                track.token_at.append(now)
                 self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
@@ -251,8 +285,11 @@ class DecodeWorker(RankWorker):
             waiting_for_kv=d.num_waiting_for_kv,
             free_pages=d.num_free_pages,
             total_pages=d.config.num_pages,
+            kv_bytes_received=self.kv_bytes_received,
             sends_in_flight=sends,
             receives_in_flight=receives,
+            preemptions=self.preemptions,
+            transfer_failures=tuple((d, c, n) for (d, c), n in sorted(self.failure_counts.items())),
         )
 
     def check_integrity(self) -> None:
@@ -263,26 +300,37 @@ class DecodeWorker(RankWorker):
         transfer = self._transfers.pop(got.notification.request_id, None)
         if transfer is None:  # a transfer this rank no longer waits for
             return
-        track = self._tracks.get(transfer.request_id)
-        if track is not None:
-            timings = got.notification.timings
-            kv_wait = now - track.expect_at
-            queue, compute = timings.get("prefill_queue_s", 0.0), timings.get("prefill_compute_s", 0.0)
-            track.measured = replace(
-                track.measured,
-                kv_bytes=track.measured.kv_bytes + got.stats.bytes,
-                kv_wait_s=kv_wait,
-                prefill_queue_s=queue,
-                prefill_compute_s=compute,
-                kv_transfer_s=timings.get("kv_transfer_s", 0.0),
-                kv_transfer_exposed_s=max(kv_wait - queue - compute, 0.0),
-            )
-            if not track.token_times_s:
-                track.token_times_s.append(now - track.arrival)
         n = got.notification
         finished = self.scheduler.kv_arrived(
             transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
         )
+        usable = time.monotonic()  # the KV is the request's: it decodes from the next step
+        track = self._tracks.get(transfer.request_id)
+        if track is not None:
+            seen = got.stats.end_s  # when this rank's poll got the notification
+            timings = n.timings
+            attempt = PrefillAttempt(
+                attempt=transfer.attempt,
+                prefill_rank=track.prefill_rank,
+                delivered=True,
+                prompt_tokens=track.job_tokens,
+                cached_tokens=n.cached_tokens,
+                kv_bytes=n.kv_bytes,
+                kv_wait_s=seen - track.expect_at,
+                kv_accept_s=usable - seen,
+                prefill_pickup_s=timings.get("prefill_pickup_s", 0.0),
+                prefill_queue_s=timings.get("prefill_queue_s", 0.0),
+                prefill_compute_s=timings.get("prefill_compute_s", 0.0),
+                kv_transfer_s=timings.get("kv_transfer_s", 0.0),
+                kv_sender_exposed_s=timings.get("kv_sender_exposed_s", 0.0),
+            )
+            track.attempts.append(attempt)
+            track.running_at = usable
+            self.kv_bytes_received += n.kv_bytes
+            if self.metrics is not None:
+                self.metrics.kv_transfer_exposed_seconds.observe(attempt.kv_transfer_exposed_s)
+            if not track.token_at:
+                track.token_at.append(usable)
         request = self.scheduler.get(transfer.request_id)
         if track is not None and request is not None:
             self._stream_new_tokens(request, track, time.time())
@@ -292,9 +340,23 @@ class DecodeWorker(RankWorker):
     def _kv_failed(self, failure: TransferFailure) -> None:
         if failure.role != "recv":
             return
+        key = ("recv", failure_cause(failure.error))
+        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
         transfer = self._transfers.pop(failure.request_id, None)
         if transfer is None:
             return
+        now = time.monotonic()
+        track = self._tracks.get(transfer.request_id)
+        if track is not None:
+            track.attempts.append(
+                PrefillAttempt(
+                    attempt=transfer.attempt,
+                    prefill_rank=track.prefill_rank,
+                    error=str(failure.error),
+                    kv_wait_s=now - track.expect_at,
+                )
+            )
+            track.queued_at = now  # a retry waits for its next reservation from here
         retry = not isinstance(failure.error, KVTransferAborted) or "prefill" in failure.error.by
         finished = self.scheduler.kv_failed(
             transfer.request_id, str(failure.error), retry, attempt=transfer.attempt
@@ -316,10 +378,13 @@ class DecodeWorker(RankWorker):
         # the router's choice holds for the first attempt; a retry goes where this rank likes
         preferred = track.routing.prefill_rank if reservation.attempt <= 1 else None
         prefill_rank = self.dispatcher.choose(request, preferred)
-        track.transfer, track.prefill_rank, track.expect_at = transfer, prefill_rank, time.monotonic()
+        now = time.monotonic()
+        if track.queued_at is not None:
+            track.reservation_wait_s += now - track.queued_at
+            track.queued_at = None
+        track.transfer, track.prefill_rank, track.expect_at = transfer, prefill_rank, now
+        track.job_tokens = reservation.num_prompt_tokens
         self._transfers[transfer.key] = transfer
-        if reservation.attempt <= 1:
-            track.measured = replace(track.measured, reservation_wait_s=track.expect_at - track.arrival)
         self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
         job = PrefillJob(
             request_id=transfer.key,
@@ -361,6 +426,8 @@ class DecodeWorker(RankWorker):
         if frontend is None or len(outputs) <= track.streamed:
             return
         new = tuple(outputs[track.streamed :])
-        delta = TokenDelta(request.request_id, track.streamed, new, (now_unix_s,) * len(new))
+        known = track.token_at[track.streamed : len(outputs)]
+        at = tuple(known) + (time.monotonic(),) * (len(new) - len(known))
+        delta = TokenDelta(request.request_id, track.streamed, new, at, (now_unix_s,) * len(new))
         self._pushes.setdefault(frontend, ([], []))[0].append(delta)
         track.streamed = len(outputs)

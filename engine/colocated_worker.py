@@ -86,6 +86,7 @@ class ColocatedWorker(RankWorker):
         bill = Bill(
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
+            new_prompt_tokens=request.num_prompt_tokens - request.num_cached_tokens,
             output_tokens=len(request.output_token_ids),
         )
         return RequestResult(

@@ -66,33 +66,106 @@ class RankRequest:
 
 
 @dataclass(frozen=True)
-class Bill:
-    """What one request cost and where its time went. Every duration is measured on the rank
-    that holds the request, from its arrival there, as the difference of two readings of that
-    rank's monotonic clock; the prefill figures are the prefill rank's own measurements.
+class PrefillAttempt:
+    """One attempt at a request's KV: a prefill job on a prefill rank and the transfer of its
+    pages to the decode rank. A request has one per reservation: a retry after a failed
+    transfer and a re-prefill after preemption are attempts of their own.
 
-    ``kv_transfer_s`` is the sender's span from its first write to posting the last one;
-    ``kv_transfer_exposed_s`` is the wait for the KV beyond the prefill's queue and compute time.
+    Each figure is the difference of two readings of one process's monotonic clock. The decode
+    rank's: ``kv_wait_s`` (prefill job sent -> notification seen, or the failure reported) and
+    ``kv_accept_s`` (notification seen -> the KV is the request's and it decodes). The prefill
+    rank's, carried by the notification: ``prefill_pickup_s`` (job received by the rank's actor
+    -> queued on its loop), ``prefill_queue_s`` (queued -> first chunk scheduled),
+    ``prefill_compute_s`` (first chunk scheduled -> last layer's KV in the pool),
+    ``kv_transfer_s`` (first write posted -> last write completed, NIXL's completion) and
+    ``kv_sender_exposed_s`` (last layer's KV in the pool -> notification sent). A failed attempt
+    has only the decode rank's figures and bills no tokens or bytes.
     """
 
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    kv_bytes: int = 0
+    attempt: int
+    prefill_rank: RankId | None = None
+    delivered: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0  # tokens the prefill rank computed KV for (a re-prefill: prompt + outputs)
+    cached_tokens: int = 0  # of those, found in its prefix cache
+    kv_bytes: int = 0  # the bytes the sender's write descriptors covered
     kv_wait_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    kv_transfer_exposed_s: float = 0.0
-    reservation_wait_s: float = 0.0
+    kv_accept_s: float = 0.0
+    prefill_pickup_s: float = 0.0
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
-    ttft_s: float = 0.0
-    token_times_s: tuple[float, ...] = ()
-    decode_s: float = 0.0
-    e2e_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    kv_sender_exposed_s: float = 0.0
 
     @property
-    def new_prompt_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
+    def kv_transfer_exposed_s(self) -> float:
+        """Last layer's KV computed -> KV usable on the decode rank: the part of the transfer
+        that the prefill's compute did not hide. The sender's part plus the receiver's, each on
+        its own clock; the notification's flight between them is in neither."""
+        return self.kv_sender_exposed_s + self.kv_accept_s
+
+
+@dataclass(frozen=True)
+class Bill:
+    """What one request cost and where its time went, as its rank measured it: each duration is
+    the difference of two readings of one process's monotonic clock, or a sum of such.
+
+    On a decode rank, from the request's arrival there: ``pickup_s`` (actor received it -> on the
+    loop), ``reservation_wait_s`` (on the loop, or preempted -> pages reserved and the prefill
+    job sent; summed over reservations), ``decode_s`` (KV usable -> finished or preempted;
+    summed), ``rank_s`` (arrival -> result), ``first_token_s`` and ``token_times_s`` (arrival ->
+    each output token known). The KV figures are the sums over ``attempts``; ``cached_tokens``
+    and ``new_prompt_tokens`` are too, so a retry or a re-prefill bills its tokens again.
+    A colocated rank has no attempts: its cached tokens are its own prefix-cache hits.
+    """
+
+    prompt_tokens: int = 0  # the request's prompt, as the client sent it
+    cached_tokens: int = 0
+    new_prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    attempts: tuple[PrefillAttempt, ...] = ()
+    pickup_s: float = 0.0
+    reservation_wait_s: float = 0.0
+    decode_s: float = 0.0
+    rank_s: float = 0.0
+    first_token_s: float = 0.0
+    token_times_s: tuple[float, ...] = ()
+
+    def _total(self, name: str) -> float:
+        return sum(getattr(a, name) for a in self.attempts)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(a.kv_bytes for a in self.attempts)
+
+    @property
+    def kv_wait_s(self) -> float:
+        return self._total("kv_wait_s")
+
+    @property
+    def kv_accept_s(self) -> float:
+        return self._total("kv_accept_s")
+
+    @property
+    def prefill_pickup_s(self) -> float:
+        return self._total("prefill_pickup_s")
+
+    @property
+    def prefill_queue_s(self) -> float:
+        return self._total("prefill_queue_s")
+
+    @property
+    def prefill_compute_s(self) -> float:
+        return self._total("prefill_compute_s")
+
+    @property
+    def kv_transfer_s(self) -> float:
+        return self._total("kv_transfer_s")
+
+    @property
+    def kv_transfer_exposed_s(self) -> float:
+        return self._total("kv_transfer_exposed_s")
 
 
 @dataclass(frozen=True)
@@ -111,12 +184,14 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New output tokens of one request: indices ``start_index`` onwards, with the wall-clock
-    time (Unix seconds) each became known on the decode rank."""
+    """New output tokens of one request: indices ``start_index`` onwards, with the time each
+    became known on the decode rank: ``times_s`` on its monotonic clock (gaps between tokens are
+    differences of these), ``times_unix_s`` on its wall clock (for display)."""
 
     request_id: str
     start_index: int
     token_ids: tuple[int, ...]
+    times_s: tuple[float, ...]
     times_unix_s: tuple[float, ...]
 
 
@@ -158,8 +233,14 @@ class RankStats:
     total_pages: int = 0
     cached_pages: int = 0
     kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
     sends_in_flight: int = 0
     receives_in_flight: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = 0  # of those, found there
+    preemptions: int = 0
+    # failed transfers since start, by direction ("send"/"recv") and cause (the error's kind)
+    transfer_failures: tuple[tuple[str, str, int], ...] = ()
     local_experts: int = 0
     forward_s: float = 0.0
     all_to_all_s: float = 0.0

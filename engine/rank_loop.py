@@ -22,9 +22,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tandem.engine.messages import LoopStats, RankStats, RequestResult
+
+if TYPE_CHECKING:
+    from tandem.metrics.rank import RankMetrics
 
 T = TypeVar("T")
 
@@ -35,9 +38,11 @@ class RoleMismatch(RuntimeError):
 
 class RankWorker(ABC):
     """A role's work on one rank. ``admit`` runs on the caller's thread; everything else on
-    the loop's. The last three are capabilities of some roles only."""
+    the loop's. The last three are capabilities of some roles only. ``metrics``, when set, takes
+    the histograms the worker observes where their events happen."""
 
     name: str
+    metrics: RankMetrics | None = None
 
     @abstractmethod
     def admit(self, items: list[Any]) -> Any:
@@ -178,7 +183,10 @@ class RankLoop:
                 if anyone:
                     worker.step()
                     self._steps += 1
-                    self._step_s += time.perf_counter() - t1
+                    step_s = time.perf_counter() - t1
+                    self._step_s += step_s
+                    if worker.metrics is not None:
+                        worker.metrics.step_seconds.observe(step_s)
                 self._publish(worker.take_results())
                 worker.publish()
         except Exception as exc:

@@ -32,6 +32,12 @@ class ModelRunner:
         self.lockstep = lockstep
         self.stats = RunnerStats()
 
+    def kv_ready(self) -> None:
+        """Return once the KV written so far is in the pool: on a GPU the kernels run
+        asynchronously, so a transfer that reads the pool must wait for the stream first."""
+        if self.model.device.type == "cuda":
+            torch.cuda.current_stream(self.model.device).synchronize()
+
     def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one;
         ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model)."""

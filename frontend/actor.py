@@ -18,6 +18,8 @@ from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, last_line
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.request_stream import StreamSummary
+from tandem.metrics.discovery import ScrapeTarget, sd_document
+from tandem.metrics.http import MetricsServer
 from tandem.prefill.kv_events import KVEventBatch
 
 log = logging.getLogger(__name__)
@@ -35,14 +37,37 @@ class Frontend:
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: bool | None = None
         self.port = 0
+        self._metrics: MetricsServer | None = None
 
     async def start(self) -> int:
-        """Bind the port and start serving (NOT_SERVING until the pools are ready); the port."""
+        """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
+        With ``metrics_port`` set, ``/metrics`` and ``/sd`` are served there too."""
         self._server, self._health, self.port = build_server(self.core)
+        config, metrics = self.config, self.core.metrics
+        if config.metrics_port is not None and metrics is not None:
+            self._metrics = MetricsServer(
+                metrics.registry, config.metrics_host, config.metrics_port, discovery=self.discovery
+            )
         await self._server.start()
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         return self.port
+
+    def metrics_address(self) -> str | None:
+        """``host:port`` of ``/metrics`` and ``/sd`` (``None`` when not served)."""
+        return self._metrics.address if self._metrics is not None else None
+
+    def discovery(self) -> list[dict[str, Any]]:
+        """The deployment's scrape targets: this frontend, then what the controller's last view
+        lists (itself and every rank of every started group)."""
+        targets: list[ScrapeTarget] = []
+        if self._metrics is not None and self.core.metrics is not None:
+            labels = self.core.metrics.labels.as_dict()
+            targets.append(ScrapeTarget(self._metrics.address, "frontend", labels))
+        view = self.core.view
+        if view is not None:
+            targets += view.metrics_targets
+        return sd_document(targets)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -58,7 +83,7 @@ class Frontend:
         slots = asyncio.Semaphore(self.config.max_running_requests)
 
         async def one(spec: GenerateSpec) -> StreamSummary:
-            spec = replace(spec, arrival_unix_s=time.time())  # arrival on this process's clock
+            spec = replace(spec, arrival_s=time.monotonic())  # arrival on this process's clock
             async with slots, contextlib.aclosing(self.core.generate(spec)) as items:
                 async for item in items:
                     if isinstance(item, StreamSummary):
@@ -84,6 +109,8 @@ class Frontend:
         if self._server is not None:
             await self._set_health(False)
             await self._server.stop(grace_s)
+        if self._metrics is not None:
+            self._metrics.close()
 
     async def _refresh_loop(self) -> None:
         controller: Any = None

@@ -40,6 +40,8 @@ from tandem.engine.scheduler import max_kv_pages
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
 from tandem.frontend.status import StatusView, read_status
+from tandem.metrics.frontend import FrontendMetrics
+from tandem.metrics.labels import FrontendLabels
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
 from tandem.prefill.kv_events import KVEventBatch
@@ -76,6 +78,9 @@ class FrontendConfig:
     refresh_s: float = 0.2
     controller: str = CONTROLLER_NAME
     name: str = FRONTEND_NAME
+    metrics: bool = True  # keep Prometheus metrics (served when ``metrics_port`` is set)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # /metrics and /sd; 0: a free port
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class GenerateSpec:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_unix_s: float = field(default_factory=time.time)  # when the call reached the server
+    arrival_s: float = field(default_factory=time.monotonic)  # reached the server, this process's clock
 
 
 class FrontendUnavailable(Exception):
@@ -135,6 +140,10 @@ class FrontendCore:
         self._rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
         self.kv_events = KVEventFeed(self.router, config.name)
         self._tasks: set[asyncio.Future[None]] = set()
+        self.metrics: FrontendMetrics | None = None
+        if config.metrics:
+            labels = FrontendLabels(config.model_name, config.name)
+            self.metrics = FrontendMetrics(labels, streams_open=lambda: len(self.running))
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -153,9 +162,9 @@ class FrontendCore:
             )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
-        stream = RequestStream(spec.request_id, len(prompt), self.tokenizer, spec.arrival_unix_s)
+        stream = RequestStream(spec.request_id, len(prompt), self.tokenizer, spec.arrival_s)
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
-        routed_at = time.time()
+        routed_at = time.monotonic()
         try:
             decision = self.router.route(
                 rank_request_id,
@@ -166,14 +175,16 @@ class FrontendCore:
             )
         except NoRankAvailable as exc:
             raise FrontendUnavailable(str(exc)) from None
-        routed_s = time.time() - routed_at
+        routed_s = time.monotonic() - routed_at
+        if self.metrics is not None:
+            self.metrics.routed(decision.branch, decision.predicted_cached_tokens)
         rank, prefill_rank = self._rank_ids[decision.decode_rank], self._rank_ids[decision.prefill_rank]
         stream.route = Route(
             prefill_rank,
             rank,
             decision.predicted_cached_tokens,
             decision.branch,
-            queue_s=routed_at - stream.arrival_unix_s,
+            queue_s=routed_at - stream.arrival_s,
             routing_s=routed_s,
         )
         running = _Running(stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank])
@@ -190,12 +201,16 @@ class FrontendCore:
                 running.send_abort()  # an Abort that came while the submit was on its way
             while True:
                 item = await stream.queue.get()
+                if isinstance(item, StreamSummary) and self.metrics is not None:
+                    self.metrics.ended(item)
                 yield item
                 if isinstance(item, StreamSummary):
                     return
         finally:
             if not stream.finished:  # the client cancelled, or its deadline passed
                 stream.finished = True
+                if self.metrics is not None:
+                    self.metrics.rejected("CANCELLED", finish_reason="abort")
                 if running.submitting:
                     self._tasks.add(task := asyncio.ensure_future(_abort_after(submit, running)))
                     task.add_done_callback(self._tasks.discard)

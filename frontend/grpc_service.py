@@ -70,23 +70,28 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         from tandem.frontend.core import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
 
-        arrival_unix_s = time.time()
+        arrival_s = time.monotonic()
         try:
-            spec = await self._spec(request, arrival_unix_s)
+            spec = await self._spec(request, arrival_s)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         try:
             async with contextlib.aclosing(self.core.generate(spec)) as items:
                 async for item in items:
                     yield _response(spec.request_id, item)
         except FrontendOverloaded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, exc)
         except FrontendUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, exc)
         except DuplicateRequest as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, exc)
         except InvalidRequestError as exc:  # limits of the running pools
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: Exception) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.rejected(code.name)
+        await context.abort(code, str(exc))
 
     async def Abort(
         self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -101,7 +106,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return _status(await self.core.status(request.check_integrity))
 
     # ---- validation -----------------------------------------------------------------------
-    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_unix_s: float) -> GenerateSpec:
+    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_s: float) -> GenerateSpec:
         core = self.core
         request_id = request.request_id or core.new_request_id()
         if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -134,7 +139,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings, field=field)
         except InvalidRequestError as exc:  # named by this API's field, whichever check failed
             raise InvalidRequestError(field, str(exc).split(": ", 1)[1]) from None
-        return GenerateSpec(request_id, prompt, sampling, arrival_unix_s)
+        return GenerateSpec(request_id, prompt, sampling, arrival_s)
 
 
 def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
@@ -180,26 +185,51 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
     latency = tandem_pb2.Latency(
         queue_s=route.queue_s if route else 0.0,
         routing_s=route.routing_s if route else 0.0,
+        pickup_s=bill.pickup_s,
         reservation_wait_s=bill.reservation_wait_s,
+        kv_wait_s=bill.kv_wait_s,
+        kv_accept_s=bill.kv_accept_s,
+        decode_s=bill.decode_s,
+        rank_s=bill.rank_s,
+        prefill_pickup_s=bill.prefill_pickup_s,
         prefill_queue_s=bill.prefill_queue_s,
         prefill_compute_s=bill.prefill_compute_s,
         kv_transfer_s=bill.kv_transfer_s,
         kv_transfer_exposed_s=bill.kv_transfer_exposed_s,
         ttft_s=item.ttft_s,
-        decode_s=max(item.e2e_s - item.ttft_s, 0.0) if item.token_ids else 0.0,
         e2e_s=item.e2e_s,
     )
-    prompt_tokens = bill.prompt_tokens
+    attempts = [
+        tandem_pb2.Attempt(
+            attempt=a.attempt,
+            prefill_rank=_name(a.prefill_rank),
+            delivered=a.delivered,
+            error=a.error or "",
+            prompt_tokens=a.prompt_tokens,
+            cached_tokens=a.cached_tokens,
+            kv_bytes=a.kv_bytes,
+            kv_wait_s=a.kv_wait_s,
+            kv_accept_s=a.kv_accept_s,
+            prefill_pickup_s=a.prefill_pickup_s,
+            prefill_queue_s=a.prefill_queue_s,
+            prefill_compute_s=a.prefill_compute_s,
+            kv_transfer_s=a.kv_transfer_s,
+            kv_transfer_exposed_s=a.kv_transfer_exposed_s,
+        )
+        for a in bill.attempts
+    ]
     summary = tandem_pb2.Summary(
         finish_reason=item.finish_reason,
         error=item.error or "",
         bill=tandem_pb2.Bill(
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=bill.prompt_tokens,
             cached_tokens=bill.cached_tokens,
-            new_prompt_tokens=prompt_tokens - bill.cached_tokens,
+            new_prompt_tokens=bill.new_prompt_tokens,
             output_tokens=len(item.token_ids),
             kv_bytes=bill.kv_bytes,
             latency=latency,
+            attempts=attempts,
+            preemptions=bill.preemptions,
         ),
         placement=tandem_pb2.Placement(
             prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",
@@ -225,7 +255,7 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
         ranks = []
         for r in g.ranks:
             s = r.stats
-            counts = (
+            counts: dict[str, Any] = (
                 {
                     "queued": s.queued,
                     "running": s.running,
@@ -236,6 +266,20 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
                     "total_pages": s.total_pages,
                     "cached_pages": s.cached_pages,
                     "transfers_in_flight": s.sends_in_flight + s.receives_in_flight,
+                    "incarnation": s.incarnation,
+                    "kv_cache_usage_ratio": (s.total_pages - s.free_pages) / s.total_pages
+                    if s.total_pages
+                    else 0.0,
+                    "sends_in_flight": s.sends_in_flight,
+                    "receives_in_flight": s.receives_in_flight,
+                    "kv_bytes_sent": s.kv_bytes_sent,
+                    "kv_bytes_received": s.kv_bytes_received,
+                    "prefix_queried_tokens": s.prefix_queried_tokens,
+                    "prefix_hit_tokens": s.prefix_hit_tokens,
+                    "preemptions": s.preemptions,
+                    "transfer_failures": {f"{d}/{c}": n for d, c, n in s.transfer_failures},
+                    "steps": s.loop.steps,
+                    "step_s": s.loop.step_s,
                 }
                 if s is not None
                 else {}

@@ -2,9 +2,14 @@
 
 Deltas carry output indices, so a late or repeated delta is put in order or dropped; a chunk
 holds the longest run of new tokens from the next expected index, with the text they complete
-and per-token timings (the gap of token 0 is measured from the frontend arrival). The result
-that ends the request is authoritative: tokens it holds that no delta brought are streamed
-before the summary, stamped with the time the result arrived.
+and per-token timings. The result that ends the request is authoritative: tokens it holds that
+no delta brought are streamed before the summary.
+
+Times: the frontend's own figures (queue, routing, time to first token, end to end) are
+differences of readings of this process's monotonic clock (``clock``), from the request's
+arrival here. The gap between two tokens is the difference of the decode rank's readings of its
+own clock (a request's tokens all come from one decode rank); the gap of token 0 is the time to
+first token. No figure subtracts one process's clock from another's.
 
 ::
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.messages import Bill, RankId, RequestResult, TokenDelta
@@ -26,8 +32,8 @@ from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass(frozen=True)
 class TokenTiming:
     index: int
-    server_time_s: float  # Unix seconds
-    gap_s: float
+    server_time_s: float  # Unix seconds, the decode rank's wall clock (for display)
+    gap_s: float  # since the previous token on the decode rank; token 0: time to first token
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,8 @@ class StreamChunk:
 
 @dataclass(frozen=True)
 class Route:
-    """Where the frontend sent the request and why."""
+    """Where the frontend sent the request and why; ``queue_s`` (arrival -> routing started)
+    and ``routing_s`` on the frontend's clock."""
 
     prefill_rank: RankId
     decode_rank: RankId
@@ -55,12 +62,28 @@ class StreamSummary:
     error: str | None
     token_ids: list[int]
     text: str
-    bill: Bill
+    bill: Bill  # the decode rank's
     route: Route | None
     prefill_rank: RankId | None  # where the KV was computed (a retry may differ from the route)
     decode_rank: RankId | None
-    ttft_s: float  # from the frontend arrival
-    e2e_s: float
+    ttft_s: float  # arrival -> first token, at the frontend (0 without tokens)
+    e2e_s: float  # arrival -> the result, at the frontend
+    token_gaps_s: tuple[float, ...] = ()  # tokens 1.. : each one's gap on the decode rank
+
+    def latency_parts(self) -> dict[str, float]:
+        """The end-to-end composition: frontend queue and routing, then the decode rank's
+        pickup, reservation wait, KV wait, KV accept and decode. Each is measured on one clock;
+        their sum falls short of ``e2e_s`` by the flights between processes."""
+        route, bill = self.route, self.bill
+        return {
+            "queue": route.queue_s if route else 0.0,
+            "routing": route.routing_s if route else 0.0,
+            "pickup": bill.pickup_s,
+            "reservation_wait": bill.reservation_wait_s,
+            "kv_wait": bill.kv_wait_s,
+            "kv_accept": bill.kv_accept_s,
+            "decode": bill.decode_s,
+        }
 
 
 @dataclass
@@ -68,29 +91,31 @@ class RequestStream:
     request_id: str
     prompt_tokens: int
     tokenizer: Tokenizer
-    arrival_unix_s: float = field(default_factory=time.time)
+    arrival_s: float = field(default_factory=time.monotonic)  # on ``clock``
+    clock: Callable[[], float] = time.monotonic
     route: Route | None = None
     queue: asyncio.Queue[StreamChunk | StreamSummary] = field(default_factory=asyncio.Queue)
     finished: bool = False
     _next_index: int = 0
-    _pending: dict[int, tuple[int, float]] = field(default_factory=dict)  # index -> (token, time)
+    _pending: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # index -> token, times
     _tokens: list[int] = field(default_factory=list)
-    _last_time_s: float = 0.0
-    _first_token_unix_s: float | None = None
+    _last_rank_s: float | None = None  # the decode rank's reading for the previous token
+    _gaps: list[float] = field(default_factory=list)
+    _ttft_s: float | None = None
     _detokenizer: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
         self._detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self._last_time_s = self.arrival_unix_s
 
     def on_delta(self, delta: TokenDelta) -> StreamChunk | None:
         """Queue the chunk ``delta`` completes (``None`` when it completes nothing)."""
         if self.finished:
             return None
-        for offset, (token, at) in enumerate(zip(delta.token_ids, delta.times_unix_s, strict=True)):
+        for offset, token in enumerate(delta.token_ids):
             index = delta.start_index + offset
             if index >= self._next_index:
-                self._pending.setdefault(index, (token, at))
+                times = (delta.times_s[offset], delta.times_unix_s[offset])
+                self._pending.setdefault(index, (token, *times))
         chunk = self._drain()
         if chunk is not None:
             self.queue.put_nowait(chunk)
@@ -98,12 +123,12 @@ class RequestStream:
 
     def on_result(self, result: RequestResult) -> StreamSummary:
         """End the stream with ``result``: any tokens not streamed yet, then the summary."""
-        now = time.time()
         bill = result.bill
         if bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
             bill = replace(bill, prompt_tokens=self.prompt_tokens)
         for index in range(self._next_index, len(result.token_ids)):
-            self._pending.setdefault(index, (result.token_ids[index], now))
+            # tokens no delta brought have no reading of the decode rank: no gap is made up
+            self._pending.setdefault(index, (result.token_ids[index], float("nan"), time.time()))
         chunk = self._drain()
         if chunk is not None:
             self.queue.put_nowait(chunk)
@@ -111,7 +136,6 @@ class RequestStream:
         tail = self._detokenizer.finish()
         if tail:
             self.queue.put_nowait(StreamChunk([], tail, []))
-        first = self._first_token_unix_s
         summary = StreamSummary(
             finish_reason=result.finish_reason,
             error=result.error,
@@ -121,9 +145,9 @@ class RequestStream:
             route=self.route,
             prefill_rank=result.prefill_rank,
             decode_rank=result.decode_rank,
-            # the decode rank's clock against the frontend's: never below zero
-            ttft_s=max(first - self.arrival_unix_s, 0.0) if first is not None else 0.0,
-            e2e_s=now - self.arrival_unix_s,
+            ttft_s=self._ttft_s or 0.0,
+            e2e_s=self.clock() - self.arrival_s,
+            token_gaps_s=tuple(self._gaps),
         )
         self.finished = True
         self.queue.put_nowait(summary)
@@ -143,11 +167,16 @@ class RequestStream:
         timings: list[TokenTiming] = []
         text = []
         while self._next_index in self._pending:
-            token, at = self._pending.pop(self._next_index)
-            if self._first_token_unix_s is None:
-                self._first_token_unix_s = at
-            timings.append(TokenTiming(self._next_index, at, max(at - self._last_time_s, 0.0)))
-            self._last_time_s = at
+            token, rank_s, unix_s = self._pending.pop(self._next_index)
+            if self._next_index == 0:
+                self._ttft_s = gap = self.clock() - self.arrival_s  # the first token is here now
+            elif self._last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
+                gap = rank_s - self._last_rank_s
+                self._gaps.append(gap)
+            else:
+                gap = 0.0
+            self._last_rank_s = rank_s if rank_s == rank_s else None
+            timings.append(TokenTiming(self._next_index, unix_s, gap))
             tokens.append(token)
             text.append(self._detokenizer.add(token))
             self._next_index += 1

@@ -6,8 +6,13 @@ a prepared list too, cached until the peer's incarnation changes. A transfer pic
 two lists by index, run by run (:mod:`kvtransfer.descriptors`), so NIXL merges each run of
 contiguous pages into one descriptor.
 
-Ordering: the notification rides on the request's last transfer, which is posted only after
-every earlier transfer of that request completed, so the receiver never sees it before the data.
+Ordering and timing: every layer's writes are posted as their own transfer (the last one too);
+once every transfer of the request is complete by NIXL's own account (its UCX backend flushes
+the endpoint before it reports a transfer done, so the data is in the receiver's pool), the
+sender stamps that moment and only then sends the notification, carrying the sender's figures:
+first post -> last write completed (``kv_transfer_s``), last layer computed -> notification sent
+(``kv_sender_exposed_s``) and the bytes the descriptors covered. The receiver never sees the
+notification before the data, and the bill's transfer figures are the sender's own readings.
 
 Abort protocol (so no late write lands in a page that was handed out again)::
 
@@ -73,8 +78,10 @@ class _Send:
     layers_sent: set[int] = field(default_factory=set)
     whole: bool = False
     notification: KVNotification | None = None
-    final: Any = None  # the transfer that carries the notification
     error: KVTransferError | None = None  # set once aborting
+
+    def all_posted(self, num_layers: int) -> bool:
+        return self.notification is not None and len(self.layers_sent) == num_layers
 
 
 @dataclass
@@ -173,18 +180,16 @@ class NixlTransport(KVTransport):
                 request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
             )
         peer = self._peer(dest.rank, dest.incarnation, request_id)
-        now = time.monotonic()
         runs = page_runs(src_page_ids, dest.page_ids)
-        stats = TransferStats(request_id, dest.rank, start_s=now, descriptors=0)
-        self._sends[request_id] = _Send(request_id, peer, runs, stats, now + timeout_s)
+        stats = TransferStats(request_id, dest.rank)
+        self._sends[request_id] = _Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 
     def send_layer(self, request_id: str, layer: int) -> None:
         send = self._send(request_id)
-        if send is None or send.error is not None or layer in send.layers_sent:
+        if send is None or send.error is not None or layer in send.layers_sent or send.whole:
             return
         send.layers_sent.add(layer)
-        if layer < self.layout.num_layers - 1:  # the last layer goes with the notification
-            send.posted.append(self._post(send, [layer], b""))
+        send.posted.append(self._post(send, [layer]))
 
     def send_all_layers(self, request_id: str) -> None:
         send = self._send(request_id)
@@ -197,6 +202,10 @@ class NixlTransport(KVTransport):
             return
         send.notification = notification
         send.stats.compute_done_s = compute_done_s
+        if send.whole:  # every layer in one transfer, now that all are computed
+            layers = [layer for layer in range(self.layout.num_layers) if layer not in send.layers_sent]
+            send.layers_sent.update(layers)
+            send.posted.append(self._post(send, layers))
 
     def abort_send(self, request_id: str) -> None:
         send = self._sends.get(request_id)
@@ -211,13 +220,15 @@ class NixlTransport(KVTransport):
             raise KVTransferError(request_id, "no transfer was begun with this request id")
         return send
 
-    def _post(self, send: _Send, layers: list[int], message: bytes) -> Any:
+    def _post(self, send: _Send, layers: list[int]) -> Any:
         peer_layout = send.peer.meta.layout
         src, dst = prepared_indices(send.runs, layers, self.layout.num_pages, peer_layout.num_pages)
-        handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst, message)
-        if self.agent.transfer(handle, message) == "ERR":
+        handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
+        if send.stats.start_s == 0.0:
+            send.stats.start_s = time.monotonic()  # the first post
+        if self.agent.transfer(handle) == "ERR":
             raise KVTransferError(send.request_id, f"NIXL refused the write to {send.peer.meta.rank}")
-        send.stats.bytes += len(src) * self.layout.page_bytes
+        send.stats.bytes += len(src) * self.layout.page_bytes  # one descriptor entry per page
         send.stats.layers_written += len(layers)
         return handle
 
@@ -235,29 +246,25 @@ class NixlTransport(KVTransport):
             self._message(send.peer.meta.agent_name, ABORT, send.request_id)
             events.failed.append(TransferFailure(send.request_id, "send", send.error))
             return True
-        if send.final is None:
-            ready = send.notification is not None and (
-                send.whole or self.layout.num_layers - 1 in send.layers_sent
-            )
-            if ready and all(s == "DONE" for s in states):
-                assert send.notification is not None
-                layers = list(range(self.layout.num_layers)) if send.whole else [self.layout.num_layers - 1]
-                fields = notification_fields(send.notification)
-                # the writes' span so far: from the first post to this last one
-                fields["timings"] = {**fields["timings"], "kv_transfer_s": now - send.stats.start_s}
-                message = encode_message(DONE, send.request_id, self.rank, **fields)
-                send.final = self._post(send, layers, message)
-                send.posted.append(send.final)
+        if not send.all_posted(self.layout.num_layers) or any(state != "DONE" for state in states):
             return False
-        final_state = self.agent.check_xfer_state(send.final)
-        if final_state == "PROC":
-            return False
-        if final_state == "ERR":
-            send.error = KVTransferError(send.request_id, f"the last write to {send.peer.meta.rank} failed")
-            return self._progress_send(send, now, events)
-        send.stats.end_s = time.monotonic()
+        assert send.notification is not None
+        send.stats.end_s = time.monotonic()  # the last write completed, as NIXL reports it
         send.stats.descriptors = sum(self.agent.get_xfer_telemetry(h).descCount for h in send.posted)
+        fields = notification_fields(send.notification)
+        fields["timings"] = {**fields["timings"], "kv_transfer_s": send.stats.duration_s}
+        fields["kv_bytes"] = send.stats.bytes
         self._release(send)
+        notified = time.monotonic()
+        fields["timings"]["kv_sender_exposed_s"] = notified - send.stats.compute_done_s
+        try:
+            self.agent.send_notif(
+                send.peer.meta.agent_name, encode_message(DONE, send.request_id, self.rank, **fields)
+            )
+        except Exception as exc:  # the receiver's agent is gone: nothing waits for this KV
+            send.error = KVTransferError(send.request_id, f"cannot notify {send.peer.meta.rank}: {exc}")
+            return self._progress_send(send, now, events)
+        send.stats.notified_s = notified
         events.sent.append(send.stats)
         return True
 
@@ -334,10 +341,12 @@ class NixlTransport(KVTransport):
             self.late_messages_dropped += 1  # a notification for a request already aborted
             return
         if kind == DONE and recv.error is None:
-            notification = KVNotification(request_id, int(msg["first_token"]), int(msg["cached_tokens"]),
-                                          dict(msg.get("timings") or {}))  # fmt: skip
+            notification = KVNotification(
+                request_id, int(msg["first_token"]), int(msg["cached_tokens"]),
+                dict(msg.get("timings") or {}), int(msg.get("kv_bytes") or 0),
+            )  # fmt: skip
             stats = TransferStats(request_id, recv.peer_rank, start_s=recv.start, end_s=now)
-            stats.bytes = len(recv.page_ids) * self.layout.num_layers * self.layout.page_bytes
+            stats.bytes = notification.kv_bytes  # what the sender's descriptors covered
             stats.layers_written = self.layout.num_layers
             del self._recvs[request_id]
             events.received.append(ReceivedKV(notification, stats))

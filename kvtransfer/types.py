@@ -66,16 +66,24 @@ class KVDestination:
 
 @dataclass(frozen=True)
 class KVNotification:
-    """Sent once, after the last write of a request landed."""
+    """Sent once, after the last write of a request landed. ``timings`` are the sender's own
+    figures (seconds on its clock, see ``engine/messages.py`` ``PrefillAttempt``); ``kv_bytes`` is
+    what its write descriptors covered."""
 
     request_id: str
     first_token: int
     cached_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    kv_bytes: int = 0
 
 
 @dataclass
 class TransferStats:
+    """One side's readings of one transfer, on that side's monotonic clock. Sender: ``start_s``
+    its first post, ``end_s`` its last write completed, ``compute_done_s`` the last layer
+    computed, ``notified_s`` the notification sent. Receiver: ``start_s`` the expectation,
+    ``end_s`` the notification seen."""
+
     request_id: str
     peer: str
     bytes: int = 0
@@ -83,16 +91,17 @@ class TransferStats:
     descriptors: int = 0
     start_s: float = 0.0
     end_s: float = 0.0
-    compute_done_s: float = 0.0  # when the sender's last layer was computed
+    compute_done_s: float = 0.0
+    notified_s: float = 0.0
 
     @property
     def duration_s(self) -> float:
-        return max(self.end_s - self.start_s, 0.0)
+        return self.end_s - self.start_s
 
     @property
-    def exposed_s(self) -> float:
-        """Transfer time not hidden behind compute: from the last layer's compute to the end."""
-        return max(self.end_s - max(self.compute_done_s, self.start_s), 0.0)
+    def sender_exposed_s(self) -> float:
+        """Sender: last layer computed -> notification sent."""
+        return self.notified_s - self.compute_done_s
 
     @property
     def gb_s(self) -> float:
@@ -138,6 +147,17 @@ class StalePeerError(KVTransferError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (StalePeerError, (self.request_id, self.peer, self.wanted, self.published))
+
+
+def failure_cause(error: KVTransferError) -> str:
+    """A failed transfer's cause as a metric label: timeout, aborted, stale_peer or error."""
+    if isinstance(error, KVTransferTimeout):
+        return "timeout"
+    if isinstance(error, KVTransferAborted):
+        return "aborted"
+    if isinstance(error, StalePeerError):
+        return "stale_peer"
+    return "error"
 
 
 # -- notification wire format: one small JSON object ---------------------------------------------

@@ -8,8 +8,11 @@ transport. ``tick`` polls the transport and gives a job's pages back once its tr
 With ``whole`` transfers every layer goes at the end, in one transfer. ``publish`` pushes the
 prefix cache's KV events to the frontends that subscribed.
 
-On a GPU the hook must follow the layer's kernels (a CUDA event) before posting; on a CPU the
-forward is synchronous.
+The job's figures, each on this rank's monotonic clock, travel in its notification: pickup
+(received by the actor -> queued on the loop), queue (-> first chunk scheduled), compute (-> the
+last layer's KV in the pool); the transport adds the transfer's own. On a GPU the hook waits for
+the layer's kernels before it posts (``ModelRunner.kv_ready``); on a CPU the forward is
+synchronous.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tandem.engine.rank_loop import RankWorker
 from tandem.engine.request import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
-from tandem.kvtransfer.types import KVNotification, KVTransferError, TransferStats
+from tandem.kvtransfer.types import KVNotification, KVTransferError, TransferStats, failure_cause
 from tandem.prefill.job import PrefillJob
 from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
@@ -60,22 +63,26 @@ class PrefillWorker(RankWorker):
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
         self._jobs: dict[str, PrefillJob] = {}
+        self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
+        self.failure_counts: dict[tuple[str, str], int] = {}
 
-    def admit(self, items: list[PrefillJob]) -> list[PrefillJob]:
+    def admit(self, items: list[PrefillJob]) -> list[tuple[PrefillJob, float]]:
+        """The jobs, checked, each with the moment this rank received it."""
         cfg = self.model_config
         if cfg is None:
             raise RuntimeError(f"prefill rank {self.name} was built without a model config")
         for job in items:
             job.validate(cfg.vocab_size, cfg.max_position_embeddings, self.scheduler.config.page_size)
-        return list(items)
+        received = time.monotonic()
+        return [(job, received) for job in items]
 
-    def submit(self, jobs: list[PrefillJob]) -> None:
+    def submit(self, jobs: list[tuple[PrefillJob, float]]) -> None:
         """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
         turned into this process's monotonic clock here."""
         now, wall = time.monotonic(), time.time()
-        for job in jobs:
+        for job, received in jobs:
             job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
             try:
                 self.scheduler.add_job(job, now)
@@ -83,12 +90,17 @@ class PrefillWorker(RankWorker):
                 log.warning("prefill job %s refused: %s", job.request_id, error)
                 continue
             self._jobs[job.request_id] = job
+            self._pickup_s[job.request_id] = now - received
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is AbortAction.ABORT_TRANSFER:
             self.transport.abort_send(request_id)
         else:
-            self._jobs.pop(request_id, None)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._jobs.pop(request_id, None)
+        self._pickup_s.pop(request_id, None)
 
     def pending(self) -> int:
         """Jobs this rank still holds (queued, computing or transferring)."""
@@ -137,6 +149,9 @@ class PrefillWorker(RankWorker):
             kv_bytes_sent=self.kv_bytes_sent,
             sends_in_flight=sends,
             receives_in_flight=receives,
+            prefix_queried_tokens=s.num_queried_tokens,
+            prefix_hit_tokens=s.num_hit_tokens,
+            transfer_failures=tuple((d, c, n) for (d, c), n in sorted(self.failure_counts.items())),
         )
 
     def check_integrity(self) -> None:
@@ -147,16 +162,23 @@ class PrefillWorker(RankWorker):
         events = self.transport.poll()
         for stats in events.sent:
             self.scheduler.transfer_over(stats.request_id)
-            self._jobs.pop(stats.request_id, None)
+            self._forget(stats.request_id)
             self.kv_bytes_sent += stats.bytes
             self.sent.append(stats)
+            if self.metrics is not None:
+                self.metrics.kv_transfer_seconds.observe(stats.duration_s)
         for failure in events.failed:
             if failure.role == "send":
                 self.scheduler.transfer_over(failure.request_id)
-                self._jobs.pop(failure.request_id, None)
-                self.failures.append(failure)
+                self._forget(failure.request_id)
+                self._failed(failure)
         for expired in self.scheduler.take_expired():
-            self._jobs.pop(expired.request_id, None)
+            self._forget(expired.request_id)
+
+    def _failed(self, failure: TransferFailure) -> None:
+        self.failures.append(failure)
+        key = ("send", failure_cause(failure.error))
+        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
 
     def step(self) -> None:
         """One step; with nothing planned the model still runs on an empty batch when the runner
@@ -174,22 +196,35 @@ class PrefillWorker(RankWorker):
                 )
                 finishing.append(chunk.request_id)
             except KVTransferError as error:  # e.g. the decode rank restarted: nowhere to write
-                self.failures.append(TransferFailure(chunk.request_id, "send", error))
+                self._failed(TransferFailure(chunk.request_id, "send", error))
         if not self.layerwise:
             for request_id in finishing:
                 self.transport.send_all_layers(request_id)
+        last_layer = self.runner.model.cfg.num_hidden_layers - 1
+        kv_done: list[float] = []  # when the last layer's KV was in the pool
 
-        def post_layer(layer: int) -> None:
-            for request_id in finishing:
-                self.transport.send_layer(request_id, layer)
+        def layer_kv(layer: int) -> None:
+            if self.layerwise or layer == last_layer:
+                self.runner.kv_ready()
+            if layer == last_layer:
+                kv_done.append(time.monotonic())
+            if self.layerwise:
+                for request_id in finishing:
+                    self.transport.send_layer(request_id, layer)
 
-        sampled = self.runner.run(plan, post_layer if self.layerwise and finishing else None)
-        compute_done = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.batch_tokens.observe(plan.num_batched_tokens)
+        sampled = self.runner.run(plan, layer_kv if finishing else None)
+        compute_done = kv_done[0] if kv_done else time.monotonic()
         for done in self.scheduler.update(plan, sampled, compute_done):
             if done.request_id not in finishing:  # its transfer could not start
                 self.scheduler.transfer_over(done.request_id)
-                self._jobs.pop(done.request_id, None)
+                self._forget(done.request_id)
                 continue
-            timings = {"prefill_queue_s": done.timings.queue_s, "prefill_compute_s": done.timings.compute_s}
+            timings = {
+                "prefill_pickup_s": self._pickup_s.get(done.request_id, 0.0),
+                "prefill_queue_s": done.timings.queue_s,
+                "prefill_compute_s": done.timings.compute_s,
+            }
             notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
             self.transport.finish_send(done.request_id, notification, compute_done)

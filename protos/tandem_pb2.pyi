@@ -65,7 +65,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[TokenTiming, _Mapping]]] = ...) -> None: ...
 
 class Latency(_message.Message):
-    __slots__ = ("queue_s", "routing_s", "reservation_wait_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s", "ttft_s", "decode_s", "e2e_s")
+    __slots__ = ("queue_s", "routing_s", "reservation_wait_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s", "ttft_s", "decode_s", "e2e_s", "pickup_s", "kv_wait_s", "kv_accept_s", "prefill_pickup_s", "rank_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     ROUTING_S_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,11 @@ class Latency(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    PICKUP_S_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ACCEPT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PICKUP_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     routing_s: float
     reservation_wait_s: float
@@ -86,23 +91,64 @@ class Latency(_message.Message):
     ttft_s: float
     decode_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., routing_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    pickup_s: float
+    kv_wait_s: float
+    kv_accept_s: float
+    prefill_pickup_s: float
+    rank_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., routing_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., pickup_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., rank_s: _Optional[float] = ...) -> None: ...
+
+class Attempt(_message.Message):
+    __slots__ = ("attempt", "prefill_rank", "delivered", "error", "prompt_tokens", "cached_tokens", "kv_bytes", "kv_wait_s", "kv_accept_s", "prefill_pickup_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ACCEPT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PICKUP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    prefill_rank: str
+    delivered: bool
+    error: str
+    prompt_tokens: int
+    cached_tokens: int
+    kv_bytes: int
+    kv_wait_s: float
+    kv_accept_s: float
+    prefill_pickup_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    kv_transfer_s: float
+    kv_transfer_exposed_s: float
+    def __init__(self, attempt: _Optional[int] = ..., prefill_rank: _Optional[str] = ..., delivered: _Optional[bool] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ...) -> None: ...
 
 class Bill(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency")
+    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency", "attempts", "preemptions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     new_prompt_tokens: int
     output_tokens: int
     kv_bytes: int
     latency: Latency
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ...) -> None: ...
+    attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
+    preemptions: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("prefill_group", "prefill_rank", "decode_group", "decode_rank", "predicted_cached_tokens", "route_branch")
@@ -165,7 +211,14 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity")
+    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity", "incarnation", "kv_cache_usage_ratio", "sends_in_flight", "receives_in_flight", "kv_bytes_sent", "kv_bytes_received", "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "transfer_failures", "steps", "step_s")
+    class TransferFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +234,18 @@ class RankStatus(_message.Message):
     ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SENDS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     queued: int
@@ -196,7 +261,19 @@ class RankStatus(_message.Message):
     routed_requests: int
     indexed_blocks: int
     integrity: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    kv_cache_usage_ratio: float
+    sends_in_flight: int
+    receives_in_flight: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    transfer_failures: _containers.ScalarMap[str, int]
+    steps: int
+    step_s: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ..., incarnation: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., sends_in_flight: _Optional[int] = ..., receives_in_flight: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transfer_failures: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
     __slots__ = ("group_id", "role", "state", "incarnation", "ranks")

@@ -1,5 +1,5 @@
 """A request's stream at the frontend: deltas put in order, chunks with timings, the result's
-tokens authoritative."""
+tokens authoritative; time to first token on the frontend's clock, gaps on the decode rank's."""
 
 from __future__ import annotations
 
@@ -26,48 +26,70 @@ def _drain(stream: RequestStream) -> list[StreamChunk | StreamSummary]:
     return items
 
 
-def _stream(tokenizer: Tokenizer) -> RequestStream:
+class Clock:
+    """The frontend's clock, moved by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stream(tokenizer: Tokenizer, clock: Clock | None = None) -> RequestStream:
     async def make() -> RequestStream:  # the queue belongs to a running loop
-        return RequestStream("r", prompt_tokens=3, tokenizer=tokenizer, arrival_unix_s=100.0)
+        return RequestStream("r", 3, tokenizer, arrival_s=100.0, clock=clock or Clock(100.0))
 
     return asyncio.run(make())
 
 
+def _delta(start: int, ids: list[int], rank_times: list[float]) -> TokenDelta:
+    """A decode rank's delta: its own clock is unrelated to the frontend's (here, near 5000)."""
+    return TokenDelta("r", start, tuple(ids), tuple(rank_times), tuple(1e9 + t for t in rank_times))
+
+
 def test_deltas_out_of_order_and_repeated_come_out_once_in_order(tokenizer: Tokenizer) -> None:
-    stream = _stream(tokenizer)
+    clock = Clock(100.0)
+    stream = _stream(tokenizer, clock)
     ids = tokenizer.encode("hello")
-    assert stream.on_delta(TokenDelta("r", 2, tuple(ids[2:4]), (100.3, 100.3))) is None  # a gap: held
-    first = stream.on_delta(TokenDelta("r", 0, tuple(ids[:2]), (100.1, 100.2)))
+    clock.now = 100.05
+    assert stream.on_delta(_delta(2, ids[2:4], [5000.3, 5000.3])) is None  # a gap: held
+    clock.now = 100.25  # token 0 reaches the frontend 0.25 s after the request did
+    first = stream.on_delta(_delta(0, ids[:2], [5000.1, 5000.2]))
     assert first is not None
     assert first.token_ids == ids[:4]  # the held tokens follow at once
     assert [t.index for t in first.timings] == [0, 1, 2, 3]
-    assert [round(t.gap_s, 6) for t in first.timings] == [0.1, 0.1, 0.1, 0.0]
-    assert stream.on_delta(TokenDelta("r", 1, tuple(ids[1:3]), (100.2, 100.3))) is None  # a repeat
+    # token 0: the frontend's time to first token; the rest: the decode rank's own gaps
+    assert [round(t.gap_s, 6) for t in first.timings] == [0.25, 0.1, 0.1, 0.0]
+    assert stream.on_delta(_delta(1, ids[1:3], [5000.2, 5000.3])) is None  # a repeat
     ranks = RankId("decode0", 1), RankId("prefill0", 0)
     result = RequestResult("r", tuple(ids), FinishReason.LENGTH, Bill(prompt_tokens=3), *ranks)
+    clock.now = 101.5
     summary = stream.on_result(result)
     items = _drain(stream)
     assert items[-1] is summary and summary.token_ids == ids and summary.text == "hello"
     chunks = [i for i in items if isinstance(i, StreamChunk)]
     assert [t for c in chunks for t in c.token_ids] == ids  # the last token came only with the result
     assert "".join(c.text for c in chunks) == "hello"
-    assert summary.ttft_s == pytest.approx(0.1)
-    assert stream.on_delta(TokenDelta("r", 5, (1,), (101.0,))) is None  # after the end: ignored
+    assert summary.ttft_s == pytest.approx(0.25) and summary.e2e_s == pytest.approx(1.5)
+    # the last token had no reading of the decode rank's clock: no gap is made up for it
+    assert summary.token_gaps_s == pytest.approx((0.1, 0.1, 0.0))
+    assert stream.on_delta(_delta(5, [1], [5001.0])) is None  # after the end: ignored
 
 
 def test_a_character_split_across_tokens_is_held_until_complete(tokenizer: Tokenizer) -> None:
     stream = _stream(tokenizer)
     ids = tokenizer.encode("é")[-2:]  # two byte-level tokens (after the BOS)
     assert len(ids) == 2
-    chunk = stream.on_delta(TokenDelta("r", 0, (ids[0],), (100.1,)))
+    chunk = stream.on_delta(_delta(0, [ids[0]], [100.1]))
     assert chunk is not None and chunk.text == "" and chunk.token_ids == [ids[0]]
-    chunk = stream.on_delta(TokenDelta("r", 1, (ids[1],), (100.2,)))
+    chunk = stream.on_delta(_delta(1, [ids[1]], [100.2]))
     assert chunk is not None and chunk.text == "é"
 
 
 def test_a_failure_ends_the_stream_with_the_tokens_so_far(tokenizer: Tokenizer) -> None:
     stream = _stream(tokenizer)
-    stream.on_delta(TokenDelta("r", 0, (65, 66), (100.1, 100.2)))
+    stream.on_delta(_delta(0, [65, 66], [100.1, 100.2]))
     summary = stream.fail("decode rank decode0-r0 failed", RankId("decode0", 0))
     assert summary.finish_reason == "error" and summary.error == "decode rank decode0-r0 failed"
     assert summary.token_ids == [65, 66] and stream.finished

@@ -1,11 +1,15 @@
 """A prefill worker and a decode worker joined by real NIXL transfers, in one process: the
 disaggregated path gives the colocated engine's tokens, reuses prefixes, and survives a decode
-pool too small for all requests at once, with every page accounted for at the end."""
+pool too small for all requests at once, with every page accounted for at the end. The bill's
+transfer figures are measured where the transfer happens: a known delay injected into NIXL's
+completion shows up in them, and layer-wise writes hide behind a known compute time."""
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId, RequestResult
+from tandem.engine.messages import PrefillAttempt, RankId, RequestResult
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
@@ -42,7 +46,7 @@ class _Direct(PrefillDispatcher):
         return PREFILL
 
     def send(self, prefill_rank: RankId, job: PrefillJob) -> None:
-        self.worker.submit([job])
+        self.worker.submit([(job, time.monotonic())])
 
     def set_ranks(self, ranks: dict[RankId, object]) -> None:
         raise AssertionError("a direct dispatcher has one prefill rank")
@@ -60,9 +64,45 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("disagg") / "tiny", seed=0)
 
 
-def _workers(tiny: Path, decode_pages: int, layerwise: bool) -> tuple[PrefillWorker, DecodeWorker]:
+class _DelayedCompletion:
+    """The sender's NIXL agent, with each transfer reported complete no sooner than ``delay_s``
+    after it was posted (as a slower link would); everything else is the real agent."""
+
+    def __init__(self, agent: Any, delay_s: float) -> None:
+        self._agent, self.delay_s = agent, delay_s
+        self._posted: dict[int, float] = {}
+
+    def transfer(self, handle: Any, *args: Any) -> Any:
+        self._posted[id(handle)] = time.monotonic()
+        return self._agent.transfer(handle, *args)
+
+    def check_xfer_state(self, handle: Any) -> str:
+        state = str(self._agent.check_xfer_state(handle))
+        if state == "DONE" and time.monotonic() - self._posted[id(handle)] < self.delay_s:
+            return "PROC"
+        return state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+def _slow_attention(model: DeepseekV3, seconds: float) -> None:
+    """Each layer's attention (which writes its KV) takes ``seconds`` longer: known compute."""
+    for layer in model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+
+
+def _workers(
+    tiny: Path,
+    decode_pages: int,
+    layerwise: bool,
+    completion_delay_s: float = 0.0,
+    attention_delay_s: float = 0.0,
+) -> tuple[PrefillWorker, DecodeWorker]:
     store = InMemoryMetadataStore()
     p_model, d_model = _model(tiny), _model(tiny)
+    if attention_delay_s:
+        _slow_attention(p_model, attention_delay_s)
     cfg = p_model.cfg
     p_pool = KVPool(cfg, 64, PAGE, torch.float64)
     d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64)
@@ -90,16 +130,20 @@ def _workers(tiny: Path, decode_pages: int, layerwise: bool) -> tuple[PrefillWor
         NixlTransport(DECODE.name, 1, d_pool.layout, store),
         _Direct(prefill),
     )
+    if completion_delay_s:
+        transport = prefill.transport
+        assert isinstance(transport, NixlTransport)
+        transport.agent = _DelayedCompletion(transport.agent, completion_delay_s)
     return prefill, decode
 
 
 def _submit(decode: DecodeWorker, requests: list[Request]) -> None:
-    decode.submit([(r, Routing()) for r in requests])
+    decode.submit([(r, Routing(), time.monotonic()) for r in requests])
 
 
 def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, RequestResult]:
     _submit(decode, requests)
-    done = _drive(prefill, decode, until=len(requests), steps=5000)
+    done = _drive(prefill, decode, until=len(requests), steps=10**7, timeout_s=60.0)
     assert len(done) == len(requests)
     return done
 
@@ -135,9 +179,16 @@ def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: 
     assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == expected
     for i in range(1, 6):  # the shared prefix came from the prefill rank's cache
         bill = done[f"r{i}"].bill
-        assert bill.cached_tokens >= 16 and bill.new_prompt_tokens == len(prompts[i]) - bill.cached_tokens
-        assert bill.kv_bytes > 0 and bill.ttft_s > 0 and len(bill.token_times_s) == bill.output_tokens == 12
-        assert list(bill.token_times_s) == sorted(bill.token_times_s) and bill.token_times_s[0] == bill.ttft_s
+        # one attempt per reservation: the first, then one re-prefill per preemption, each billed
+        assert len(bill.attempts) == bill.preemptions + 1 and all(a.delivered for a in bill.attempts)
+        first = bill.attempts[0]
+        assert first.prompt_tokens == bill.prompt_tokens == len(prompts[i]) and first.cached_tokens >= 16
+        assert bill.cached_tokens == sum(a.cached_tokens for a in bill.attempts)
+        assert bill.new_prompt_tokens == sum(a.prompt_tokens - a.cached_tokens for a in bill.attempts)
+        assert bill.kv_bytes == sum(a.kv_bytes for a in bill.attempts)
+        assert bill.kv_bytes > 0 and bill.first_token_s > 0 and len(bill.token_times_s) == bill.output_tokens == 12
+        assert list(bill.token_times_s) == sorted(bill.token_times_s)
+        assert bill.token_times_s[0] == bill.first_token_s
         assert done[f"r{i}"].prefill_rank == PREFILL and done[f"r{i}"].finish_reason == "length"
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
@@ -149,10 +200,13 @@ def test_disaggregated_tokens_equal_the_colocated_engine(tiny: Path, layerwise: 
 
 
 def _drive(
-    prefill: PrefillWorker, decode: DecodeWorker, until: int, steps: int = 3000
+    prefill: PrefillWorker, decode: DecodeWorker, until: int, steps: int = 3000, timeout_s: float = 60.0
 ) -> dict[str, RequestResult]:
     done: dict[str, RequestResult] = {}
+    deadline = time.monotonic() + timeout_s
     for _ in range(steps):
+        if time.monotonic() > deadline:
+            break
         decode.tick()
         prefill.tick()
         if prefill.has_work():
@@ -196,3 +250,58 @@ def test_abort_at_every_stage_frees_every_page(tiny: Path) -> None:
     assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
     prefill.transport.close()
     decode.transport.close()
+
+
+def _one_bill(prefill: PrefillWorker, decode: DecodeWorker, tag: str) -> PrefillAttempt:
+    prompt = [random.Random(tag).randrange(256) for _ in range(40)]  # no prefix shared with others
+    done = _run(prefill, decode, _requests([prompt], [SamplingParams(max_tokens=2, ignore_eos=True)], tag))
+    bill = done[f"{tag}0"].bill
+    assert len(bill.attempts) == 1 and bill.attempts[0].delivered
+    return bill.attempts[0]
+
+
+def _timed_bills(tiny: Path, layerwise: bool, **delays: float) -> list[PrefillAttempt]:
+    """Three requests' attempts, after a first one that connects the two agents; UCX on a shared
+    machine stalls now and then, so tests compare the quietest of three."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=layerwise, **delays)
+    _one_bill(prefill, decode, f"warm-{layerwise}-{delays}")
+    out = [_one_bill(prefill, decode, f"timed-{layerwise}-{delays}-{i}") for i in range(3)]
+    prefill.transport.close()
+    decode.transport.close()
+    return out
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole-request"])
+def test_a_delay_in_the_write_completion_shows_in_transfer_and_exposed_time(
+    tiny: Path, layerwise: bool
+) -> None:
+    """NIXL's completion of every write comes 200 ms late: the sender's transfer time and the
+    exposed time both grow by that much, measured side by side with the same figures without
+    the delay (prompts of the same length, none cached)."""
+    delay = 0.2
+    plain = _timed_bills(tiny, layerwise)
+    slow = _timed_bills(tiny, layerwise, completion_delay_s=delay)
+    for attempt in slow:  # every slow transfer shows the delay, on the sender and the receiver
+        assert attempt.kv_transfer_s >= delay and attempt.kv_transfer_exposed_s >= delay
+        assert attempt.kv_wait_s >= delay and attempt.kv_bytes == plain[0].kv_bytes > 0
+    tolerance = 0.1  # polling and scheduling
+    for figure in ("kv_transfer_s", "kv_transfer_exposed_s"):
+        quiet_plain = min(getattr(a, figure) for a in plain)
+        quiet_slow = min(getattr(a, figure) for a in slow)
+        # and only that much: the quietest slow figure is the quietest plain one plus the delay
+        assert quiet_plain < delay and quiet_slow <= quiet_plain + delay + tolerance, figure
+
+
+def test_layerwise_writes_hide_behind_compute(tiny: Path) -> None:
+    """Each layer's attention takes 40 ms more: layer-wise writes overlap the later layers, so the
+    transfer spans the forward while its exposed part (last layer computed -> KV usable) is a
+    small fraction of it; whole-request writes start after the forward and are all exposed."""
+    layerwise = _timed_bills(tiny, True, attention_delay_s=0.04)
+    whole = _timed_bills(tiny, False, attention_delay_s=0.04)
+    for attempt in layerwise + whole:
+        assert attempt.prefill_compute_s >= 3 * 0.04  # three layers
+    for attempt in layerwise:
+        assert attempt.kv_transfer_s >= 2 * 0.04  # first layer's post -> last layer's completion
+    assert min(a.kv_transfer_exposed_s / a.kv_transfer_s for a in layerwise) < 0.25
+    for attempt in whole:
+        assert attempt.kv_transfer_exposed_s >= attempt.kv_transfer_s

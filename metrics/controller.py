@@ -1,0 +1,70 @@
+"""The controller's metrics: every group's state and incarnation, restarts, and the ranks that
+take work in each pool. Read from the controller's view when Prometheus scrapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.metrics.labels import ControllerLabels
+
+GROUP_STATES = ("starting", "ready", "draining", "failed", "stopped")
+
+
+@dataclass(frozen=True)
+class GroupFigures:
+    group_id: str
+    role: str
+    state: str
+    incarnation: int
+    restarts: int
+    ranks: int
+
+
+class ControllerMetrics:
+    def __init__(self, labels: ControllerLabels, groups: Callable[[], list[GroupFigures]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_GroupsCollector(labels, groups))
+
+
+class _GroupsCollector(Collector):
+    def __init__(self, labels: ControllerLabels, groups: Callable[[], list[GroupFigures]]) -> None:
+        self.labels, self.groups = labels, groups
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        names, values = list(self.labels.as_dict()), list(self.labels.as_dict().values())
+        state = GaugeMetricFamily(
+            "tandem_group_state",
+            "1 for each group's current state, 0 for the others",
+            labels=[*names, "group", "role", "state"],
+        )
+        incarnation = GaugeMetricFamily(
+            "tandem_group_incarnation",
+            "Each group's incarnation (starts count)",
+            labels=[*names, "group", "role"],
+        )
+        restarts = CounterMetricFamily(
+            "tandem_group_restarts",
+            "Rebuilds of each group after a failure",
+            labels=[*names, "group", "role"],
+        )
+        pool: dict[str, int] = {}
+        for g in self.groups():
+            for s in GROUP_STATES:
+                state.add_metric([*values, g.group_id, g.role, s], 1.0 if g.state == s else 0.0)
+            incarnation.add_metric([*values, g.group_id, g.role], g.incarnation)
+            restarts.add_metric([*values, g.group_id, g.role], g.restarts)
+            pool[g.role] = pool.get(g.role, 0) + (g.ranks if g.state == "ready" else 0)
+        ranks = GaugeMetricFamily(
+            "tandem_pool_ranks", "Ranks that take work, by pool", labels=[*names, "role"]
+        )
+        for role in ("prefill", "decode"):
+            ranks.add_metric([*values, role], pool.get(role, 0))
+        yield from (state, incarnation, restarts, ranks)

@@ -1,0 +1,254 @@
+"""The frontend's metrics: requests by how they ended, the latency histograms an operator reads
+first, the latency composition of every request's bill, token counters that equal the sums of the
+bills, and the router's decisions. Names follow vLLM's where one exists (README, "Metrics").
+
+Everything is observed once per request, when its summary is made; nothing per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tandem.metrics.labels import FrontendLabels
+
+if TYPE_CHECKING:
+    from tandem.frontend.request_stream import StreamSummary
+
+# vLLM's boundaries, so that panels and habits carry over
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+PART_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+# The parts of a request's end-to-end latency, in order (each on one process's clock; the
+# flights between processes are in none of them)
+E2E_PARTS = ("queue", "routing", "pickup", "reservation_wait", "kv_wait", "kv_accept", "decode")
+# Inside kv_wait, on the prefill rank's clock
+PREFILL_PARTS = ("prefill_pickup", "prefill_queue", "prefill_compute", "kv_transfer", "kv_transfer_exposed")
+
+
+class FrontendMetrics:
+    def __init__(self, labels: FrontendLabels, streams_open: Callable[[], int] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = labels
+        names = list(labels.as_dict())
+        base = labels.as_dict()
+        r = self.registry
+        self._requests = Counter(
+            "tandem_requests",
+            "Requests ended, by finish reason (stop, length, abort, error; rejected: refused before "
+            "any stream) and gRPC status code",
+            [*names, "finish_reason", "code"],
+            registry=r,
+        )
+        self._base = base
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "tandem_time_to_first_token_seconds",
+            "Request arrival at the frontend -> its first token at the frontend",
+            TTFT_BUCKETS,
+        ).labels(**base)
+        self.itl = histogram(
+            "tandem_inter_token_latency_seconds",
+            "Gap between consecutive output tokens of a request, on its decode rank's clock",
+            ITL_BUCKETS,
+        ).labels(**base)
+        self.tpot = histogram(
+            "tandem_request_time_per_output_token_seconds",
+            "A request's (end-to-end - time to first token) / (output tokens - 1)",
+            ITL_BUCKETS,
+        ).labels(**base)
+        self.e2e = histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Request arrival at the frontend -> its result at the frontend",
+            E2E_BUCKETS,
+        ).labels(**base)
+        self.queue = histogram(
+            "tandem_request_queue_time_seconds",
+            "Request arrival at the frontend -> routed (waiting for a running slot included)",
+            PART_BUCKETS,
+        ).labels(**base)
+        self._parts = Histogram(
+            "tandem_request_latency_part_seconds",
+            'Each part of the end-to-end latency composition of a request (see README, "The bill")',
+            [*names, "part"],
+            buckets=PART_BUCKETS,
+            registry=r,
+        )
+        self._prefill_parts = Histogram(
+            "tandem_request_prefill_part_seconds",
+            "The parts of a request's KV wait measured on its prefill ranks, summed over its attempts",
+            [*names, "part"],
+            buckets=PART_BUCKETS,
+            registry=r,
+        )
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r)
+
+        self.prompt_tokens = counter(
+            "tandem_prompt_tokens", "Prompt tokens of ended requests (the sum of the bills' prompt_tokens)"
+        ).labels(**base)
+        self.cached_prompt_tokens = counter(
+            "tandem_cached_prompt_tokens",
+            "Prompt tokens found in a prefill rank's prefix cache (the sum of the bills' cached_tokens)",
+        ).labels(**base)
+        self.new_prompt_tokens = counter(
+            "tandem_new_prompt_tokens",
+            "Prompt tokens a prefill rank computed (the sum of the bills' new_prompt_tokens)",
+        ).labels(**base)
+        self.generation_tokens = counter(
+            "tandem_generation_tokens",
+            "Output tokens of ended requests (the sum of the bills' output_tokens)",
+        ).labels(**base)
+        self._route = Counter(
+            "tandem_router_decisions",
+            "Routing decisions, by the branch of the prefill policy that chose the rank",
+            [*names, "branch"],
+            registry=r,
+        )
+        self.predicted_cached = counter(
+            "tandem_router_predicted_cached_tokens",
+            "Prompt tokens the router predicted its chosen prefill rank holds",
+        ).labels(**base)
+        self.found_cached = counter(
+            "tandem_router_found_cached_tokens",
+            "Prompt tokens the chosen prefill rank found cached at the request's first attempt",
+        ).labels(**base)
+        if streams_open is not None:
+            Gauge("tandem_streams_open", "Requests this frontend is streaming now", names, registry=r).labels(
+                **base
+            ).set_function(streams_open)
+
+    def routed(self, branch: str, predicted_cached_tokens: int) -> None:
+        self._route.labels(**self._base, branch=branch).inc()
+        self.predicted_cached.inc(predicted_cached_tokens)
+
+    def rejected(self, code: str, finish_reason: str = "rejected") -> None:
+        """A request refused before it had a stream (``INVALID_ARGUMENT``, ``UNAVAILABLE``, ...),
+        or whose client went away before its end (``CANCELLED``, finish reason ``abort``)."""
+        self._requests.labels(**self._base, finish_reason=finish_reason, code=code).inc()
+
+    def ended(self, summary: StreamSummary, code: str = "OK") -> None:
+        """A request whose stream ended with ``summary``."""
+        bill = summary.bill
+        self._requests.labels(**self._base, finish_reason=str(summary.finish_reason), code=code).inc()
+        self.prompt_tokens.inc(bill.prompt_tokens)
+        self.cached_prompt_tokens.inc(bill.cached_tokens)
+        self.new_prompt_tokens.inc(bill.new_prompt_tokens)
+        self.generation_tokens.inc(len(summary.token_ids))
+        if bill.attempts and bill.attempts[0].delivered:
+            self.found_cached.inc(bill.attempts[0].cached_tokens)
+        self.e2e.observe(summary.e2e_s)
+        if summary.token_ids:
+            self.ttft.observe(summary.ttft_s)
+        for gap in summary.token_gaps_s:
+            self.itl.observe(gap)
+        if len(summary.token_ids) > 1:
+            self.tpot.observe((summary.e2e_s - summary.ttft_s) / (len(summary.token_ids) - 1))
+        for part, seconds in summary.latency_parts().items():
+            self._parts.labels(**self._base, part=part).observe(seconds)
+        if summary.route is not None:
+            self.queue.observe(summary.route.queue_s)
+        if bill.attempts:
+            for part, seconds in prefill_parts(summary).items():
+                self._prefill_parts.labels(**self._base, part=part).observe(seconds)
+
+
+def prefill_parts(summary: StreamSummary) -> dict[str, float]:
+    bill = summary.bill
+    return {
+        "prefill_pickup": bill.prefill_pickup_s,
+        "prefill_queue": bill.prefill_queue_s,
+        "prefill_compute": bill.prefill_compute_s,
+        "kv_transfer": bill.kv_transfer_s,
+        "kv_transfer_exposed": bill.kv_transfer_exposed_s,
+    }
