@@ -177,8 +177,14 @@ def _prompts(n: int, seed: int) -> list[PromptSpec]:
     return specs
 
 
+def _kv_bytes(status: tandem_pb2.ClusterStatusResponse) -> tuple[int, int]:
+    ranks = [r for g in status.groups for r in g.ranks]
+    return sum(r.kv_bytes_sent for r in ranks), sum(r.kv_bytes_received for r in ranks)
+
+
 def test_32_concurrent_streams_give_the_colocated_engine_tokens(served: Served) -> None:
     specs = _prompts(32, seed=3)
+    sent_before, received_before = _kv_bytes(_status(served))
     outcomes = _generate(served, specs, concurrency=32)
     expected = _expected(served.tiny, specs)
     assert [list(o.summary.token_ids) for o in outcomes if o.summary] == expected
@@ -204,7 +210,15 @@ def test_32_concurrent_streams_give_the_colocated_engine_tokens(served: Served) 
         assert 0 < lat.ttft_s <= lat.e2e_s and lat.prefill_compute_s > 0
         assert summary.placement.prefill_rank.startswith("prefill0-r")
         assert summary.placement.decode_rank.startswith("decode0-r")
-    _wait_all_pages_free(served)
+    status = _wait_all_pages_free(served)
+    # the ranks' own counters (what their /metrics exports) agree with the bills
+    sent, received = _kv_bytes(status)
+    billed = sum(o.summary.bill.kv_bytes for o in outcomes if o.summary)
+    assert sent - sent_before == received - received_before == billed > 0
+    for rank in (r for g in status.groups for r in g.ranks):
+        assert rank.steps > 0 and rank.step_s > 0 and rank.incarnation == 1 and rank.kv_cache_usage_ratio == 0
+        if rank.role == "prefill":
+            assert rank.prefix_queried_tokens >= rank.prefix_hit_tokens >= 0
 
 
 def test_a_repeated_prefix_goes_to_the_rank_that_holds_it(served: Served) -> None:

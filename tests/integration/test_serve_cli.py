@@ -36,6 +36,8 @@ def _tandem(
         (["--preset", "no-such-preset"], "no preset 'no-such-preset'"),
         (["--model", "/no/such/model"], "--model: /no/such/model holds no config.json"),
         (["--port", "70000"], "--port: must be in [0, 65535]"),
+        (["--metrics-port", "-1"], "--metrics-port: must be in [0, 65535]"),
+        (["--port", "9400", "--metrics-port", "9400"], "--metrics-port: 9400 is the gRPC port"),
         (["--tls-cert", "cert.pem"], "--tls-key"),
         (["--auth-token-file", "/no/such/token"], "--auth-token-file: cannot read /no/such/token"),
     ],

@@ -1,0 +1,182 @@
+"""Each process's metrics from known events: a request's summary becomes exactly its bill's
+counts and one observation per histogram; a rank's figures come from its stats at scrape; the
+HTTP endpoint serves them and the discovery document; the scrape configuration points at it."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.cli.main import main
+from tandem.engine.messages import Bill, PrefillAttempt, RankId, RankStats, Role
+from tandem.engine.request import FinishReason
+from tandem.frontend.request_stream import Route, StreamSummary
+from tandem.metrics.controller import ControllerMetrics, GroupFigures
+from tandem.metrics.discovery import ScrapeTarget, prometheus_config, sd_document
+from tandem.metrics.frontend import E2E_PARTS, FrontendMetrics
+from tandem.metrics.http import MetricsServer
+from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
+from tandem.metrics.rank import RankMetrics
+
+
+def _samples(registry: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()  # type: ignore[arg-type]
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+def _summary() -> StreamSummary:
+    attempt = PrefillAttempt(
+        attempt=0, prefill_rank=RankId("prefill0", 1), delivered=True, prompt_tokens=40, cached_tokens=32,
+        kv_bytes=4096, kv_wait_s=0.3, kv_accept_s=0.001, prefill_queue_s=0.01, prefill_compute_s=0.05,
+        kv_transfer_s=0.04, kv_sender_exposed_s=0.02,
+    )  # fmt: skip
+    bill = Bill(
+        prompt_tokens=40, cached_tokens=32, new_prompt_tokens=8, output_tokens=4, attempts=(attempt,),
+        pickup_s=0.002, reservation_wait_s=0.003, decode_s=0.2, rank_s=0.51,
+    )  # fmt: skip
+    route = Route(
+        RankId("prefill0", 1), RankId("decode0", 0), 32, "cache_hit", queue_s=0.004, routing_s=0.001
+    )
+    return StreamSummary(
+        FinishReason.LENGTH, None, [1, 2, 3, 4], "abcd", bill, route, route.prefill_rank, route.decode_rank,
+        ttft_s=0.35, e2e_s=0.6, token_gaps_s=(0.05, 0.06, 0.07),
+    )  # fmt: skip
+
+
+def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
+    metrics = FrontendMetrics(FrontendLabels("tiny", "fe"), streams_open=lambda: 3)
+    summary = _summary()
+    metrics.routed("cache_hit", 32)
+    metrics.ended(summary)
+    metrics.rejected("INVALID_ARGUMENT")
+    s = _samples(metrics.registry)
+    assert _value(s, "tandem_requests_total", finish_reason="length", code="OK") == 1
+    assert _value(s, "tandem_requests_total", finish_reason="rejected", code="INVALID_ARGUMENT") == 1
+    assert _value(s, "tandem_prompt_tokens_total", model="tiny", frontend="fe") == 40
+    assert _value(s, "tandem_cached_prompt_tokens_total") == 32
+    assert _value(s, "tandem_new_prompt_tokens_total") == 8
+    assert _value(s, "tandem_generation_tokens_total") == 4
+    assert _value(s, "tandem_time_to_first_token_seconds_sum") == pytest.approx(0.35)
+    assert _value(s, "tandem_time_to_first_token_seconds_count") == 1
+    assert _value(s, "tandem_inter_token_latency_seconds_count") == 3
+    assert _value(s, "tandem_inter_token_latency_seconds_sum") == pytest.approx(0.18)
+    assert _value(s, "tandem_request_time_per_output_token_seconds_sum") == pytest.approx((0.6 - 0.35) / 3)
+    assert _value(s, "tandem_e2e_request_latency_seconds_sum") == pytest.approx(0.6)
+    parts = {part: _value(s, "tandem_request_latency_part_seconds_sum", part=part) for part in E2E_PARTS}
+    assert parts == pytest.approx(summary.latency_parts())
+    assert sum(parts.values()) <= summary.e2e_s
+    exposed = _value(s, "tandem_request_prefill_part_seconds_sum", part="kv_transfer_exposed")
+    assert exposed == pytest.approx(0.021)
+    assert _value(s, "tandem_router_decisions_total", branch="cache_hit") == 1
+    assert _value(s, "tandem_router_predicted_cached_tokens_total") == 32
+    assert _value(s, "tandem_router_found_cached_tokens_total") == 32
+    assert _value(s, "tandem_streams_open") == 3
+
+
+def test_a_rank_exports_its_stats_at_scrape() -> None:
+    metrics = RankMetrics(RankLabels("tiny", "decode", "decode0", "decode0-r1", "2"))
+    stats = RankStats(
+        RankId("decode0", 1), Role.DECODE, 2, queued=2, running=5, waiting_for_kv=1, free_pages=10,
+        total_pages=40, kv_bytes_received=123, receives_in_flight=1, preemptions=3,
+        transfer_failures=(("recv", "timeout", 2),),
+    )  # fmt: skip
+    metrics.watch(lambda: stats)
+    metrics.step_seconds.observe(0.02)
+    metrics.kv_transfer_exposed_seconds.observe(0.004)
+    s = _samples(metrics.registry)
+    assert _value(s, "tandem_num_requests_running", rank="decode0-r1", incarnation="2", role="decode") == 5
+    assert _value(s, "tandem_num_requests_waiting") == 2
+    assert _value(s, "tandem_num_requests_waiting_for_kv") == 1
+    assert _value(s, "tandem_kv_cache_usage_ratio") == 0.75
+    assert _value(s, "tandem_kv_cache_pages", state="used") == 30
+    assert _value(s, "tandem_kv_transfer_bytes_total", direction="recv") == 123
+    assert _value(s, "tandem_kv_transfers_in_flight", direction="recv") == 1
+    assert _value(s, "tandem_num_preemptions_total") == 3
+    assert _value(s, "tandem_kv_transfer_failures_total", direction="recv", cause="timeout") == 2
+    assert _value(s, "tandem_step_duration_seconds_count") == 1
+    assert _value(s, "tandem_kv_transfer_exposed_seconds_sum") == pytest.approx(0.004)
+
+
+def test_the_controller_exports_group_states_and_restarts() -> None:
+    groups = [
+        GroupFigures("decode0", "decode", "failed", 3, 2, 2),
+        GroupFigures("prefill0", "prefill", "ready", 1, 0, 2),
+    ]
+    s = _samples(ControllerMetrics(ControllerLabels("tiny"), lambda: groups).registry)
+    assert _value(s, "tandem_group_state", group="decode0", state="failed") == 1
+    assert _value(s, "tandem_group_state", group="decode0", state="ready") == 0
+    assert _value(s, "tandem_group_incarnation", group="decode0") == 3
+    assert _value(s, "tandem_group_restarts_total", group="decode0") == 2
+    assert (
+        _value(s, "tandem_pool_ranks", role="prefill") == 2
+        and _value(s, "tandem_pool_ranks", role="decode") == 0
+    )
+
+
+def test_the_endpoint_serves_metrics_and_discovery() -> None:
+    metrics = FrontendMetrics(FrontendLabels("tiny", "fe"))
+    metrics.ended(_summary())
+    targets = [ScrapeTarget("127.0.0.1:9", "rank", {"rank": "decode0-r0", "incarnation": "1"})]
+    server = MetricsServer(metrics.registry, "127.0.0.1", 0, discovery=lambda: sd_document(targets))
+    try:
+        base = f"http://{server.address}"
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
+            assert reply.headers["Content-Type"].startswith("text/plain")
+            assert 'tandem_generation_tokens_total{frontend="fe",model="tiny"} 4.0' in reply.read().decode()
+        with urllib.request.urlopen(f"{base}/sd", timeout=5) as reply:
+            document = json.load(reply)
+        assert document == [
+            {
+                "targets": ["127.0.0.1:9"],
+                "labels": {"tandem_process": "rank", "rank": "decode0-r0", "incarnation": "1"},
+            }
+        ]
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{base}/nothing", timeout=5)
+        assert missing.value.code == 404 and b"/metrics, /sd" in missing.value.read()
+    finally:
+        server.close()
+
+
+def test_prometheus_config_points_at_the_discovery_document(capsys: pytest.CaptureFixture[str]) -> None:
+    config = yaml.safe_load(prometheus_config("10.0.0.5:9400", scrape_interval_s=2.0))
+    (job,) = config["scrape_configs"]
+    assert job["honor_labels"] is True and job["http_sd_configs"] == [
+        {"url": "http://10.0.0.5:9400/sd", "refresh_interval": "5000ms"}
+    ]
+    assert config["global"]["scrape_interval"] == "2000ms"
+    assert main(["metrics", "prometheus-config", "--addr", "127.0.0.1:9400"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["scrape_configs"][0]["http_sd_configs"][0]["url"] == "http://127.0.0.1:9400/sd"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--addr", "nohost"], "--addr: expected HOST:PORT, got 'nohost'"),
+        (["--addr", "h:99999"], "--addr: expected HOST:PORT"),
+        (["--addr", "h:1", "--scrape-interval", "0"], "--scrape-interval: must be > 0 seconds"),
+    ],
+)
+def test_prometheus_config_refuses_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["metrics", "prometheus-config", *args]) == 2
+    assert message in capsys.readouterr().err
