@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--output-tokens", type=int, default=16)
     dis.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     dis.add_argument("--json", action="store_true")
+    met = bench.add_parser("metrics", help="decode throughput with metrics (and scrapes) on against off")
+    met.add_argument("--model", type=Path, required=True)
+    met.add_argument("--preset", default="local")
+    met.add_argument("--requests", type=int, default=16)
+    met.add_argument("--prompt-tokens", type=int, default=64)
+    met.add_argument("--output-tokens", type=int, default=64)
+    met.add_argument("--rounds", type=int, default=4, help="pairs of batches, one on and one off")
+    met.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
+    met.add_argument("--json", action="store_true")
     kv = bench.add_parser("kvtransfer", help="NIXL transfer speed between two actors against memcpy")
     kv.add_argument("--size-mib", type=int, default=256)
     kv.add_argument("--repeats", type=int, default=3)
@@ -169,6 +178,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.output_tokens,
             address=args.address,
         )
+        emit(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if args.command == "bench" and args.bench_command == "metrics":
+        from tandem.bench.metrics_bench import run_metrics_bench
+
+        for flag in ("requests", "prompt_tokens", "output_tokens", "rounds"):
+            if getattr(args, flag) < 1:
+                raise InvalidRequestError(f"--{flag.replace('_', '-')}", "must be at least 1")
+        result = run_metrics_bench(
+            args.model, args.preset, args.requests, args.prompt_tokens, args.output_tokens, args.rounds,
+            args.address,
+        )  # fmt: skip
         emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "kvtransfer":

@@ -70,6 +70,7 @@ class RankActor:
         self._stop = threading.Event()
         self._loop: RankLoop | None = None
         self._metrics_server: MetricsServer | None = None
+        self._metrics: RankMetrics | None = None
 
     def rendezvous_address(self) -> str:
         return self._rendezvous.open(self.spec.collective_timeout_s)
@@ -85,12 +86,17 @@ class RankActor:
                 rank=spec.rank_id.name,
                 incarnation=str(spec.incarnation),
             )
-            metrics = RankMetrics(labels)
+            self._metrics = metrics = RankMetrics(labels)
             metrics.watch(loop.stats)
             loop.worker.metrics = metrics
             host = spec.metrics.host or ray.util.get_node_ip_address()
             self._metrics_server = MetricsServer(metrics.registry, host)
         return spec.rank_id
+
+    def observe(self, enabled: bool) -> None:
+        """Observe the histograms (the default when metrics are served) or not: what
+        ``tandem bench metrics`` compares. Scrapes still read the rank's stats."""
+        self._require().worker.metrics = self._metrics if enabled else None
 
     def metrics_address(self) -> str | None:
         """``host:port`` of this rank's ``/metrics`` (``None`` when it serves none)."""

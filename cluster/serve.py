@@ -106,6 +106,7 @@ class Server:
                 auth_token=o.auth_token,
                 tls_cert_file=o.tls_cert_file,
                 tls_key_file=o.tls_key_file,
+                metrics=o.metrics_port is not None,
                 metrics_host=o.host,
                 metrics_port=o.metrics_port,
             )
@@ -131,6 +132,13 @@ class Server:
         pairs = enumerate(zip(prompts, sampling, strict=True))
         specs = [GenerateSpec(f"req-{i}", list(p), s) for i, (p, s) in pairs]
         return list(ray.get(self.frontend.generate.remote(specs), timeout=timeout_s))
+
+    def observe(self, enabled: bool) -> None:
+        """Metrics observed in the frontend and every rank, or not (scrapes still answer): the
+        two sides of ``tandem bench metrics``, on one cluster."""
+        view = ray.get(self.controller.routing_view.remote())
+        ranks = [*view.prefill.values(), *view.decode.values()]
+        ray.get([self.frontend.observe.remote(enabled), *(r.observe.remote(enabled) for r in ranks)])
 
     def stop(self) -> None:
         """Frontend first (no new work), then the groups; each step runs even if one before failed."""

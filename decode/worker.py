@@ -301,6 +301,7 @@ class DecodeWorker(RankWorker):
         if transfer is None:  # a transfer this rank no longer waits for
             return
         n = got.notification
+        self.kv_bytes_received += n.kv_bytes
         finished = self.scheduler.kv_arrived(
             transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
         )
@@ -326,7 +327,6 @@ class DecodeWorker(RankWorker):
             )
             track.attempts.append(attempt)
             track.running_at = usable
-            self.kv_bytes_received += n.kv_bytes
             if self.metrics is not None:
                 self.metrics.kv_transfer_exposed_seconds.observe(attempt.kv_transfer_exposed_s)
             if not track.token_at:

@@ -38,12 +38,13 @@ class Frontend:
         self._serving: bool | None = None
         self.port = 0
         self._metrics: MetricsServer | None = None
+        self._all_metrics = self.core.metrics
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
         With ``metrics_port`` set, ``/metrics`` and ``/sd`` are served there too."""
         self._server, self._health, self.port = build_server(self.core)
-        config, metrics = self.config, self.core.metrics
+        config, metrics = self.config, self._all_metrics
         if config.metrics_port is not None and metrics is not None:
             self._metrics = MetricsServer(
                 metrics.registry, config.metrics_host, config.metrics_port, discovery=self.discovery
@@ -53,6 +54,10 @@ class Frontend:
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         return self.port
 
+    def observe(self, enabled: bool) -> None:
+        """Count and observe requests (the default) or not: what ``tandem bench metrics`` compares."""
+        self.core.metrics = self._all_metrics if enabled else None
+
     def metrics_address(self) -> str | None:
         """``host:port`` of ``/metrics`` and ``/sd`` (``None`` when not served)."""
         return self._metrics.address if self._metrics is not None else None
@@ -61,8 +66,8 @@ class Frontend:
         """The deployment's scrape targets: this frontend, then what the controller's last view
         lists (itself and every rank of every started group)."""
         targets: list[ScrapeTarget] = []
-        if self._metrics is not None and self.core.metrics is not None:
-            labels = self.core.metrics.labels.as_dict()
+        if self._metrics is not None and self._all_metrics is not None:
+            labels = self._all_metrics.labels.as_dict()
             targets.append(ScrapeTarget(self._metrics.address, "frontend", labels))
         view = self.core.view
         if view is not None:

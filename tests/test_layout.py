@@ -76,6 +76,12 @@ TORCH_FREE = (
     "tandem.kvtransfer.types",
     "tandem.kvtransfer.metadata",
     "tandem.kvtransfer.descriptors",
+    "tandem.metrics.frontend",
+    "tandem.metrics.rank",
+    "tandem.metrics.controller",
+    "tandem.metrics.http",
+    "tandem.metrics.discovery",
+    "tandem.metrics.catalog",
 )
 
 

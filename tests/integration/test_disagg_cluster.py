@@ -217,7 +217,12 @@ def test_generate_preset_through_the_named_controller(
     for out in disaggregated:
         bill = out["bill"]
         assert bill["cached_tokens"] + bill["new_prompt_tokens"] == out["prompt_tokens"]
-        assert len(bill["token_times_s"]) == 5 and bill["ttft_s"] == bill["token_times_s"][0]
+        assert len(bill["token_times_s"]) == 5 and bill["attempts"] == 1
+        latency = bill["latency"]
+        assert 0 < latency["ttft"] <= latency["e2e"] and latency["kv_transfer"] > 0
+        # the composition's parts are each within end-to-end, and so is their sum
+        assert sum(latency[part] for part in ("queue", "routing", "pickup", "reservation_wait", "kv_wait",
+                                              "kv_accept", "decode")) <= latency["e2e"]  # fmt: skip
         assert (
             out["placement"]["prefill"]["group"] == "prefill0"
             and out["placement"]["decode"]["group"] == "decode0"

@@ -176,3 +176,25 @@ def test_a_rebuilt_decode_group_is_discovered_and_scraped(deployment: Deployment
     prom.wait_for('sum(tandem_group_restarts_total{group="decode0"})', 1, timeout_s=60)
     # and the rebuilt group serves again
     assert len(_summaries(deployment.grpc_addr, _prompts(2, 3), 2)) == 2
+
+
+def _frontend_generation_tokens(metrics_address: str) -> float:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("tandem_generation_tokens_total{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("tandem_generation_tokens_total is not exported")
+
+
+def test_observing_can_be_switched_off_and_on(deployment: Deployment) -> None:
+    """What ``tandem bench metrics`` compares: with observing off, requests leave no count."""
+    server = deployment.server
+    before = _frontend_generation_tokens(str(server.metrics_address))
+    server.observe(False)
+    try:
+        _summaries(deployment.grpc_addr, _prompts(1, 4), 1)
+        assert _frontend_generation_tokens(str(server.metrics_address)) == before
+    finally:
+        server.observe(True)
+    _summaries(deployment.grpc_addr, _prompts(1, 5), 1)
+    assert _frontend_generation_tokens(str(server.metrics_address)) == before + 4
