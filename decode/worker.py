@@ -42,7 +42,7 @@ from tandem.engine.request import FinishReason, InvalidRequestError, Request, ch
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import admit_new_request
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
-from tandem.kvtransfer.types import KVTransferAborted, failure_cause
+from tandem.kvtransfer.types import FailureCounts, KVTransferAborted
 from tandem.prefill.job import PrefillJob
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class DecodeWorker(RankWorker):
         self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
         self.kv_bytes_received = 0
         self.preemptions = 0
-        self.failure_counts: dict[tuple[str, str], int] = {}
+        self.failure_counts = FailureCounts()
 
     # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing, float]]:
@@ -289,7 +289,7 @@ class DecodeWorker(RankWorker):
             sends_in_flight=sends,
             receives_in_flight=receives,
             preemptions=self.preemptions,
-            transfer_failures=tuple((d, c, n) for (d, c), n in sorted(self.failure_counts.items())),
+            transfer_failures=self.failure_counts.as_tuple(),
         )
 
     def check_integrity(self) -> None:
@@ -340,8 +340,7 @@ class DecodeWorker(RankWorker):
     def _kv_failed(self, failure: TransferFailure) -> None:
         if failure.role != "recv":
             return
-        key = ("recv", failure_cause(failure.error))
-        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        self.failure_counts.add("recv", failure.error)
         transfer = self._transfers.pop(failure.request_id, None)
         if transfer is None:
             return

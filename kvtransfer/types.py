@@ -160,6 +160,21 @@ def failure_cause(error: KVTransferError) -> str:
     return "error"
 
 
+class FailureCounts:
+    """Failed transfers since start, by direction (``send``/``recv``) and cause."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def add(self, direction: str, error: KVTransferError) -> None:
+        key = (direction, failure_cause(error))
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def as_tuple(self) -> tuple[tuple[str, str, int], ...]:
+        """``(direction, cause, count)`` rows, as ``RankStats.transfer_failures`` holds them."""
+        return tuple((direction, cause, n) for (direction, cause), n in sorted(self._counts.items()))
+
+
 # -- notification wire format: one small JSON object ---------------------------------------------
 
 DONE, ABORT, ABORT_ACK = "done", "abort", "abort_ack"

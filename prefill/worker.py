@@ -27,7 +27,7 @@ from tandem.engine.rank_loop import RankWorker
 from tandem.engine.request import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
-from tandem.kvtransfer.types import KVNotification, KVTransferError, TransferStats, failure_cause
+from tandem.kvtransfer.types import FailureCounts, KVNotification, KVTransferError, TransferStats
 from tandem.prefill.job import PrefillJob
 from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
@@ -66,7 +66,7 @@ class PrefillWorker(RankWorker):
         self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
-        self.failure_counts: dict[tuple[str, str], int] = {}
+        self.failure_counts = FailureCounts()
 
     def admit(self, items: list[PrefillJob]) -> list[tuple[PrefillJob, float]]:
         """The jobs, checked, each with the moment this rank received it."""
@@ -151,7 +151,7 @@ class PrefillWorker(RankWorker):
             receives_in_flight=receives,
             prefix_queried_tokens=s.num_queried_tokens,
             prefix_hit_tokens=s.num_hit_tokens,
-            transfer_failures=tuple((d, c, n) for (d, c), n in sorted(self.failure_counts.items())),
+            transfer_failures=self.failure_counts.as_tuple(),
         )
 
     def check_integrity(self) -> None:
@@ -177,8 +177,7 @@ class PrefillWorker(RankWorker):
 
     def _failed(self, failure: TransferFailure) -> None:
         self.failures.append(failure)
-        key = ("send", failure_cause(failure.error))
-        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        self.failure_counts.add("send", failure.error)
 
     def step(self) -> None:
         """One step; with nothing planned the model still runs on an empty batch when the runner

@@ -19,7 +19,7 @@ from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import PrefillAttempt, RankId, RequestResult
+from tandem.engine.messages import LoopStats, PrefillAttempt, RankId, RequestResult
 from tandem.engine.request import Request, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
@@ -245,6 +245,9 @@ def test_abort_at_every_stage_frees_every_page(tiny: Path) -> None:
     )
     # the prefill rank never wrote into the pages the decode rank gave up
     assert prefill.failures and isinstance(prefill.failures[-1].error, KVTransferAborted)
+    # and the ranks count it by cause, as their metrics export it
+    assert ("send", "aborted", 1) in prefill.stats(LoopStats()).transfer_failures
+    assert ("recv", "aborted", 1) in decode.stats(LoopStats()).transfer_failures
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 8 and prefill.scheduler.num_free_pages == 64
