@@ -189,7 +189,7 @@ class NixlTransport(KVTransport):
         if send is None or send.error is not None or layer in send.layers_sent or send.whole:
             return
         send.layers_sent.add(layer)
-        send.posted.append(self._post(send, [layer]))
+        self._post(send, [layer])
 
     def send_all_layers(self, request_id: str) -> None:
         send = self._send(request_id)
@@ -205,7 +205,7 @@ class NixlTransport(KVTransport):
         if send.whole:  # every layer in one transfer, now that all are computed
             layers = [layer for layer in range(self.layout.num_layers) if layer not in send.layers_sent]
             send.layers_sent.update(layers)
-            send.posted.append(self._post(send, layers))
+            self._post(send, layers)
 
     def abort_send(self, request_id: str) -> None:
         send = self._sends.get(request_id)
@@ -220,17 +220,29 @@ class NixlTransport(KVTransport):
             raise KVTransferError(request_id, "no transfer was begun with this request id")
         return send
 
-    def _post(self, send: _Send, layers: list[int]) -> Any:
+    def _post(self, send: _Send, layers: list[int]) -> None:
+        """Post the writes of ``layers``. A write NIXL refuses fails this transfer alone (``poll``
+        reports it once the writes already posted are drained), never the caller's step."""
         peer_layout = send.peer.meta.layout
         src, dst = prepared_indices(send.runs, layers, self.layout.num_pages, peer_layout.num_pages)
-        handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
-        if send.stats.start_s == 0.0:
-            send.stats.start_s = time.monotonic()  # the first post
-        if self.agent.transfer(handle) == "ERR":
-            raise KVTransferError(send.request_id, f"NIXL refused the write to {send.peer.meta.rank}")
+        try:
+            handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
+            if send.stats.start_s == 0.0:
+                send.stats.start_s = time.monotonic()  # the first post
+            refused = self.agent.transfer(handle) == "ERR"
+        except Exception as exc:  # NIXL's own errors
+            refused, handle = True, None
+            detail = f"{type(exc).__name__}: {exc}"
+        else:
+            detail = "refused"
+        if refused:  # nothing of it is in flight
+            if handle is not None:
+                handle.release()
+            send.error = KVTransferError(send.request_id, f"NIXL write to {send.peer.meta.rank}: {detail}")
+            return
+        send.posted.append(handle)
         send.stats.bytes += len(src) * self.layout.page_bytes  # one descriptor entry per page
         send.stats.layers_written += len(layers)
-        return handle
 
     def _progress_send(self, send: _Send, now: float, events: TransportEvents) -> bool:
         """Advance one send; True when it is over (reported in ``events``)."""

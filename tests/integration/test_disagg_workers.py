@@ -86,6 +86,22 @@ class _DelayedCompletion:
         return getattr(self._agent, name)
 
 
+class _RefusingAgent:
+    """The sender's NIXL agent, refusing its first ``count`` writes as a failing NIC would."""
+
+    def __init__(self, agent: Any, count: int) -> None:
+        self._agent, self.left = agent, count
+
+    def transfer(self, handle: Any, *args: Any) -> Any:
+        if self.left > 0:
+            self.left -= 1
+            return "ERR"
+        return self._agent.transfer(handle, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
 def _slow_attention(model: DeepseekV3, seconds: float) -> None:
     """Each layer's attention (which writes its KV) takes ``seconds`` longer: known compute."""
     for layer in model.layers:
@@ -98,6 +114,7 @@ def _workers(
     layerwise: bool,
     completion_delay_s: float = 0.0,
     attention_delay_s: float = 0.0,
+    refuse_writes: int = 0,
 ) -> tuple[PrefillWorker, DecodeWorker]:
     store = InMemoryMetadataStore()
     p_model, d_model = _model(tiny), _model(tiny)
@@ -130,10 +147,12 @@ def _workers(
         NixlTransport(DECODE.name, 1, d_pool.layout, store),
         _Direct(prefill),
     )
+    transport = prefill.transport
+    assert isinstance(transport, NixlTransport)
     if completion_delay_s:
-        transport = prefill.transport
-        assert isinstance(transport, NixlTransport)
         transport.agent = _DelayedCompletion(transport.agent, completion_delay_s)
+    if refuse_writes:
+        transport.agent = _RefusingAgent(transport.agent, refuse_writes)
     return prefill, decode
 
 
@@ -257,7 +276,8 @@ def test_abort_at_every_stage_frees_every_page(tiny: Path) -> None:
 
 
 def _one_bill(prefill: PrefillWorker, decode: DecodeWorker, tag: str) -> PrefillAttempt:
-    prompt = [random.Random(tag).randrange(256) for _ in range(40)]  # no prefix shared with others
+    rng = random.Random(tag)
+    prompt = [rng.randrange(256) for _ in range(40)]  # no prefix shared with others
     done = _run(prefill, decode, _requests([prompt], [SamplingParams(max_tokens=2, ignore_eos=True)], tag))
     bill = done[f"{tag}0"].bill
     assert len(bill.attempts) == 1 and bill.attempts[0].delivered
@@ -309,3 +329,28 @@ def test_layerwise_writes_hide_behind_compute(tiny: Path) -> None:
     assert min(a.kv_transfer_exposed_s / a.kv_transfer_s for a in layerwise) < 0.25
     for attempt in whole:
         assert attempt.kv_transfer_exposed_s >= attempt.kv_transfer_s
+
+
+def test_a_refused_write_fails_that_attempt_alone_and_the_retry_delivers(tiny: Path) -> None:
+    """NIXL refuses the first write: the prefill rank keeps stepping, the decode rank retries the
+    request, and its bill lists the failed attempt with its error beside the delivered one."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True, refuse_writes=1)
+    rng = random.Random(11)
+    prompt = [rng.randrange(256) for _ in range(30)]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    done = _run(prefill, decode, _requests([prompt], [sampling], "refused"))
+    result = done["refused0"]
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    assert list(result.token_ids) == engine.generate([prompt], [sampling])[0].token_ids
+    failed, delivered = result.bill.attempts
+    assert not failed.delivered and "refused" in (failed.error or "") and failed.kv_bytes == 0
+    assert delivered.delivered and delivered.attempt == failed.attempt + 1
+    # the failed attempt bills nothing; the retry found what the first computed in the cache
+    assert result.bill.cached_tokens + result.bill.new_prompt_tokens == len(prompt) == delivered.prompt_tokens
+    assert result.bill.kv_bytes == delivered.kv_bytes > 0
+    assert ("send", "error", 1) in prefill.stats(LoopStats()).transfer_failures
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 32 and prefill.transport.in_flight() == (0, 0)
+    prefill.transport.close()
+    decode.transport.close()
