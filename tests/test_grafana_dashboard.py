@@ -44,18 +44,18 @@ def exported() -> set[str]:
     return set().union(*exported_metric_names().values())
 
 
-def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+def dashboard_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Every panel, rows' nested ``panels`` (a collapsed row's) included."""
     for panel in panels:
         yield panel
-        yield from _panels(panel.get("panels", []))
+        yield from dashboard_panels(panel.get("panels", []))
 
 
-def _exprs(dashboard: dict[str, Any]) -> list[str]:
+def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
     """The PromQL of every panel target and every templating query."""
     out = [
         target["expr"]
-        for panel in _panels(dashboard.get("panels", []))
+        for panel in dashboard_panels(dashboard.get("panels", []))
         for target in panel.get("targets", [])
         if target.get("expr")
     ]
@@ -81,7 +81,7 @@ def test_is_a_dashboard_with_unique_panel_ids(dashboard: dict[str, Any]) -> None
     """The file is a Grafana dashboard model with panels, each with its own id."""
     assert dashboard.get("schemaVersion") == 39
     assert dashboard.get("title")
-    panels = list(_panels(dashboard.get("panels", [])))
+    panels = list(dashboard_panels(dashboard.get("panels", [])))
     assert any(p.get("type") != "row" for p in panels), "the dashboard has no panels"
     ids = [p.get("id") for p in panels]
     assert None not in ids, "a panel without an id"
@@ -99,7 +99,7 @@ def test_has_a_prometheus_datasource_variable(dashboard: dict[str, Any]) -> None
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     source = variables.get("datasource")
     assert source is not None and source["type"] == "datasource" and source["query"] == "prometheus"
-    for panel in _panels(dashboard["panels"]):
+    for panel in dashboard_panels(dashboard["panels"]):
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}", f"panel {panel['title']}"
     assert "tandem_requests_total" in variables["model"]["definition"]
@@ -107,7 +107,7 @@ def test_has_a_prometheus_datasource_variable(dashboard: dict[str, Any]) -> None
 
 def test_every_metric_the_dashboard_names_is_exported(dashboard: dict[str, Any], exported: set[str]) -> None:
     """A query naming a series no process exports (a typo, a renamed metric) fails here."""
-    exprs = _exprs(dashboard)
+    exprs = dashboard_queries(dashboard)
     assert exprs, "no query found"
     unknown = unknown_metrics(exprs, exported)
     assert not unknown, f"{DASHBOARD} names metrics no Tandem process exports: {sorted(unknown)}"
@@ -116,7 +116,7 @@ def test_every_metric_the_dashboard_names_is_exported(dashboard: dict[str, Any],
 def test_dashboard_covers_the_required_topics(dashboard: dict[str, Any]) -> None:
     """Throughput, latency and its composition, KV cache and transfer, router and groups each have
     a panel."""
-    named = metric_names(_exprs(dashboard))
+    named = metric_names(dashboard_queries(dashboard))
     missing = [name for name in REQUIRED if name not in named]
     assert not missing, f"{DASHBOARD} has no query on {missing}"
 
@@ -130,4 +130,4 @@ def test_checker_reports_a_bogus_metric(exported: set[str]) -> None:
     )
     assert unknown_metrics([expr], exported) == {"tandem_no_such_metric_total"}
     bogus = {"panels": [{"type": "row", "id": 1, "panels": [{"id": 2, "targets": [{"expr": expr}]}]}]}
-    assert unknown_metrics(_exprs(bogus), exported) == {"tandem_no_such_metric_total"}
+    assert unknown_metrics(dashboard_queries(bogus), exported) == {"tandem_no_such_metric_total"}

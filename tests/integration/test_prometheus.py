@@ -32,6 +32,7 @@ from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.frontend import TTFT_BUCKETS
 from tandem.protos import tandem_pb2
 from tests.integration.prometheus_server import Prometheus, prometheus_server
+from tests.test_grafana_dashboard import DASHBOARD, dashboard_panels
 
 PAGE = 16
 SHARED = [random.Random(7).randrange(256) for _ in range(3 * PAGE)]  # three pages every prompt shares
@@ -148,6 +149,28 @@ def test_the_latency_composition_adds_up_to_end_to_end(deployment: Deployment) -
         for attempt in summary.bill.attempts:
             inside = attempt.prefill_queue_s + attempt.prefill_compute_s + attempt.kv_transfer_exposed_s
             assert 0 < inside <= attempt.kv_wait_s + 1e-3, attempt
+
+
+def test_every_dashboard_query_runs_on_prometheus(deployment: Deployment) -> None:
+    """Each panel's PromQL of ``deploy/grafana/tandem.json``, with the dashboard's variables
+    set to match everything, is a valid query on a Prometheus scraping Tandem, and the panels
+    have data to show after the workload above."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    panel_queries = [
+        target["expr"]
+        for panel in dashboard_panels(dashboard["panels"])
+        for target in panel.get("targets", [])
+        if target.get("expr")
+    ]
+    assert panel_queries
+    empty = []
+    for expr in panel_queries:
+        promql = expr.replace("$__rate_interval", "1m")
+        for variable in ("$model", "$role", "$group", "$rank"):
+            promql = promql.replace(variable, ".+")
+        if not deployment.prometheus.query(promql):  # raises on a query Prometheus refuses
+            empty.append(expr)
+    assert len(empty) <= len(panel_queries) // 4, f"{len(empty)} queries without data: {empty}"
 
 
 def test_a_rebuilt_decode_group_is_discovered_and_scraped(deployment: Deployment) -> None:
