@@ -212,7 +212,7 @@ class DecodeWorker(RankWorker):
         now = time.monotonic()
         events = self.transport.poll()
         for got in events.received:
-            self._kv_arrived(got, now)
+            self._kv_arrived(got)
         for failure in events.failed:
             self._kv_failed(failure)
         self._abort_expired(now)
@@ -296,7 +296,7 @@ class DecodeWorker(RankWorker):
         self.scheduler.check_integrity()
 
     # -- tick's steps -----------------------------------------------------------------------------
-    def _kv_arrived(self, got: ReceivedKV, now: float) -> None:
+    def _kv_arrived(self, got: ReceivedKV) -> None:
         transfer = self._transfers.pop(got.notification.request_id, None)
         if transfer is None:  # a transfer this rank no longer waits for
             return
