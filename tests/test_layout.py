@@ -82,6 +82,7 @@ TORCH_FREE = (
     "tandem.metrics.http",
     "tandem.metrics.discovery",
     "tandem.metrics.catalog",
+    "tandem.autoscaler.policy",
 )
 
 

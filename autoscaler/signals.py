@@ -1,0 +1,32 @@
+"""What the policy reads each tick, per pool, and the interface of whatever reads it (a
+Prometheus in a deployment, a script in tests, a simulator in the benchmark)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from tandem.engine.messages import Role
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """One pool over the last window. ``None``: no sample in the window (no traffic).
+
+    ``latency_p90_s`` is TTFT's p90 for prefill and ITL's for decode; ``queue_s`` the mean
+    prefill queue time (prefill) or reservation wait (decode); ``kv_usage`` the fullest rank's
+    KV usage ratio (decode); ``demand`` the load the pool's groups share: new prompt tokens per
+    second (prefill) or sequences in flight (decode)."""
+
+    ready_groups: int
+    pending_groups: int = 0  # groups starting or draining: an action not finished
+    latency_p90_s: float | None = None
+    queue_s: float | None = None
+    kv_usage: float | None = None
+    demand: float | None = None
+
+
+class MetricSource(ABC):
+    @abstractmethod
+    def read(self) -> dict[Role, PoolSignals]:
+        """The signals of both pools now."""
