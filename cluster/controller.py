@@ -1,7 +1,9 @@
 """A disaggregated cluster built from a topology: the prefill pool and the decode pool.
 
 :class:`Cluster` starts every group, tells each decode rank the prefill ranks (membership), and
-watches the groups: a failed group is rebuilt whole and the membership sent again. Requests do
+watches the groups: a failed group is rebuilt whole and the membership sent again. Groups are
+added and removed at runtime (:meth:`Controller.add_group`, :meth:`Controller.remove_group`): a
+removed group is drained first, so no request fails for it. Requests do
 not pass through here: frontends route them to ranks themselves, from the ``routing_view``.
 :class:`Controller` is the cluster as a named Ray actor, so frontends and tools find it by name.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,12 +76,19 @@ class Cluster:
         metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
         def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
+            self._templates[role.role] = GroupConfig(
+                f"{name}0", model_dir, pool.dep, role, dtype, resources, metrics=metrics
+            )
+            self._next_index[role.role] = pool.groups
             return [
                 RankGroup(
                     GroupConfig(f"{name}{i}", model_dir, pool.dep, role, dtype, resources, metrics=metrics)
                 )
                 for i in range(pool.groups)
             ]
+
+        self._templates: dict[Role, GroupConfig] = {}
+        self._next_index: dict[Role, int] = {}
 
         p, d = topology.prefill, topology.decode
         self.prefill = groups(
@@ -167,11 +177,63 @@ class Cluster:
         return out
 
     def drain(self, group_id: str) -> None:
-        """Stop sending a group new work; what it has runs to the end."""
-        if group_id not in {g.group_id for g in self.groups}:
-            raise ValueError(f"no group {group_id!r}; groups: {sorted(g.group_id for g in self.groups)}")
+        """Stop sending a group new work; what it has runs to the end (a decode group's ranks
+        refuse new requests, which their frontends route elsewhere)."""
+        group = self.group(group_id)
         self._draining.add(group_id)
         self._send_membership()
+        if group.state is GroupState.READY:
+            ray.get([a.drain.remote() for a in group.actors.values()])
+
+    def group(self, group_id: str) -> RankGroup:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise ValueError(f"no group {group_id!r}; groups: {sorted(g.group_id for g in self.groups)}")
+
+    def new_group(self, role: Role) -> RankGroup:
+        """A group more for ``role``'s pool (named after the pool, never reusing a name), not
+        started yet; ``start_group`` starts it."""
+        if role not in self._templates:
+            raise ValueError(f"role: expected prefill or decode, got {role!r}")
+        index = self._next_index[role]
+        self._next_index[role] = index + 1
+        template = self._templates[role]
+        group = RankGroup(replace(template, group_id=f"{role.value}{index}"))
+        (self.prefill if role is Role.PREFILL else self.decode).append(group)
+        return group
+
+    def start_group(self, group: RankGroup) -> None:
+        """Start a group ``new_group`` made and tell the decode ranks; one that fails to start
+        leaves the pool again (its ranks and placement group freed) and the error is raised."""
+        try:
+            group.start()
+        except BaseException:
+            self.forget_group(group)
+            raise
+        self._send_membership()
+
+    def idle(self, group: RankGroup) -> bool:
+        """Whether the group's ranks hold no request, job or transfer."""
+        return all(
+            s.queued + s.running + s.waiting_for_kv + s.computing + s.transferring == 0
+            and s.sends_in_flight + s.receives_in_flight == 0
+            for s in group.stats()
+        )
+
+    def forget_group(self, group: RankGroup) -> None:
+        """Stop a group and take it out of its pool (and of the membership)."""
+        group.stop()
+        for pool in (self.prefill, self.decode):
+            if group in pool:
+                pool.remove(group)
+        self._draining.discard(group.group_id)
+        self._send_membership()
+
+    def serving(self, role: Role) -> list[RankGroup]:
+        """The pool's groups that take work, or will once started (not draining)."""
+        pool = self.prefill if role is Role.PREFILL else self.decode
+        return [g for g in pool if g.group_id not in self._draining]
 
     def watch(self) -> None:
         """Look at every group once: a rank that died, or whose loop failed, fails its group.
@@ -297,6 +359,46 @@ class Controller:
     def drain(self, group_id: str) -> None:
         with self._lock:
             self.cluster.drain(group_id)
+            self._view = self._routing_view()
+
+    def add_group(self, role: str) -> str:
+        """Start one more group in ``role``'s pool ("prefill" or "decode"); its id once it takes
+        work. Frontends, the decode ranks and metrics discovery see it from the next view."""
+        with self._lock:
+            group = self.cluster.new_group(Role(role))
+            self._view = self._routing_view()
+            try:
+                self.cluster.start_group(group)
+            finally:
+                self._view = self._routing_view()
+            return group.group_id
+
+    def remove_group(self, group_id: str, timeout_s: float = 300.0, quiet_s: float = 1.0) -> None:
+        """Drain a group, wait until its ranks hold nothing for ``quiet_s`` (requests routed on a
+        view just before the drain land first), then stop it and free its placement group. No
+        request fails for it: a drained decode rank refuses new requests and their frontends
+        route them elsewhere; a drained prefill group gets no new jobs."""
+        with self._lock:
+            group = self.cluster.group(group_id)
+            if self.cluster.serving(group.config.role.role) == [group]:
+                raise ValueError(f"{group_id} is the last group of its pool that takes work; add one first")
+            self.cluster.drain(group_id)
+            self._view = self._routing_view()
+        deadline = time.monotonic() + timeout_s
+        quiet_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if group.state is not GroupState.READY or self.cluster.idle(group):
+                quiet_since = quiet_since if quiet_since is not None else now
+                if now - quiet_since >= quiet_s:
+                    break
+            else:
+                quiet_since = None
+            if now > deadline:
+                raise TimeoutError(f"{group_id} still holds requests after {timeout_s:.0f} s of draining")
+            time.sleep(0.1)
+        with self._lock:
+            self.cluster.forget_group(group)
             self._view = self._routing_view()
 
     def stop(self) -> None:

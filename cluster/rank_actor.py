@@ -93,6 +93,11 @@ class RankActor:
             self._metrics_server = MetricsServer(metrics.registry, host)
         return spec.rank_id
 
+    def drain(self) -> None:
+        """Take no new requests (a decode rank refuses them with ``RankDraining``); what the
+        rank holds runs to its end."""
+        self._require().worker.draining = True
+
     def observe(self, enabled: bool) -> None:
         """Observe the histograms (the default when metrics are served) or not: what
         ``tandem bench metrics`` compares. Scrapes still read the rank's stats."""

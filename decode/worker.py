@@ -37,7 +37,7 @@ from tandem.engine.messages import (
     TokenDelta,
     TransferId,
 )
-from tandem.engine.rank_loop import RankWorker
+from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import FinishReason, InvalidRequestError, Request, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import admit_new_request
@@ -159,6 +159,8 @@ class DecodeWorker(RankWorker):
         cfg = self.model_config
         if cfg is None:
             raise RuntimeError(f"decode rank {self.name} was built without a model config")
+        if self.draining:
+            raise RankDraining(self.name)
         config = self.scheduler.config
         eos = frozenset(cfg.eos_token_ids)
         received = time.monotonic()

@@ -43,6 +43,7 @@ class RankWorker(ABC):
 
     name: str
     metrics: RankMetrics | None = None
+    draining: bool = False  # set by the controller: the rank's group is being removed
 
     @abstractmethod
     def admit(self, items: list[Any]) -> Any:
@@ -93,6 +94,18 @@ class RankWorker(ABC):
 
     def set_peers(self, peers: dict[Any, Any]) -> None:
         raise RoleMismatch(f"rank {self.name} sends work to no other rank")
+
+
+class RankDraining(RuntimeError):
+    """The rank is being drained: it finishes what it holds and takes nothing new (the caller
+    routes the request elsewhere)."""
+
+    def __init__(self, rank: str) -> None:
+        super().__init__(f"rank {rank} is draining and takes no new requests")
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (RankDraining, (self.rank,))
 
 
 class RankFailed(RuntimeError):

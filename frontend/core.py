@@ -35,6 +35,7 @@ import ray
 from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
 from tandem.engine.messages import RankId, RankRequest, RankStats, StreamBatch
 from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import max_kv_pages
 from tandem.frontend.kv_event_feed import KVEventFeed
@@ -63,6 +64,7 @@ def last_line(error: Exception) -> str:
 
 
 FRONTEND_NAME = "tandem-frontend"
+_DRAIN_RETRIES = 3  # submits to a rank that is being drained before the request fails
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,57 @@ class FrontendCore:
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
         stream = RequestStream(spec.request_id, len(prompt), self.tokenizer, spec.arrival_s)
+        running, submit = self._route_and_submit(spec, stream, view)
+        try:
+            for retry in range(1, _DRAIN_RETRIES + 1):
+                try:
+                    await asyncio.shield(submit)  # a cancel here leaves the submit to finish first
+                    break
+                except ray.exceptions.RayError as exc:
+                    cause = getattr(exc, "cause", None)
+                    draining = isinstance(cause, RankDraining)
+                    if not draining or retry == _DRAIN_RETRIES or running.abort_requested:
+                        rank, why = running.decode_rank, str(cause) if draining else last_line(exc)
+                        stream.fail(f"decode rank {rank} did not take the request: {why}", rank)
+                        break
+                # the rank is being drained and the view that chose it is stale: route again on
+                # the next one (the rank never held the request)
+                self.router.finished(running.rank_request_id)
+                self._by_rank_id.pop(running.rank_request_id, None)
+                await asyncio.sleep(2 * self.config.refresh_s)
+                if self.view is None:
+                    raise FrontendUnavailable("the cluster is not ready")
+                running, submit = self._route_and_submit(spec, stream, self.view)
+            running.submitting = False
+            if running.abort_requested and not stream.finished:
+                running.send_abort()  # an Abort that came while the submit was on its way
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, StreamSummary) and self.metrics is not None:
+                    self.metrics.ended(item)
+                yield item
+                if isinstance(item, StreamSummary):
+                    return
+        finally:
+            if not stream.finished:  # the client cancelled, or its deadline passed
+                stream.finished = True
+                if self.metrics is not None:
+                    self.metrics.rejected("CANCELLED", finish_reason="abort")
+                if running.submitting:
+                    self._tasks.add(task := asyncio.ensure_future(_abort_after(submit, running)))
+                    task.add_done_callback(self._tasks.discard)
+                else:
+                    running.send_abort()
+            self.router.finished(running.rank_request_id)
+            self.running.pop(spec.request_id, None)
+            self._by_rank_id.pop(running.rank_request_id, None)
+
+    def _route_and_submit(
+        self, spec: GenerateSpec, stream: RequestStream, view: RoutingView
+    ) -> tuple[_Running, Any]:
+        """Route the request over ``view``, record it as running and send it to its decode rank;
+        the record and the submit call."""
+        prompt = spec.prompt_token_ids
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.monotonic()
         try:
@@ -190,35 +243,7 @@ class FrontendCore:
         running = _Running(stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank])
         self.running[spec.request_id] = self._by_rank_id[rank_request_id] = running
         request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
-        submit = running.handle.submit.remote([request])
-        try:
-            try:
-                await asyncio.shield(submit)  # a cancel here leaves the submit to finish first
-            except ray.exceptions.RayError as exc:
-                stream.fail(f"decode rank {rank} did not take the request: {last_line(exc)}", rank)
-            running.submitting = False
-            if running.abort_requested and not stream.finished:
-                running.send_abort()  # an Abort that came while the submit was on its way
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, StreamSummary) and self.metrics is not None:
-                    self.metrics.ended(item)
-                yield item
-                if isinstance(item, StreamSummary):
-                    return
-        finally:
-            if not stream.finished:  # the client cancelled, or its deadline passed
-                stream.finished = True
-                if self.metrics is not None:
-                    self.metrics.rejected("CANCELLED", finish_reason="abort")
-                if running.submitting:
-                    self._tasks.add(task := asyncio.ensure_future(_abort_after(submit, running)))
-                    task.add_done_callback(self._tasks.discard)
-                else:
-                    running.send_abort()
-            self.router.finished(rank_request_id)
-            self.running.pop(spec.request_id, None)
-            self._by_rank_id.pop(rank_request_id, None)
+        return running, running.handle.submit.remote([request])
 
     def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
         """A request no rank could ever hold is refused here, naming the field to change."""

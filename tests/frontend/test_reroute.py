@@ -1,0 +1,115 @@
+"""A decode rank that is being drained refuses a request; the frontend routes it again on the
+next view, and the request ends normally. Fake rank handles stand in for the Ray actors: what
+is tested is the frontend's own path."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tandem.cluster.controller import GroupView, RoutingView
+from tandem.engine.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
+from tandem.engine.rank_loop import RankDraining
+from tandem.engine.request import FinishReason, SamplingParams
+from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec
+from tandem.frontend.request_stream import StreamSummary
+
+PREFILL, DRAINED, OPEN = RankId("prefill0", 0), RankId("decode0", 0), RankId("decode1", 0)
+
+
+class _Submit:
+    def __init__(self, handle: _Decode) -> None:
+        self.handle = handle
+
+    def remote(self, requests: list[RankRequest]) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.handle.received += [r.request_id for r in requests]
+        if self.handle.draining:
+            future.set_exception(
+                ray.exceptions.RayTaskError("submit", "", RankDraining(self.handle.rank.name))
+            )
+        else:
+            future.set_result(None)
+            for r in requests:  # the rank decodes two tokens and reports the result
+                result = RequestResult(
+                    r.request_id, (5, 6), FinishReason.LENGTH, Bill(prompt_tokens=3), self.handle.rank
+                )
+                batch = StreamBatch(self.handle.rank, (), (result,))
+                asyncio.get_running_loop().call_later(0.01, self.handle.core.on_stream, batch)
+        return future
+
+
+class _Decode:
+    def __init__(self, rank: RankId, core: FrontendCore, draining: bool) -> None:
+        self.rank, self.core, self.draining = rank, core, draining
+        self.received: list[str] = []
+        self.submit = _Submit(self)
+        self.abort = self  # abort.remote(...) is a no-op here
+
+    def remote(self, *args: Any) -> None:
+        return None
+
+
+def _view(decode: dict[RankId, Any]) -> RoutingView:
+    groups = tuple(GroupView(r.group_id, Role.DECODE, "ready", 1, (r,)) for r in decode)
+    return RoutingView(
+        prefill={PREFILL: object()},
+        decode=decode,
+        groups=(GroupView("prefill0", Role.PREFILL, "ready", 1, (PREFILL,)), *groups),
+        page_size=16,
+        prefill_capacity_tokens=1024,
+        decode_capacity_tokens=1024,
+    )
+
+
+def _show(core: FrontendCore, view: RoutingView) -> None:
+    """What ``refresh`` does with a controller's view, without the controller."""
+    core.view = view
+    core._rank_ids = {r.name: r for g in view.groups for r in g.ranks}
+    core._incarnations = {r: 1 for g in view.groups for r in g.ranks}
+    core.router.set_ranks([r.name for r in view.prefill], [r.name for r in view.decode])
+    for rank in view.decode:  # the drained rank looks emptiest: the router picks it first
+        core.router.update_decode_stats(rank.name, 64 if rank == DRAINED else 32, 0, 64)
+    core.ready = True
+
+
+def test_a_draining_rank_refuses_and_the_request_goes_to_the_next_view(tiny_dir: Path) -> None:
+    async def run() -> tuple[StreamSummary, _Decode, _Decode]:
+        core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", refresh_s=0.05, metrics=False))
+        drained, open_ = _Decode(DRAINED, core, draining=True), _Decode(OPEN, core, draining=False)
+        _show(core, _view({DRAINED: drained, OPEN: open_}))  # a view from before the drain
+
+        async def next_view() -> None:
+            await asyncio.sleep(0.02)  # the controller's next view leaves the drained rank out
+            _show(core, _view({OPEN: open_}))
+
+        refresh = asyncio.create_task(next_view())
+        spec = GenerateSpec("r1", [1, 2, 3], SamplingParams(max_tokens=2))
+        items = [item async for item in core.generate(spec)]
+        await refresh
+        summary = items[-1]
+        assert isinstance(summary, StreamSummary)
+        return summary, drained, open_
+
+    summary, drained, open_ = asyncio.run(run())
+    assert summary.error is None and summary.token_ids == [5, 6] and summary.decode_rank == OPEN
+    assert len(drained.received) == 1 and len(open_.received) == 1
+    assert drained.received[0] != open_.received[0]  # a fresh rank request id each time
+
+
+def test_a_rank_that_keeps_refusing_fails_the_request_with_its_reason(tiny_dir: Path) -> None:
+    async def run() -> StreamSummary:
+        core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", refresh_s=0.01, metrics=False))
+        _show(core, _view({DRAINED: _Decode(DRAINED, core, draining=True)}))  # no other rank, ever
+        items = [
+            item async for item in core.generate(GenerateSpec("r2", [1, 2, 3], SamplingParams(max_tokens=2)))
+        ]
+        summary = items[-1]
+        assert isinstance(summary, StreamSummary)
+        return summary
+
+    summary = asyncio.run(run())
+    assert summary.finish_reason == "error" and "is draining" in (summary.error or "")
