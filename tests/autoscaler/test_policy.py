@@ -196,3 +196,16 @@ def test_pool_limits_are_checked() -> None:
         PoolLimits(min_groups=3, max_groups=2)
     with pytest.raises(ValueError, match="ranks_per_group: must be an integer >= 1"):
         PoolLimits(ranks_per_group=0)
+
+
+def test_an_unreachable_prometheus_is_a_clear_error() -> None:
+    import socket
+
+    from tandem.autoscaler.prometheus_source import PrometheusQueryError, PrometheusSource
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = PrometheusSource(f"http://127.0.0.1:{port}", "tiny", timeout_s=2.0)
+    with pytest.raises(PrometheusQueryError, match=f"Prometheus at http://127.0.0.1:{port} could not answer"):
+        source.read()

@@ -23,10 +23,12 @@ import grpc
 import pytest
 import ray
 
+from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cli.client import ClientOptions, generate_all
 from tandem.cli.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
+from tandem.engine.messages import Role
 from tandem.engine.request import SamplingParams
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.frontend import TTFT_BUCKETS
@@ -171,6 +173,26 @@ def test_every_dashboard_query_runs_on_prometheus(deployment: Deployment) -> Non
         if not deployment.prometheus.query(promql):  # raises on a query Prometheus refuses
             empty.append(expr)
     assert len(empty) <= len(panel_queries) // 4, f"{len(empty)} queries without data: {empty}"
+
+
+def test_the_autoscaler_reads_its_signals_from_prometheus(deployment: Deployment) -> None:
+    """The autoscaler's default PromQL over this deployment: one ready group a pool, none
+    pending, and the latency, queue and demand of the workload above."""
+    source = PrometheusSource(deployment.prometheus.url, deployment.server.model_name, window="5m")
+    # a scrape after the requests above ended (the last one may have seen them running)
+    deployment.prometheus.wait_for('sum(tandem_num_requests_running{role="decode"})', 0)
+    deployment.prometheus.wait_for('max(tandem_kv_cache_usage_ratio{role="decode"})', 0)
+    signals = source.read()
+    prefill, decode = signals[Role.PREFILL], signals[Role.DECODE]
+    assert (prefill.ready_groups, prefill.pending_groups) == (1, 0)
+    assert (decode.ready_groups, decode.pending_groups) == (1, 0)
+    assert prefill.latency_p90_s is not None and 0 < prefill.latency_p90_s < 60
+    assert decode.latency_p90_s is not None and 0 < decode.latency_p90_s < 60
+    assert prefill.queue_s is not None and decode.queue_s is not None
+    assert prefill.demand is not None and prefill.demand > 0  # new prompt tokens a second
+    assert decode.kv_usage == 0 and decode.demand == 0  # every request has ended
+    source.queries = {**source.queries, "decode_kv_usage": "max(no_such_metric)"}
+    assert source.query("decode_kv_usage") is None  # no sample: no figure, not zero
 
 
 def test_a_rebuilt_decode_group_is_discovered_and_scraped(deployment: Deployment) -> None:
