@@ -76,16 +76,10 @@ class Cluster:
         metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
         def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
-            self._templates[role.role] = GroupConfig(
-                f"{name}0", model_dir, pool.dep, role, dtype, resources, metrics=metrics
-            )
+            template = GroupConfig(f"{name}0", model_dir, pool.dep, role, dtype, resources, metrics=metrics)
+            self._templates[role.role] = template
             self._next_index[role.role] = pool.groups
-            return [
-                RankGroup(
-                    GroupConfig(f"{name}{i}", model_dir, pool.dep, role, dtype, resources, metrics=metrics)
-                )
-                for i in range(pool.groups)
-            ]
+            return [RankGroup(replace(template, group_id=f"{name}{i}")) for i in range(pool.groups)]
 
         self._templates: dict[Role, GroupConfig] = {}
         self._next_index: dict[Role, int] = {}
@@ -200,6 +194,7 @@ class Cluster:
         self._next_index[role] = index + 1
         template = self._templates[role]
         group = RankGroup(replace(template, group_id=f"{role.value}{index}"))
+        group.state = GroupState.STARTING  # shown as starting (a pending action) until it is ready
         (self.prefill if role is Role.PREFILL else self.decode).append(group)
         return group
 
@@ -388,7 +383,11 @@ class Controller:
         quiet_since: float | None = None
         while True:
             now = time.monotonic()
-            if group.state is not GroupState.READY or self.cluster.idle(group):
+            try:
+                idle = group.state is not GroupState.READY or self.cluster.idle(group)
+            except ray.exceptions.RayError:  # a rank died mid-drain: the watch fails the group
+                idle = False
+            if idle:
                 quiet_since = quiet_since if quiet_since is not None else now
                 if now - quiet_since >= quiet_s:
                     break
