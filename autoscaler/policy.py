@@ -52,6 +52,13 @@ class Decision:
     desired_groups: int
     inputs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def reason(self) -> str:
+        """The kind of the rule, for a metric label: slo, queue, kv, demand, calm, budget,
+        pending, settling, min_groups or max_groups."""
+        words = self.rule.replace(",", " ").replace(":", " ").split()
+        return words[1] if words[0] == "at" else words[0]
+
     def to_json(self) -> str:
         return json.dumps({"event": "autoscaler_decision", **asdict(self)}, sort_keys=True)
 

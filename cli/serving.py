@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,12 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         default=None,
         help="serve Prometheus /metrics and the deployment's discovery document /sd here (0: a free port)",
     )
+
+    srv.add_argument(
+        "--autoscale", action="store_true", help="resize the pools by the topology's autoscaling:"
+    )
+    srv.add_argument("--prometheus-url", default=None, help="the autoscaler's Prometheus (default: run one)")
+    srv.add_argument("--autoscale-dry-run", action="store_true", help="decide and record, do not act")
 
     metrics = sub.add_parser("metrics", help="Prometheus set-up").add_subparsers(
         dest="metrics_command", required=True
@@ -97,6 +104,19 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
         )
+    if (args.prometheus_url or args.autoscale_dry_run) and not args.autoscale:
+        flag = "--prometheus-url" if args.prometheus_url else "--autoscale-dry-run"
+        raise InvalidRequestError(flag, "only applies with --autoscale")
+    if args.prometheus_url is not None and not args.prometheus_url.startswith(("http://", "https://")):
+        raise InvalidRequestError(
+            "--prometheus-url", f"expected http://HOST:PORT, got {args.prometheus_url!r}"
+        )
+    if args.autoscale and args.prometheus_url is None and shutil.which("prometheus") is None:
+        raise InvalidRequestError(
+            "--autoscale",
+            "no prometheus binary on PATH: install it (apt-get install prometheus) or pass --prometheus-url",
+        )
+    metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
     options = ServeOptions(
         topology=topology,
         model_dir=args.model,
@@ -109,7 +129,10 @@ def run_serve(args: argparse.Namespace) -> int:
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
-        metrics_port=args.metrics_port,
+        metrics_port=metrics_port,
+        autoscale=args.autoscale,
+        prometheus_url=args.prometheus_url,
+        autoscale_dry_run=args.autoscale_dry_run,
     )
     return serve(options, announce=emit)
 

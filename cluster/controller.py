@@ -18,13 +18,16 @@ from typing import Any
 
 import ray
 
+from tandem.autoscaler.policy import Autoscaler, Decision
+from tandem.autoscaler.prometheus_source import PrometheusSource
+from tandem.cluster.autoscaling import AutoscalerLoop
 from tandem.cluster.group import GroupConfig, GroupState, RankGroup
 from tandem.cluster.placement import RankResources
 from tandem.cluster.rank_actor import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.decode.role import DecodeRole
 from tandem.engine.messages import RankId, RankStats, Role
-from tandem.metrics.controller import ControllerMetrics, GroupFigures
+from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.discovery import ScrapeTarget
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
@@ -56,6 +59,8 @@ class RoutingView:
     decode_capacity_tokens: int  # KV one decode rank holds: prompt + output's ceiling
     # every /metrics of the cluster: the controller's and each rank's of every started group
     metrics_targets: tuple[ScrapeTarget, ...] = ()
+    # the autoscaler's latest decisions, (Unix time, decision), oldest first; empty when it is off
+    autoscaler_decisions: tuple[tuple[float, Decision], ...] = ()
 
 
 class Cluster:
@@ -292,9 +297,10 @@ class Controller:
         self._watch = threading.Thread(target=self._watch_loop, daemon=True)
         self._metrics: MetricsServer | None = None
         self._own_target: tuple[ScrapeTarget, ...] = ()
+        self._autoscaler: AutoscalerLoop | None = None
         if metrics_host is not None:  # the controller's own metrics, served beside the ranks'
             labels = ControllerLabels(self.cluster.model_name)
-            metrics = ControllerMetrics(labels, self._group_figures)
+            metrics = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
             self._metrics = MetricsServer(metrics.registry, metrics_host or ray.util.get_node_ip_address())
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._view = self._routing_view()
@@ -302,7 +308,53 @@ class Controller:
 
     def _routing_view(self) -> RoutingView:
         view = self.cluster.routing_view()
-        return replace(view, metrics_targets=self._own_target + view.metrics_targets)
+        decisions = tuple(self._autoscaler.decisions)[-16:] if self._autoscaler is not None else ()
+        return replace(
+            view, metrics_targets=self._own_target + view.metrics_targets, autoscaler_decisions=decisions
+        )
+
+    def _autoscaler_figures(self) -> AutoscalerFigures | None:
+        loop = self._autoscaler
+        if loop is None:
+            return None
+        counts: dict[tuple[str, str, str], int] = {}
+        for (pool, action, rule), n in list(loop.counts.items()):
+            key = (pool, action, Decision(pool, action, rule, 0, 0).reason)
+            counts[key] = counts.get(key, 0) + n
+        return AutoscalerFigures(dict(loop.desired), counts)
+
+    def start_autoscaler(self, prometheus_url: str, dry_run: bool = False) -> None:
+        """Run the autoscaling policy every ``interval_s`` of the topology's ``autoscaling:``
+        (its defaults without one), reading its signals from the Prometheus at
+        ``prometheus_url``; with ``dry_run`` it decides and records but does not act."""
+        topology = self.cluster.topology
+        config = topology.autoscaling_config()
+        window = topology.autoscaling.window if topology.autoscaling else "1m"
+
+        def groups(pool: Role) -> tuple[int, int]:
+            views = [g for g in self._view.groups if g.role is pool]
+            ready = sum(g.state == "ready" for g in views)
+            return ready, sum(g.state in ("starting", "draining") for g in views)
+
+        def remove(pool: Role) -> str:
+            with self._lock:
+                newest = self.cluster.serving(pool)[-1].group_id
+            self.remove_group(newest)
+            return newest
+
+        source = PrometheusSource(prometheus_url, self.cluster.model_name, window=window)
+        self._autoscaler = AutoscalerLoop(
+            Autoscaler(config), source, groups, lambda pool: self.add_group(pool.value), remove, dry_run
+        )
+        self._autoscaler.start()
+
+    def autoscaler_tick(self) -> list[Decision]:
+        """One tick of the autoscaler now (it must have been started): for tools and tests."""
+        if self._autoscaler is None:
+            raise RuntimeError("the autoscaler is not running: start_autoscaler first")
+        decisions = self._autoscaler.tick()
+        self._view = self._routing_view()
+        return decisions
 
     def _group_figures(self) -> list[GroupFigures]:
         """From the last published view: a scrape never waits on a rebuild. A group is started
@@ -402,6 +454,8 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._autoscaler is not None:
+            self._autoscaler.stop()
         with self._lock:
             self.cluster.stop()
             self._view = self._routing_view()

@@ -28,6 +28,8 @@ from tandem.engine.request import SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
 from tandem.frontend.request_stream import StreamSummary
+from tandem.metrics.discovery import prometheus_config
+from tandem.metrics.prometheus_process import PrometheusProcess
 
 TINY_SEED = 0
 log = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ class ServeOptions:
     max_running_requests: int = 256
     ready_timeout_s: float = 600.0
     metrics_port: int | None = None  # the frontend's /metrics and /sd (0: a free port); None: none
+    autoscale: bool = False  # run the autoscaler (needs metrics_port)
+    prometheus_url: str | None = None  # the autoscaler's Prometheus; None: one of our own
+    autoscale_dry_run: bool = False  # decide and record, do not act
+    scrape_interval_s: float = 5.0  # of the Prometheus started here for the autoscaler
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -84,6 +90,7 @@ class Server:
         self.frontend: Any = None
         self.port = 0
         self.metrics_address: str | None = None
+        self.prometheus: PrometheusProcess | None = None
 
     def start(self) -> int:
         o = self.options
@@ -119,10 +126,27 @@ class Server:
             self.metrics_address = ray.get(self.frontend.metrics_address.remote())
             if not ray.get(self.frontend.wait_ready.remote(o.ready_timeout_s)):
                 raise TimeoutError(f"the pools were not ready within {o.ready_timeout_s:.0f} s")
+            if o.autoscale:
+                self._start_autoscaler()
         except BaseException:
             self.stop()
             raise
         return self.port
+
+    def _start_autoscaler(self) -> None:
+        """The controller's autoscaler, reading the given Prometheus, or one started here that
+        scrapes this deployment through its discovery document."""
+        o = self.options
+        if self.metrics_address is None:
+            raise ValueError("autoscale: the deployment serves no metrics (set metrics_port)")
+        url = o.prometheus_url
+        if url is None:
+            config = prometheus_config(self.metrics_address, o.scrape_interval_s, o.scrape_interval_s)
+            self.prometheus = PrometheusProcess(config)
+            url = self.prometheus.url
+            targets = ray.get(self.frontend.discovery.remote())
+            self.prometheus.wait_for_targets(len(targets))  # the autoscaler starts on data
+        ray.get(self.controller.start_autoscaler.remote(url, o.autoscale_dry_run))
 
     def generate(
         self, prompts: list[list[int]], sampling: list[SamplingParams], timeout_s: float = 600.0
@@ -153,6 +177,9 @@ class Server:
                 log.warning("stopping %s failed: %s", actor, exc)
             finally:
                 ray.kill(actor)
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
 
 
 def serve(options: ServeOptions, announce: Callable[[str], None] = print) -> int:

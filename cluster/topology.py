@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "deploy" / "presets"
 
@@ -40,6 +42,43 @@ class PoolSpec(BaseModel):
         return self.groups * self.dep
 
 
+class PoolBounds(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_groups: int = Field(1, ge=1, description="the autoscaler never drains the pool below this")
+    max_groups: int = Field(4, ge=1, description="nor grows it past this")
+
+
+class AutoscalingSpec(BaseModel):
+    """``autoscaling:`` of a topology: the pools' bounds, the rank budget both share, the SLOs
+    and the policy's pace (see ``autoscaler/policy.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: PoolBounds = Field(default_factory=lambda: PoolBounds(), description="prefill pool bounds")
+    decode: PoolBounds = Field(default_factory=lambda: PoolBounds(), description="decode pool bounds")
+    rank_budget: int = Field(16, ge=2, description="ranks both pools may hold together")
+    ttft_slo_s: float = Field(1.0, gt=0, description="time to first token, p90 over the window")
+    itl_slo_s: float = Field(0.1, gt=0, description="inter-token latency, p90 over the window")
+    prefill_queue_target_s: float = Field(0.5, gt=0, description="mean prefill queue time that is pressure")
+    decode_queue_target_s: float = Field(0.5, gt=0, description="mean reservation wait that is pressure")
+    kv_usage_target: float = Field(0.8, gt=0, le=1, description="decode KV usage that is pressure")
+    interval_s: float = Field(5.0, gt=0, description="seconds between two decisions")
+    window: str = Field("1m", pattern=r"^[0-9]+(ms|s|m|h)$", description="PromQL window of the signals")
+    upscale_ticks: int = Field(2, ge=1, description="ticks of pressure before a group is added")
+    downscale_ticks: int = Field(6, ge=1, description="calm ticks before a group is drained")
+    settle_ticks: int = Field(2, ge=0, description="ticks ignored after an action (windows lag)")
+    margin: float = Field(0.2, ge=0, lt=1, description="headroom a drain must leave under the SLO")
+
+    def config(self, prefill_dep: int, decode_dep: int) -> AutoscalingConfig:
+        fields = self.model_dump(exclude={"prefill", "decode", "window"})
+        return AutoscalingConfig(
+            prefill=PoolLimits(**self.prefill.model_dump(), ranks_per_group=prefill_dep),
+            decode=PoolLimits(**self.decode.model_dump(), ranks_per_group=decode_dep),
+            **fields,
+        )
+
+
 class Topology(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,6 +88,39 @@ class Topology(BaseModel):
     kv_transfer: str = Field("layerwise", pattern="^(layerwise|whole)$", description="layerwise or whole")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
+    autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
+
+    @model_validator(mode="after")
+    def _autoscaling_fits(self) -> Topology:
+        spec = self.autoscaling
+        if spec is None:
+            return self
+        for name in ("prefill", "decode"):
+            bounds, pool = getattr(spec, name), getattr(self, name)
+            if bounds.min_groups > bounds.max_groups:
+                raise ValueError(
+                    f"autoscaling.{name}: min_groups {bounds.min_groups} > max_groups {bounds.max_groups}"
+                )
+            if not bounds.min_groups <= pool.groups <= bounds.max_groups:
+                raise ValueError(
+                    f"autoscaling.{name}: the pool starts with {pool.groups} groups, outside "
+                    f"[{bounds.min_groups}, {bounds.max_groups}]"
+                )
+        if self.prefill.ranks + self.decode.ranks > spec.rank_budget:
+            raise ValueError(
+                f"autoscaling.rank_budget: {spec.rank_budget} ranks, but the pools start with "
+                f"{self.prefill.ranks + self.decode.ranks}"
+            )
+        return self
+
+    def autoscaling_config(self) -> AutoscalingConfig:
+        """The policy's configuration (the defaults when the topology has no ``autoscaling:``)."""
+        spec = self.autoscaling or AutoscalingSpec(
+            prefill=PoolBounds(min_groups=self.prefill.groups, max_groups=max(4, self.prefill.groups)),
+            decode=PoolBounds(min_groups=self.decode.groups, max_groups=max(4, self.decode.groups)),
+            rank_budget=max(16, self.prefill.ranks + self.decode.ranks),
+        )
+        return spec.config(self.prefill.dep, self.decode.dep)
 
     def describe(self) -> str:
         """E.g. ``local: 1xDEP2 prefill + 1xDEP2 decode``."""
@@ -70,7 +142,8 @@ class Topology(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
-            raise TopologyError(str(path), f"{field}: {first['msg']}") from None
+            message = first["msg"].removeprefix("Value error, ")
+            raise TopologyError(str(path), f"{field}: {message}" if field else message) from None
 
     @staticmethod
     def preset(name: str) -> Topology:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -300,10 +301,23 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
                 group_id=g.group_id, role=g.role, state=g.state, incarnation=g.incarnation, ranks=ranks
             )
         )
+    decisions = [
+        tandem_pb2.AutoscalerDecision(
+            unix_time=at,
+            pool=d.pool,
+            action=d.action,
+            rule=d.rule,
+            ready_groups=d.ready_groups,
+            desired_groups=d.desired_groups,
+            inputs_json=json.dumps(d.inputs, sort_keys=True),
+        )
+        for at, d in view.autoscaler_decisions
+    ]
     return tandem_pb2.ClusterStatusResponse(
         model=view.model,
         ready=view.ready,
         groups=groups,
         router_counters=view.router_counters,
         running_requests=view.running_requests,
+        autoscaler_decisions=decisions,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from tandem.autoscaler.policy import Decision
 from tandem.cluster.controller import RoutingView
 from tandem.engine.messages import RankId, RankStats
 from tandem.router.router import Router
@@ -40,6 +41,7 @@ class StatusView:
     groups: list[GroupStatusView]
     router_counters: dict[str, int]
     running_requests: int
+    autoscaler_decisions: tuple[tuple[float, Decision], ...] = ()
 
 
 async def read_status(
@@ -72,4 +74,4 @@ async def read_status(
     for g in view.groups:
         ranks = await asyncio.gather(*[rank_status(rank, g.role.value) for rank in g.ranks])
         groups.append(GroupStatusView(g.group_id, g.role.value, g.state, g.incarnation, list(ranks)))
-    return StatusView(model, ready, groups, router.counters(), running)
+    return StatusView(model, ready, groups, router.counters(), running, view.autoscaler_decisions)

@@ -8,7 +8,7 @@ import functools
 from prometheus_client import CollectorRegistry
 
 from tandem.engine.messages import RankId, RankStats, Role
-from tandem.metrics.controller import ControllerMetrics, GroupFigures
+from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.frontend import FrontendMetrics
 from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
 from tandem.metrics.rank import RankMetrics
@@ -39,7 +39,8 @@ def exported_metric_names() -> dict[str, set[str]]:
         rank.watch(functools.partial(_same, stats))
         ranks |= sample_names(rank.registry)
     group = GroupFigures("g", "decode", "ready", 1, 0, 2)
-    controller = ControllerMetrics(ControllerLabels("m"), lambda: [group])
+    autoscaler = AutoscalerFigures({"decode": 2}, {("decode", "add", "slo"): 1})
+    controller = ControllerMetrics(ControllerLabels("m"), lambda: [group], lambda: autoscaler)
     return {
         "frontend": sample_names(frontend.registry),
         "rank": ranks,

@@ -25,10 +25,52 @@ class GroupFigures:
     ranks: int
 
 
+@dataclass(frozen=True)
+class AutoscalerFigures:
+    desired_groups: dict[str, int]  # pool -> the groups the last decision wants
+    decisions: dict[tuple[str, str, str], int]  # (pool, action, reason) -> decisions since start
+
+
 class ControllerMetrics:
-    def __init__(self, labels: ControllerLabels, groups: Callable[[], list[GroupFigures]]) -> None:
+    def __init__(
+        self,
+        labels: ControllerLabels,
+        groups: Callable[[], list[GroupFigures]],
+        autoscaler: Callable[[], AutoscalerFigures | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_GroupsCollector(labels, groups))
+        self.registry.register(_AutoscalerCollector(labels, autoscaler))
+
+
+class _AutoscalerCollector(Collector):
+    def __init__(self, labels: ControllerLabels, figures: Callable[[], AutoscalerFigures | None]) -> None:
+        self.labels, self.figures = labels, figures
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.figures()
+        if figures is None:  # autoscaling is off
+            return
+        names, values = list(self.labels.as_dict()), list(self.labels.as_dict().values())
+        desired = GaugeMetricFamily(
+            "tandem_autoscaler_desired_groups",
+            "Groups the autoscaler's last decision wants in each pool",
+            labels=[*names, "pool"],
+        )
+        for pool, groups in sorted(figures.desired_groups.items()):
+            desired.add_metric([*values, pool], groups)
+        decisions = CounterMetricFamily(
+            "tandem_autoscaler_decisions",
+            "The autoscaler's decisions by pool, action and reason",
+            labels=[*names, "pool", "action", "reason"],
+        )
+        for (pool, action, reason), count in sorted(figures.decisions.items()):
+            decisions.add_metric([*values, pool, action, reason], count)
+        yield desired
+        yield decisions
 
 
 class _GroupsCollector(Collector):

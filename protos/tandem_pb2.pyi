@@ -290,7 +290,7 @@ class GroupStatus(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests")
+    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions")
     class RouterCountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,9 +303,29 @@ class ClusterStatusResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_COUNTERS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALER_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     ready: bool
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
     router_counters: _containers.ScalarMap[str, int]
     running_requests: int
-    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ...) -> None: ...
+    autoscaler_decisions: _containers.RepeatedCompositeFieldContainer[AutoscalerDecision]
+    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ..., autoscaler_decisions: _Optional[_Iterable[_Union[AutoscalerDecision, _Mapping]]] = ...) -> None: ...
+
+class AutoscalerDecision(_message.Message):
+    __slots__ = ("unix_time", "pool", "action", "rule", "ready_groups", "desired_groups", "inputs_json")
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    READY_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    unix_time: float
+    pool: str
+    action: str
+    rule: str
+    ready_groups: int
+    desired_groups: int
+    inputs_json: str
+    def __init__(self, unix_time: _Optional[float] = ..., pool: _Optional[str] = ..., action: _Optional[str] = ..., rule: _Optional[str] = ..., ready_groups: _Optional[int] = ..., desired_groups: _Optional[int] = ..., inputs_json: _Optional[str] = ...) -> None: ...

@@ -1,26 +1,17 @@
-"""A real Prometheus server (Debian's ``prometheus`` package) on a free loopback port, with a
-configuration of the test's own, in a temporary folder removed at the end."""
+"""A real Prometheus server (Debian's ``prometheus`` package, run by ``PrometheusProcess``) and
+the queries the tests ask it."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tandem.metrics.prometheus_process import PrometheusProcess
 
 
 class Prometheus:
@@ -61,45 +52,8 @@ class Prometheus:
 
 @contextmanager
 def prometheus_server(config_yaml: str) -> Iterator[Prometheus]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        raise RuntimeError(
-            "prometheus is not installed: apt-get install -y --no-install-recommends prometheus "
-            "(the README's test command and .ci/run install it)"
-        )
-    folder = Path(tempfile.mkdtemp(prefix="tandem-prometheus-"))
-    (folder / "prometheus.yml").write_text(config_yaml)
-    port = _free_port()
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={folder / 'prometheus.yml'}",
-            f"--storage.tsdb.path={folder / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(folder / "log").open("w"),
-    )
-    url = f"http://127.0.0.1:{port}"
+    process = PrometheusProcess(config_yaml)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus did not start: {(folder / 'log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield Prometheus(url)
+        yield Prometheus(process.url)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        process.stop()

@@ -38,6 +38,8 @@ def _tandem(
         (["--port", "70000"], "--port: must be in [0, 65535]"),
         (["--metrics-port", "-1"], "--metrics-port: must be in [0, 65535]"),
         (["--port", "9400", "--metrics-port", "9400"], "--metrics-port: 9400 is the gRPC port"),
+        (["--prometheus-url", "http://h:9090"], "--prometheus-url: only applies with --autoscale"),
+        (["--autoscale", "--prometheus-url", "h:9090"], "--prometheus-url: expected http://HOST:PORT"),
         (["--tls-cert", "cert.pem"], "--tls-key"),
         (["--auth-token-file", "/no/such/token"], "--auth-token-file: cannot read /no/such/token"),
     ],
