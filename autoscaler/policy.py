@@ -16,6 +16,10 @@ Per pool, in order::
       1 - margin of the largest per-group load seen within
       the SLO                                                  -> drain
 
+Time to first token includes the wait for a decode slot: while the decode pool's reservation
+wait is over its target, a TTFT breach is the decode pool's (its queue pressure), not prefill's,
+and prefill neither scales nor learns from it.
+
 Capacity is learned online from the same signals: the largest per-group demand served within
 the SLO, and the smallest that broke it. No profiling run is needed; until a pool has been seen
 to cope, it is never shrunk below the load it carries now. When both pools want a group and the
@@ -30,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tandem.autoscaler.config import AutoscalingConfig
@@ -92,12 +96,16 @@ class Autoscaler:
 
     def decide(self, signals: dict[Role, PoolSignals]) -> list[Decision]:
         """One tick: a decision per pool (prefill first)."""
-        wants = {pool: self._want(pool, signals[pool]) for pool in POOLS}
+        decode_backed_up = self._decode_backed_up(signals[Role.DECODE])
+        wants = {pool: self._want(pool, signals[pool], decode_backed_up) for pool in POOLS}
         self._apply_budget(signals, wants)
         return [self._decision(pool, signals[pool], wants[pool]) for pool in POOLS]
 
     # -- per pool ------------------------------------------------------------------------------
-    def _want(self, pool: Role, s: PoolSignals) -> _Want:
+    def _decode_backed_up(self, decode: PoolSignals) -> bool:
+        return decode.queue_s is not None and decode.queue_s > self.config.decode_queue_target_s
+
+    def _want(self, pool: Role, s: PoolSignals, decode_backed_up: bool = False) -> _Want:
         cfg, st = self.config, self._state[pool]
         if s.pending_groups:
             st.pressure_ticks = 0
@@ -107,6 +115,8 @@ class Autoscaler:
         if st.settle_left > 0:
             st.settle_left -= 1
             return _Want("hold", "settling")
+        if pool is Role.PREFILL and decode_backed_up:  # TTFT tells of the decode pool's queue
+            s = replace(s, latency_p90_s=None)
         self._learn(pool, s)
         pressure = self._pressure(pool, s)
         if pressure is not None:

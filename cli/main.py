@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--output-tokens", type=int, default=16)
     dis.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     dis.add_argument("--json", action="store_true")
+    asc = bench.add_parser("autoscale", help="the autoscaler on a simulated cluster against static sizes")
+    asc.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    asc.add_argument("--rate-swing", type=float, default=4.0, help="peak / trough arrival rate of the replay")
+    asc.add_argument("--time-scale", type=float, default=1.0, help="arrivals this many times denser")
+    asc.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    asc.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
+    asc.add_argument("--rank-budget", type=int, default=64)
+    asc.add_argument("--json", action="store_true")
     met = bench.add_parser("metrics", help="decode throughput with metrics (and scrapes) on against off")
     met.add_argument("--model", type=Path, required=True)
     met.add_argument("--preset", default="local")
@@ -178,6 +186,25 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.output_tokens,
             address=args.address,
         )
+        emit(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if args.command == "bench" and args.bench_command == "autoscale":
+        from tandem.bench.autoscale_sim import bench_config, run_autoscale_bench
+        from tandem.bench.router_bench import TraceError, read_trace
+
+        if not args.rate_swing >= 1:
+            raise InvalidRequestError("--rate-swing", f"must be >= 1, got {args.rate_swing}")
+        if not args.time_scale > 0:
+            raise InvalidRequestError("--time-scale", f"must be > 0, got {args.time_scale}")
+        try:
+            config = bench_config(args.ttft_slo, args.itl_slo, args.rank_budget)
+        except ValueError as exc:
+            raise InvalidRequestError("--ttft-slo/--itl-slo/--rank-budget", str(exc)) from None
+        try:
+            requests = read_trace(args.trace)
+        except TraceError as exc:
+            raise CliError(str(exc)) from exc
+        result = run_autoscale_bench(requests, config, swing=args.rate_swing, time_scale=args.time_scale)
         emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "metrics":

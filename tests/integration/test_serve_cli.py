@@ -50,6 +50,15 @@ def test_serve_refuses_bad_arguments_before_starting(args: list[str], message: s
     assert message in result.stderr and result.stderr.startswith("tandem: error:")
 
 
+def test_autoscale_without_a_prometheus_says_so_in_one_line() -> None:
+    result = _tandem("serve", "--autoscale", env=os.environ | {"PATH": "/nonexistent"}, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: --autoscale: no prometheus binary on PATH: install it (apt-get install "
+        "prometheus) or pass --prometheus-url"
+    ]
+
+
 def test_serve_streams_to_the_client_and_shuts_down_cleanly(tmp_path: Path) -> None:
     env = os.environ | {"TANDEM_CACHE_DIR": str(tmp_path / "cache")}
     server = subprocess.Popen(
