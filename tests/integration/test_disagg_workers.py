@@ -285,11 +285,11 @@ def _one_bill(prefill: PrefillWorker, decode: DecodeWorker, tag: str) -> Prefill
 
 
 def _timed_bills(tiny: Path, layerwise: bool, **delays: float) -> list[PrefillAttempt]:
-    """Three requests' attempts, after a first one that connects the two agents; UCX on a shared
-    machine stalls now and then, so tests compare the quietest of three."""
+    """Five requests' attempts, after a first one that connects the two agents; UCX on a shared
+    machine stalls now and then, so tests compare the quietest of five."""
     prefill, decode = _workers(tiny, decode_pages=32, layerwise=layerwise, **delays)
     _one_bill(prefill, decode, f"warm-{layerwise}-{delays}")
-    out = [_one_bill(prefill, decode, f"timed-{layerwise}-{delays}-{i}") for i in range(3)]
+    out = [_one_bill(prefill, decode, f"timed-{layerwise}-{delays}-{i}") for i in range(5)]
     prefill.transport.close()
     decode.transport.close()
     return out
@@ -299,16 +299,16 @@ def _timed_bills(tiny: Path, layerwise: bool, **delays: float) -> list[PrefillAt
 def test_a_delay_in_the_write_completion_shows_in_transfer_and_exposed_time(
     tiny: Path, layerwise: bool
 ) -> None:
-    """NIXL's completion of every write comes 200 ms late: the sender's transfer time and the
+    """NIXL's completion of every write comes 500 ms late: the sender's transfer time and the
     exposed time both grow by that much, measured side by side with the same figures without
     the delay (prompts of the same length, none cached)."""
-    delay = 0.2
+    delay = 0.5
     plain = _timed_bills(tiny, layerwise)
     slow = _timed_bills(tiny, layerwise, completion_delay_s=delay)
     for attempt in slow:  # every slow transfer shows the delay, on the sender and the receiver
         assert attempt.kv_transfer_s >= delay and attempt.kv_transfer_exposed_s >= delay
         assert attempt.kv_wait_s >= delay and attempt.kv_bytes == plain[0].kv_bytes > 0
-    tolerance = 0.1  # polling and scheduling
+    tolerance = 0.25  # polling and scheduling on a loaded machine
     for figure in ("kv_transfer_s", "kv_transfer_exposed_s"):
         quiet_plain = min(getattr(a, figure) for a in plain)
         quiet_slow = min(getattr(a, figure) for a in slow)
