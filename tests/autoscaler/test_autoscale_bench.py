@@ -1,28 +1,47 @@
-"""``tandem bench autoscale``, short: the real policy on a simulated cluster over a slice of the
-Mooncake trace re-timed to a 4x swing, against the static sizes within the budget."""
+"""``tandem bench autoscale``, short: the real policy on a simulated cluster over a trace of the
+Mooncake format (made here, with the conversation trace's shape: a flat arrival rate, prompts of
+1k to 30k tokens, a few hundred output tokens) re-timed to a 4x swing, against the static sizes
+within the budget."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tandem.bench.autoscale_sim import SimModel, Simulation, bench_config, retime, run_autoscale_bench
-from tandem.bench.router_bench import read_trace
+from tandem.bench.router_bench import TraceRequest, read_trace
 from tandem.cli.main import main
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
+
+def _write_trace(path: Path, count: int, rate_per_s: float = 3.4, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        prompt = rng.randrange(1_000, 30_000)
+        blocks = list(range(i * 64, i * 64 + math.ceil(prompt / 512)))
+        record = {"timestamp": int(1000 * i / rate_per_s), "input_length": prompt,
+                  "output_length": rng.randrange(10, 800), "hash_ids": blocks}  # fmt: skip
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @pytest.fixture(scope="module")
-def requests() -> list:  # type: ignore[type-arg]
-    if not TRACE.is_file():
-        pytest.skip(f"{TRACE} is not here")
-    return read_trace(TRACE)[:1500]
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_trace(tmp_path_factory.mktemp("trace") / "trace.jsonl", 1500)
 
 
-def test_retime_swings_the_rate_by_the_factor_asked(requests: list) -> None:  # type: ignore[type-arg]
+@pytest.fixture(scope="module")
+def requests(trace: Path) -> list[TraceRequest]:
+    return read_trace(trace)
+
+
+def test_retime_swings_the_rate_by_the_factor_asked(requests: list[TraceRequest]) -> None:
     arrivals = retime(requests, swing=4.0, cycles=1.0)
     assert arrivals == sorted(arrivals) and len(arrivals) == len(requests)
     span = arrivals[-1]
@@ -33,8 +52,8 @@ def test_retime_swings_the_rate_by_the_factor_asked(requests: list) -> None:  # 
     assert bins[0] < bins[5] > bins[9]  # one cycle: trough, peak, trough
 
 
-def test_the_autoscaler_tracks_a_swinging_load(requests: list) -> None:  # type: ignore[type-arg]
-    config = bench_config(rank_budget=40)
+def test_the_autoscaler_tracks_a_swinging_load(requests: list[TraceRequest]) -> None:
+    config = replace(bench_config(rank_budget=40), downscale_ticks=6, settle_ticks=2)  # a short replay
     result = run_autoscale_bench(requests, config, swing=4.0, time_scale=1.0)
     scaled = result["autoscaler"]
     assert 0 <= scaled["slo_attainment"] <= 1 and scaled["finished"] == len(requests)
@@ -48,7 +67,7 @@ def test_the_autoscaler_tracks_a_swinging_load(requests: list) -> None:  # type:
     assert two["rank_seconds"] > one["rank_seconds"] and two["slo_attainment"] >= one["slo_attainment"]
 
 
-def test_a_static_cluster_holds_its_ranks_for_the_whole_run(requests: list) -> None:  # type: ignore[type-arg]
+def test_a_static_cluster_holds_its_ranks_for_the_whole_run(requests: list[TraceRequest]) -> None:
     config = bench_config()
     arrivals = retime(requests[:100], swing=1.0)
     model = SimModel(dt_s=0.5)
@@ -60,12 +79,9 @@ def test_a_static_cluster_holds_its_ranks_for_the_whole_run(requests: list) -> N
 
 
 def test_the_command_prints_json_and_refuses_bad_options(
-    requests: list,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],  # type: ignore[type-arg]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join(TRACE.read_text().splitlines()[:200]))
+    trace = _write_trace(tmp_path / "t.jsonl", 200)
     assert main(["bench", "autoscale", "--trace", str(trace), "--time-scale", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"autoscaler", "static", "cheapest_static_at_autoscaler_attainment"} <= out.keys()
