@@ -267,8 +267,8 @@ class NixlTransport(KVTransport):
         fields["timings"] = {**fields["timings"], "kv_transfer_s": send.stats.duration_s}
         fields["kv_bytes"] = send.stats.bytes
         self._release(send)
-        notified = time.monotonic()
-        fields["timings"]["kv_sender_exposed_s"] = notified - send.stats.compute_done_s
+        send.stats.notified_s = time.monotonic()  # sent now: what the receiver waits for
+        fields["timings"]["kv_sender_exposed_s"] = send.stats.sender_exposed_s
         try:
             self.agent.send_notif(
                 send.peer.meta.agent_name, encode_message(DONE, send.request_id, self.rank, **fields)
@@ -276,7 +276,6 @@ class NixlTransport(KVTransport):
         except Exception as exc:  # the receiver's agent is gone: nothing waits for this KV
             send.error = KVTransferError(send.request_id, f"cannot notify {send.peer.meta.rank}: {exc}")
             return self._progress_send(send, now, events)
-        send.stats.notified_s = notified
         events.sent.append(send.stats)
         return True
 
