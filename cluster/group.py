@@ -22,9 +22,11 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tandem.cluster.placement import RankResources, place_group, release_group
+from tandem.cluster.node_roles import label_selector
+from tandem.cluster.placement import RankResources, live_nodes, place_group, release_group
 from tandem.cluster.rank_actor import MetricsSpec, RankActor, RankSpec
-from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult
+from tandem.cluster.topology import PlacementSpec
+from tandem.engine.messages import Bill, ProcessPlace, RankId, RankRequest, RankStats, RequestResult, Role
 from tandem.engine.request import FinishReason
 from tandem.engine.role_spec import RoleSpec
 
@@ -60,6 +62,10 @@ class GroupConfig:
     collective_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
     metrics: MetricsSpec | None = None  # None: the ranks serve no metrics
+    placement: PlacementSpec | None = None  # node roles by label; None: any node
+    place_timeout_s: float = 120.0  # for the placement group to be ready
+    detached: bool = False  # ranks and placement group outlive the job that started them
+    deployment: str = ""  # the deployment's name, in its placement groups' names
 
 
 class RankGroup:
@@ -76,6 +82,7 @@ class RankGroup:
         self._pg: PlacementGroup | None = None
         self._in_flight: dict[str, int] = {}  # request id -> rank, for results through collect
         self.metrics_addresses: dict[RankId, str] = {}  # each rank's /metrics, this incarnation
+        self.places: dict[RankId, ProcessPlace] = {}  # each rank's node and pid, this incarnation
         # placement group names are global to the Ray namespace: two clusters (or a test's
         # leftovers) that both have a "prefill0" must not collide
         self._placement_tag = uuid.uuid4().hex[:8]
@@ -97,27 +104,37 @@ class RankGroup:
         """Each rank's actor handle (empty unless started)."""
         return dict(zip(self.rank_ids, self._actors, strict=False))
 
-    def start(self) -> None:
-        """Place and start a new incarnation; returns when every rank is ready to step."""
+    def start(self, place_timeout_s: float | None = None) -> None:
+        """Place and start a new incarnation; returns when every rank is ready to step. Raises
+        :class:`GroupFailed` (the group is then failed, its ranks and placement group freed)."""
         cfg = self.config
         self.incarnation += 1
         self.state, self.failure = GroupState.STARTING, None
-        resources = cfg.resources or RankResources.detect()
-        self._pg = place_group(
-            f"{cfg.group_id}-{self.incarnation}-{self._placement_tag}", cfg.size, resources
-        )
-        bundle = resources.bundle()
-        self._actors = [
-            RankActor.options(  # type: ignore[attr-defined]
-                num_cpus=bundle.get("CPU", 0),
-                num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._pg, placement_group_bundle_index=rank
-                ),
-            ).remote(self._spec(rank_id))
-            for rank, rank_id in enumerate(self.rank_ids)
-        ]
         try:
+            resources = cfg.resources or RankResources.detect()
+            parts = (cfg.deployment, cfg.group_id, str(self.incarnation), self._placement_tag)
+            self._pg = place_group(
+                "-".join(p for p in parts if p),
+                cfg.size,
+                resources,
+                cfg.place_timeout_s if place_timeout_s is None else place_timeout_s,
+                self.selector(),
+                cfg.detached,
+            )
+            bundle = resources.bundle()
+            self._actors = [
+                RankActor.options(  # type: ignore[attr-defined]
+                    num_cpus=bundle.get("CPU", 0),
+                    num_gpus=bundle.get("GPU", 0),
+                    lifetime="detached" if cfg.detached else None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self._pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(self._spec(rank_id))
+                for rank, rank_id in enumerate(self.rank_ids)
+            ]
+            places = ray.get([a.place.remote() for a in self._actors], timeout=cfg.start_timeout_s)
+            self.places = dict(zip(self.rank_ids, places, strict=True))
             master = str(ray.get(self._actors[0].rendezvous_address.remote(), timeout=cfg.start_timeout_s))
             ray.get([a.setup.remote(master) for a in self._actors], timeout=cfg.start_timeout_s)
             addresses = ray.get(
@@ -126,10 +143,18 @@ class RankGroup:
             self.metrics_addresses = {r: a for r, a in zip(self.rank_ids, addresses, strict=True) if a}
         except Exception as exc:
             self._teardown()
-            self.state, self.failure = GroupState.FAILED, f"start failed: {exc}"
+            why = _cause(exc) if isinstance(exc, ray.exceptions.RayError) else str(exc)
+            self.state, self.failure = GroupState.FAILED, f"start failed: {why}"
             raise GroupFailed(cfg.group_id, self.incarnation, self.failure) from exc
         self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
         self.state = GroupState.READY
+
+    def selector(self) -> dict[str, str] | None:
+        """The node label selector of this group's bundles, for the nodes alive now."""
+        cfg = self.config
+        if cfg.placement is None or cfg.role.role is Role.COLOCATED:
+            return None
+        return label_selector(cfg.placement, cfg.role.role, live_nodes())
 
     def _spec(self, rank_id: RankId) -> RankSpec:
         cfg = self.config
@@ -251,10 +276,11 @@ class RankGroup:
         """Page accounting on every rank."""
         ray.get([a.check_integrity.remote() for a in self._actors])
 
-    def restart(self) -> None:
-        """Gang restart: tear every rank down and start a new incarnation."""
+    def restart(self, place_timeout_s: float | None = None) -> None:
+        """Gang restart: tear every rank down and start a new incarnation (waiting
+        ``place_timeout_s`` for its placement, the config's by default)."""
         self._teardown()
-        self.start()
+        self.start(place_timeout_s)
 
     def stop(self) -> None:
         self._teardown()
@@ -271,7 +297,7 @@ class RankGroup:
         for actor in self._actors:
             ray.kill(actor)
         self._actors, self._loops, self._collecting = [], {}, {}
-        self.metrics_addresses = {}
+        self.metrics_addresses, self.places = {}, {}
         if self._pg is not None:
             release_group(self._pg)
             self._pg = None

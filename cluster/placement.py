@@ -2,23 +2,52 @@
 
 On GPU nodes a bundle is ``{"GPU": 1}`` plus a CPU; elsewhere a fraction of a CPU, so that many
 ranks share a small machine. ``PACK`` keeps a group on as few nodes as fit (its all-to-all is the
-hot collective); Ray's autoscaler adds nodes for a group that fits nowhere.
+hot collective) and spans nodes when one is too small; every bundle carries the role's node
+label selector (``node_roles.py``). Ray's autoscaler adds nodes for a group that fits nowhere.
+A detached deployment's placement groups are detached too: they outlive the command that
+made them, and ``tandem stop`` removes them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from tandem.cluster.node_roles import NodeInfo, describe_selector
+from tandem.engine.messages import ProcessPlace
+
 
 class PlacementTimeout(TimeoutError):
-    def __init__(self, group_id: str, size: int, waited_s: float, bundle: dict[str, float]) -> None:
+    def __init__(
+        self, group_id: str, size: int, waited_s: float, bundle: dict[str, float], selector: dict[str, str]
+    ) -> None:
+        where = f" on nodes {describe_selector(selector)}" if selector else ""
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         super().__init__(
-            f"group {group_id}: {size} bundles of {bundle} not placed within {waited_s:.0f}s; "
-            f"the cluster has {ray.available_resources()} free"
+            f"placement group {group_id}: {size} bundles of {bundle}{where} not placed within "
+            f"{waited_s:.0f}s; the cluster has {free} free"
         )
+        self.group_id = group_id
+
+
+def this_place() -> ProcessPlace:
+    """Where the calling process runs (it must be connected to Ray)."""
+    context = ray.get_runtime_context()
+    labels = {k: str(v) for k, v in (context.get_node_labels() or {}).items() if not k.startswith("ray.io/")}
+    address = ray.util.get_node_ip_address()
+    return ProcessPlace(context.get_node_id(), address, tuple(sorted(labels.items())), os.getpid())
+
+
+def live_nodes() -> list[NodeInfo]:
+    """The cluster's live nodes with their labels and total resources."""
+    return [
+        NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n.get("Labels") or {}), dict(n["Resources"]))
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
 
 
 @dataclass(frozen=True)
@@ -38,14 +67,27 @@ class RankResources:
 
 
 def place_group(
-    group_id: str, size: int, resources: RankResources, timeout_s: float = 120.0
+    group_id: str,
+    size: int,
+    resources: RankResources,
+    timeout_s: float = 120.0,
+    selector: dict[str, str] | None = None,
+    detached: bool = False,
 ) -> PlacementGroup:
+    """A ready placement group of ``size`` bundles on nodes matching ``selector``; on timeout
+    it is removed again and :class:`PlacementTimeout` raised."""
     bundle = resources.bundle()
-    pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=f"tandem-{group_id}")
+    pg = placement_group(
+        [dict(bundle) for _ in range(size)],
+        strategy="PACK",
+        name=f"tandem-{group_id}",
+        lifetime="detached" if detached else None,
+        bundle_label_selector=[dict(selector) for _ in range(size)] if selector else None,
+    )
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise PlacementTimeout(group_id, size, timeout_s, bundle)
+        raise PlacementTimeout(group_id, size, timeout_s, bundle, selector or {})
     return pg
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 
-from tandem.engine.messages import RankId, RankStats, RequestResult
+from tandem.cluster.placement import this_place
+from tandem.engine.messages import ProcessPlace, RankId, RankStats, RequestResult
 from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
 from tandem.engine.role_spec import RoleSpec
 from tandem.metrics.http import MetricsServer
@@ -50,6 +52,17 @@ class RankSpec:
     metrics: MetricsSpec | None = None
 
 
+class ModelFilesMissing(FileNotFoundError):
+    """The model directory is not readable on the node a rank landed on."""
+
+    @staticmethod
+    def at(model_dir: str, place: ProcessPlace) -> ModelFilesMissing:
+        return ModelFilesMissing(
+            f"model_dir: {model_dir} holds no config.json on node {place.node_id[:12]} "
+            f"({place.node_address}); put the model on a path every node can read"
+        )
+
+
 class RankNotReady(RuntimeError):
     def __init__(self, rank: RankId) -> None:
         super().__init__(f"rank {rank} is not set up")
@@ -71,6 +84,13 @@ class RankActor:
         self._loop: RankLoop | None = None
         self._metrics_server: MetricsServer | None = None
         self._metrics: RankMetrics | None = None
+
+    def place(self) -> ProcessPlace:
+        """This rank's node and pid; first checks that the node can read the model."""
+        place = this_place()
+        if not (Path(self.spec.model_dir) / "config.json").is_file():
+            raise ModelFilesMissing.at(self.spec.model_dir, place)
+        return place
 
     def rendezvous_address(self) -> str:
         return self._rendezvous.open(self.spec.collective_timeout_s)

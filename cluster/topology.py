@@ -7,6 +7,7 @@ every field described and defaulted; ``--preset NAME`` names a file in ``deploy/
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -79,6 +80,32 @@ class AutoscalingSpec(BaseModel):
         )
 
 
+class PlacementSpec(BaseModel):
+    """``placement:`` of a topology: which Ray nodes each pool's groups may use, by node label
+    (``ray start --labels tandem.io/role=prefill``). See ``cluster/node_roles.py``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label_key: str = Field(
+        "tandem.io/role",
+        pattern=r"^([a-z0-9.-]+/)?[A-Za-z0-9_.-]+$",
+        description="the node label naming a role",
+    )
+    prefill_label: str = Field("prefill", pattern=r"^[A-Za-z0-9_.-]+$", description="value for prefill nodes")
+    decode_label: str = Field("decode", pattern=r"^[A-Za-z0-9_.-]+$", description="value for decode nodes")
+    unlabelled_nodes: Literal["auto", "any", "never"] = Field(
+        "auto",
+        description="whether a node without the role label takes groups of either role: any (yes), "
+        "never (no), auto (only while no live node carries a role label)",
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> PlacementSpec:
+        if self.prefill_label == self.decode_label:
+            raise ValueError(f"decode_label: {self.decode_label!r} is the prefill_label too")
+        return self
+
+
 class Topology(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -89,6 +116,9 @@ class Topology(BaseModel):
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
+    placement: PlacementSpec = Field(
+        default_factory=lambda: PlacementSpec(), description="which Ray nodes each pool uses (node labels)"
+    )
 
     @model_validator(mode="after")
     def _autoscaling_fits(self) -> Topology:

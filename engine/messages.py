@@ -22,6 +22,17 @@ class Role(enum.StrEnum):
     COLOCATED = "colocated"  # prefill and decode on one rank, no transfer
 
 
+@dataclass(frozen=True)
+class ProcessPlace:
+    """Where a process of the deployment runs: its Ray node and its process id, so that an
+    operator can find, inspect or kill it."""
+
+    node_id: str
+    node_address: str
+    labels: tuple[tuple[str, str], ...]  # the node's Ray labels, sorted
+    pid: int
+
+
 @dataclass(frozen=True, order=True)
 class RankId:
     """One rank: its group and its place in it. ``name`` is the string other parts key ranks by
@@ -225,6 +236,7 @@ class RankStats:
     incarnation: int
     loop: LoopStats = field(default_factory=LoopStats)
     queued: int = 0
+    pending_tokens: int = 0  # a prefill rank's prompt tokens still to compute (queued or computing)
     running: int = 0
     waiting_for_kv: int = 0
     computing: int = 0

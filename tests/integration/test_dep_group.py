@@ -12,7 +12,7 @@ import ray
 import torch
 
 from tandem.cli.main import main
-from tandem.cluster.group import GroupConfig, GroupNotReady, GroupState, RankGroup
+from tandem.cluster.group import GroupConfig, GroupFailed, GroupNotReady, GroupState, RankGroup
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
@@ -135,6 +135,21 @@ def test_killed_rank_fails_the_group_and_it_restarts_whole(tiny: Path) -> None:
         _check_all_pages_free(group)
     finally:
         group.stop()
+
+
+def test_a_node_without_the_model_fails_the_start_naming_the_node(tiny: Path, tmp_path: Path) -> None:
+    """Each rank checks, on its own node, that the model is there before anything loads: a node
+    that lacks it fails the group's start with an error naming the node, and leaves nothing."""
+    missing = tmp_path / "not-on-this-node"
+    group = RankGroup(GroupConfig("nomodel", str(missing), 2, ColocatedRole(ENGINE), start_timeout_s=60))
+    started = time.monotonic()
+    with pytest.raises(GroupFailed) as failed:
+        group.start()
+    assert time.monotonic() - started < 60
+    message = str(failed.value)
+    assert f"model_dir: {missing} holds no config.json on node" in message, message
+    assert ray.get_runtime_context().get_node_id()[:12] in message
+    assert group.state is GroupState.FAILED and group.actors == {}
 
 
 def test_generate_cli_with_dep(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
