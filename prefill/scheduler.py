@@ -135,6 +135,15 @@ class PrefillScheduler:
         return len(self._computing)
 
     @property
+    def num_pending_tokens(self) -> int:
+        """Prompt tokens still to compute: a queued job's whole prompt (its cached prefix is
+        found when it is admitted), a computing job's rest. Frontends share it as load."""
+        queued = sum(len(s.job.prompt_token_ids) for s in self._queued.values())
+        return queued + sum(
+            len(s.job.prompt_token_ids) - s.num_computed_tokens for s in self._computing.values()
+        )
+
+    @property
     def num_transferring(self) -> int:
         return len(self._transferring)
 

@@ -142,6 +142,7 @@ class PrefillWorker(RankWorker):
             loop=loop,
             queued=s.num_queued,
             computing=s.num_computing,
+            pending_tokens=s.num_pending_tokens,
             transferring=s.num_transferring,
             free_pages=s.num_free_pages,
             total_pages=s.config.num_pages,

@@ -54,9 +54,9 @@ class CacheAwarePolicy(PrefillPolicy):
         eligible = [c for c in candidates if c.rank not in skipped]  # never empty: the least loaded stays
         page_size, weight = query.page_size, config.load_weight
 
-        def score(c: PrefillCandidate) -> tuple[float, int, int]:
+        def score(c: PrefillCandidate) -> tuple[float, int, int, int]:
             saved = c.matched_blocks * page_size - weight * c.in_flight_tokens
-            return saved, -c.in_flight_tokens, -c.routed_tokens
+            return saved, -c.in_flight_tokens, -c.routed_tokens, -c.tie_break
 
         chosen = max(eligible, key=score)
         return PrefillChoice(chosen.rank, "balance" if best_match.rank in skipped else "cache_hit")

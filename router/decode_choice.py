@@ -23,11 +23,12 @@ class DecodeCandidate:
     rank: str
     num_requests: int
     free_pages: float  # reported free minus promised; math.inf before the first report
+    tie_break: int = 0  # the router's own order of ranks (0: by name)
 
 
 def choose_decode_rank(candidates: Sequence[DecodeCandidate], pages_needed: int) -> DecodeCandidate:
-    """``candidates`` must not be empty; ties go to the smallest rank name."""
+    """``candidates`` must not be empty; ties go by the router's order, then the rank name."""
     with_room = [c for c in candidates if c.free_pages >= pages_needed]
     if with_room:
-        return min(with_room, key=lambda c: (c.num_requests, -c.free_pages, c.rank))
-    return min(candidates, key=lambda c: (-c.free_pages, c.num_requests, c.rank))
+        return min(with_room, key=lambda c: (c.num_requests, -c.free_pages, c.tie_break, c.rank))
+    return min(candidates, key=lambda c: (-c.free_pages, c.num_requests, c.tie_break, c.rank))

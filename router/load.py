@@ -55,6 +55,7 @@ class LoadTracker:
         self._decode_requests: dict[str, int] = {}
         self._promised_pages: dict[str, int] = {}
         self._stats: dict[str, DecodeStats] = {}
+        self._reported_tokens: dict[str, int] = {}  # each prefill rank's own count of pending tokens
         # per decode rank: requests whose prefill is done and whose pages are still promised
         self._awaiting_report: dict[str, set[str]] = {}
 
@@ -64,6 +65,7 @@ class LoadTracker:
         prefill_set, decode_set = set(prefill), set(decode)
         for rank in set(self._prefill_tokens) - prefill_set:
             del self._prefill_tokens[rank], self._routed_tokens[rank]
+            self._reported_tokens.pop(rank, None)
         for rank in set(self._decode_requests) - decode_set:
             del self._decode_requests[rank], self._promised_pages[rank], self._awaiting_report[rank]
             self._stats.pop(rank, None)
@@ -130,8 +132,21 @@ class LoadTracker:
             entry.promised_pages = 0
         self._awaiting_report[rank].clear()
 
+    def update_prefill_stats(self, rank: str, pending_tokens: int) -> None:
+        """Record a prefill rank's report of the tokens it has still to compute: with several
+        frontends it counts the others' requests, which this router never saw."""
+        if pending_tokens < 0:
+            raise ValueError(f"bad stats from {rank}: {pending_tokens=}")
+        if rank in self._prefill_tokens:
+            self._reported_tokens[rank] = pending_tokens
+
     def prefill_tokens(self, rank: str) -> int:
         return self._prefill_tokens.get(rank, 0)
+
+    def prefill_load(self, rank: str) -> int:
+        """The rank's load for routing: the larger of what this router has in flight there and
+        what the rank last reported (which includes other frontends' requests, but lags)."""
+        return max(self._prefill_tokens.get(rank, 0), self._reported_tokens.get(rank, 0))
 
     def routed_tokens(self, rank: str) -> int:
         return self._routed_tokens.get(rank, 0)

@@ -61,9 +61,10 @@ class PrefillCandidate:
 
     rank: str
     matched_blocks: int  # leading blocks it holds, already capped at max_reusable_blocks
-    in_flight_tokens: int  # new tokens routed to it whose prefill is not done
+    in_flight_tokens: int  # new tokens pending on it: this router's, or the rank's report if larger
     routed_tokens: int  # new tokens routed to it since it joined, done or not
     cached_blocks: int  # size of its prefix cache
+    tie_break: int = 0  # the router's own order of ranks, for ties (see ``RouterConfig.tie_break_salt``)
 
 
 @dataclass(frozen=True)
@@ -88,5 +89,6 @@ class PrefillPolicy(ABC):
 def least_loaded(candidates: Sequence[PrefillCandidate]) -> PrefillCandidate:
     """Fewest in-flight tokens. Ties, common when ranks are idle, go to the rank that was given
     the fewest tokens so far: a name order would hand the first rank every new conversation of
-    a quiet period, and conversations stay where they start."""
-    return min(candidates, key=lambda c: (c.in_flight_tokens, c.routed_tokens, c.rank))
+    a quiet period, and conversations stay where they start. Then each router's own order, so
+    that several frontends with equal counts do not all pick the same rank at once."""
+    return min(candidates, key=lambda c: (c.in_flight_tokens, c.routed_tokens, c.tie_break, c.rank))

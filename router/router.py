@@ -14,6 +14,7 @@ Not thread-safe: the frontend calls it from one event loop.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,9 @@ class RouterConfig:
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     # Output tokens a decode rank must have room for beyond the prompt, at most max_new_tokens.
     decode_output_reserve_tokens: int = 256
+    # Orders ranks for ties; frontends give each router its own (their names), so that routers
+    # that see the same loads do not herd onto one rank. Empty: rank-name order.
+    tie_break_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.decode_output_reserve_tokens < 0:
@@ -117,6 +121,10 @@ class Router:
     def update_decode_stats(self, rank: str, free_pages: int, running: int, total_pages: int) -> None:
         self._load.update_decode_stats(rank, free_pages, running, total_pages)
 
+    def update_prefill_stats(self, rank: str, pending_tokens: int) -> None:
+        """A prefill rank's report of its pending prompt tokens (all frontends' requests)."""
+        self._load.update_prefill_stats(rank, pending_tokens)
+
     def route(
         self,
         request_id: str,
@@ -151,9 +159,10 @@ class Router:
             PrefillCandidate(
                 rank,
                 matched.get(rank, 0),
-                load.prefill_tokens(rank),
+                load.prefill_load(rank),
                 load.routed_tokens(rank),
                 index.num_blocks(rank),
+                self._tie_break(rank),
             )
             for rank in self._prefill_ranks
         ]
@@ -223,10 +232,15 @@ class Router:
         if branches != routed:
             raise AssertionError(f"{branches} branch decisions for {routed} requests")
 
+    def _tie_break(self, rank: str) -> int:
+        salt = self.config.tie_break_salt
+        return zlib.crc32(f"{salt}/{rank}".encode()) if salt else 0
+
     def _decode_candidate(self, rank: str) -> DecodeCandidate:
         stats = self._load.decode_stats(rank)
         in_flight = self._load.decode_requests(rank)
+        tie = self._tie_break(rank)
         if stats is None:
-            return DecodeCandidate(rank, in_flight, math.inf)
+            return DecodeCandidate(rank, in_flight, math.inf, tie)
         free = stats.free_pages - self._load.promised_pages(rank)
-        return DecodeCandidate(rank, max(in_flight, stats.running), free)
+        return DecodeCandidate(rank, max(in_flight, stats.running), free, tie)

@@ -168,3 +168,45 @@ def test_routing_takes_microseconds() -> None:
     per_route_s = (time.perf_counter() - start) / 1000
     assert per_route_s < 1e-3  # about 30 us here; generous for slow CI machines
     router.check_integrity()
+
+
+def test_a_prefill_ranks_report_counts_other_frontends_load() -> None:
+    """Two frontends' routers: what one sent is invisible to the other until the rank reports
+    it; with the report the other router routes around the busy rank."""
+    one, two = make_router(), make_router()
+    first = route(one, "a", list(range(40)))
+    blind = route(two, "b", list(range(100, 140)))
+    assert blind.prefill_rank == first.prefill_rank  # no report yet: both picked the same rank
+    two.finished("b")
+    two.update_prefill_stats(first.prefill_rank, 40)  # the rank's own count, both frontends'
+    informed = route(two, "c", list(range(200, 240)))
+    assert informed.prefill_rank != first.prefill_rank
+    # a report below what this router has in flight there does not hide its own load
+    two.update_prefill_stats(informed.prefill_rank, 0)
+    assert route(two, "d", list(range(300, 340))).prefill_rank not in (informed.prefill_rank,)
+    two.check_integrity()
+
+
+def test_routers_of_different_frontends_break_ties_in_their_own_orders() -> None:
+    """Idle ranks tie; each frontend's router orders them by its own salt, so frontends that see
+    the same loads do not all send their next request to the same rank."""
+    firsts = set()
+    for name in ("tandem-frontend-0", "tandem-frontend-1", "tandem-frontend-2", "tandem-frontend-3"):
+        router = Router(RouterConfig(tie_break_salt=name))
+        router.set_ranks(PREFILL, DECODE)
+        decision = route(router, "a", list(range(20)))
+        again = Router(RouterConfig(tie_break_salt=name))
+        again.set_ranks(PREFILL, DECODE)
+        assert route(again, "a", list(range(20))) == decision  # the order is the router's own, and fixed
+        firsts.add((decision.prefill_rank, decision.decode_rank))
+    assert len(firsts) > 1
+    unsalted = make_router()
+    assert route(unsalted, "a", list(range(20))).prefill_rank == PREFILL[0]  # name order without a salt
+
+
+def test_a_bad_prefill_report_is_refused() -> None:
+    router = make_router()
+    with pytest.raises(ValueError, match="pending_tokens=-1"):
+        router.update_prefill_stats(PREFILL[0], -1)
+    router.update_prefill_stats("gone-r0", 5)  # a rank that left: ignored
+    router.check_integrity()
