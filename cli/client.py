@@ -98,6 +98,7 @@ class Outcome:
             "prompt_tokens": summary.bill.prompt_tokens,
             "cached_tokens": summary.bill.cached_tokens,
             "finish_reason": summary.finish_reason,
+            "error": summary.error,
             "placement": message_dict(summary.placement),
             "bill": message_dict(summary.bill),
         }

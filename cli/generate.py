@@ -4,6 +4,7 @@ these prompts take the path every served request takes (router, decode rank, pre
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,11 @@ def generate_on_cluster(
 ) -> list[StreamSummary]:
     """Start the cluster and its frontend (gRPC on a loopback port of the OS's choosing), run
     the prompts concurrently through the frontend, stop everything; the summaries in order."""
-    server = Server(ServeOptions(topology, Path(model_dir), port=0, dtype=dtype, address=address))
+    # a deployment of its own, beside any that serves on the same cluster
+    name = f"generate-{os.getpid()}"
+    server = Server(
+        ServeOptions(topology, Path(model_dir), port=0, dtype=dtype, address=address, deployment=name)
+    )
     server.start()
     try:
         return server.generate(prompts, sampling)

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cli.serving import add_serving_parsers
 
     add_serving_parsers(sub, _sampling_args)
+    from tandem.cli.deployment import add_deployment_parsers
+
+    add_deployment_parsers(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
@@ -170,6 +173,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.cli.serving import run_client, run_serve
 
         return run_serve(args) if args.command == "serve" else run_client(args, _sampling)
+    if args.command in ("status", "stop"):
+        from tandem.cli.deployment import DeploymentUnreachable, run_status, run_stop
+
+        try:
+            return run_status(args) if args.command == "status" else run_stop(args)
+        except DeploymentUnreachable as exc:
+            print(f"tandem: error: {exc}", file=sys.stderr)
+            return 1
     if args.command == "metrics":
         from tandem.cli.serving import run_metrics
 

@@ -41,6 +41,12 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     )
     srv.add_argument("--prometheus-url", default=None, help="the autoscaler's Prometheus (default: run one)")
     srv.add_argument("--autoscale-dry-run", action="store_true", help="decide and record, do not act")
+    srv.add_argument("--name", default="tandem", help="the deployment's name, one per Ray cluster")
+    srv.add_argument(
+        "--detach", action="store_true", help="leave it running on the cluster (needs --address)"
+    )
+    srv.add_argument("--frontends", type=int, default=1, help="frontend actors, on ports --port + i")
+    srv.add_argument("--dry-run", action="store_true", help="print where every group would go, start nothing")
 
     metrics = sub.add_parser("metrics", help="Prometheus set-up").add_subparsers(
         dest="metrics_command", required=True
@@ -116,6 +122,22 @@ def run_serve(args: argparse.Namespace) -> int:
             "--autoscale",
             "no prometheus binary on PATH: install it (apt-get install prometheus) or pass --prometheus-url",
         )
+    from tandem.cli.deployment import check_name, run_dry_run
+
+    name = check_name(args.name)
+    if args.frontends < 1:
+        raise InvalidRequestError("--frontends", f"must be at least 1, got {args.frontends}")
+    if args.port and args.port + args.frontends - 1 > 65535:
+        last = args.port + args.frontends - 1
+        raise InvalidRequestError("--frontends", f"ports {args.port}..{last} pass 65535")
+    if args.detach and not args.address:
+        raise InvalidRequestError("--detach", "needs --address: an embedded Ray ends with this command")
+    if args.detach and args.autoscale and args.prometheus_url is None:
+        raise InvalidRequestError(
+            "--prometheus-url", "--detach --autoscale needs the cluster's Prometheus (this command's ends)"
+        )
+    if args.dry_run:
+        return run_dry_run(topology, args.address, name)
     metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
     options = ServeOptions(
         topology=topology,
@@ -133,6 +155,9 @@ def run_serve(args: argparse.Namespace) -> int:
         autoscale=args.autoscale,
         prometheus_url=args.prometheus_url,
         autoscale_dry_run=args.autoscale_dry_run,
+        deployment=name,
+        detach=args.detach,
+        frontends=args.frontends,
     )
     return serve(options, announce=emit)
 

@@ -21,12 +21,12 @@ import ray
 from tandem.autoscaler.policy import Autoscaler, Decision
 from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop
-from tandem.cluster.group import GroupConfig, GroupState, RankGroup
-from tandem.cluster.placement import RankResources
+from tandem.cluster.group import GroupConfig, GroupFailed, GroupState, RankGroup
+from tandem.cluster.placement import RankResources, this_place
 from tandem.cluster.rank_actor import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.decode.role import DecodeRole
-from tandem.engine.messages import RankId, RankStats, Role
+from tandem.engine.messages import ProcessPlace, RankId, RankStats, Role
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.discovery import ScrapeTarget
 from tandem.metrics.http import MetricsServer
@@ -44,6 +44,19 @@ class GroupView:
     state: str  # starting, ready, draining, failed or stopped
     incarnation: int
     ranks: tuple[RankId, ...]
+    places: tuple[ProcessPlace, ...] = ()  # each rank's node and pid, while started
+    failure: str | None = None  # why it failed (a rebuild that cannot be placed says so here)
+
+
+@dataclass(frozen=True)
+class FrontendInfo:
+    """A frontend as it registers with the controller: its gRPC address, its metrics target and
+    where it runs."""
+
+    name: str
+    address: str  # host:port of its gRPC server
+    place: ProcessPlace
+    metrics_target: ScrapeTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,9 @@ class RoutingView:
     metrics_targets: tuple[ScrapeTarget, ...] = ()
     # the autoscaler's latest decisions, (Unix time, decision), oldest first; empty when it is off
     autoscaler_decisions: tuple[tuple[float, Decision], ...] = ()
+    frontends: tuple[FrontendInfo, ...] = ()  # every frontend that registered
+    controller: ProcessPlace | None = None
+    deployment: str = ""  # the deployment's name (its Ray namespace)
 
 
 class Cluster:
@@ -74,6 +90,8 @@ class Cluster:
         dtype: str = "float32",
         model_name: str = "",
         metrics_host: str | None = None,
+        detached: bool = False,
+        deployment: str = "",
     ) -> None:
         self.topology = topology
         self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
@@ -81,7 +99,18 @@ class Cluster:
         metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
         def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
-            template = GroupConfig(f"{name}0", model_dir, pool.dep, role, dtype, resources, metrics=metrics)
+            template = GroupConfig(
+                f"{name}0",
+                model_dir,
+                pool.dep,
+                role,
+                dtype,
+                resources,
+                metrics=metrics,
+                placement=topology.placement,
+                detached=detached,
+                deployment=deployment,
+            )
             self._templates[role.role] = template
             self._next_index[role.role] = pool.groups
             return [RankGroup(replace(template, group_id=f"{name}{i}")) for i in range(pool.groups)]
@@ -110,6 +139,7 @@ class Cluster:
         )
         self.decode = groups("decode", d, decode)
         self._draining: set[str] = set()
+        self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
 
     @property
     def groups(self) -> list[RankGroup]:
@@ -152,7 +182,15 @@ class Cluster:
 
         live = [g for g in self.groups if self._takes_work(g)]
         views = tuple(
-            GroupView(g.group_id, g.config.role.role, state(g), g.incarnation, tuple(g.rank_ids))
+            GroupView(
+                g.group_id,
+                g.config.role.role,
+                state(g),
+                g.incarnation,
+                tuple(g.rank_ids),
+                tuple(g.places[r] for r in g.rank_ids if r in g.places),
+                g.failure,
+            )
             for g in self.groups
         )
         return RoutingView(
@@ -241,13 +279,24 @@ class Cluster:
         for g in self.groups:
             g.check()
 
-    def heal(self) -> list[str]:
-        """Rebuild every failed group (gang restart) and resend the membership; the rebuilt ids."""
+    def heal(self, place_timeout_s: float = 10.0, retry_s: float = 5.0) -> list[str]:
+        """Rebuild every failed group (gang restart) and resend the membership; the rebuilt ids.
+        A rebuild waits ``place_timeout_s`` for its placement (a lost node's group may fit
+        nowhere until the node returns): one that cannot be placed stays failed, saying why,
+        and is tried again ``retry_s`` later."""
         rebuilt = []
+        now = time.monotonic()
         for g in self.groups:
-            if g.state is GroupState.FAILED:
-                g.restart()
-                rebuilt.append(g.group_id)
+            if g.state is not GroupState.FAILED or now < self._retry_at.get(g.group_id, 0.0):
+                continue
+            try:
+                g.restart(place_timeout_s)
+            except GroupFailed as exc:
+                log.warning("rebuilding %s: %s", g.group_id, exc)
+                self._retry_at[g.group_id] = time.monotonic() + retry_s
+                continue
+            self._retry_at.pop(g.group_id, None)
+            rebuilt.append(g.group_id)
         if rebuilt:
             self._send_membership()
         return rebuilt
@@ -289,9 +338,14 @@ class Controller:
         health_interval_s: float = 0.5,
         model_name: str = "",
         metrics_host: str | None = None,
+        detached: bool = False,
+        deployment: str = "",
     ) -> None:
-        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics_host)
+        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics_host, detached, deployment)
         self.health_interval_s = health_interval_s
+        self.deployment = deployment
+        self.place = this_place()
+        self._frontends: dict[str, FrontendInfo] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watch_loop, daemon=True)
@@ -309,9 +363,27 @@ class Controller:
     def _routing_view(self) -> RoutingView:
         view = self.cluster.routing_view()
         decisions = tuple(self._autoscaler.decisions)[-16:] if self._autoscaler is not None else ()
+        frontends = tuple(self._frontends[name] for name in sorted(self._frontends))
+        own = tuple(f.metrics_target for f in frontends if f.metrics_target is not None) + self._own_target
         return replace(
-            view, metrics_targets=self._own_target + view.metrics_targets, autoscaler_decisions=decisions
+            view,
+            metrics_targets=own + view.metrics_targets,
+            autoscaler_decisions=decisions,
+            frontends=frontends,
+            controller=self.place,
+            deployment=self.deployment,
         )
+
+    def register_frontend(self, info: FrontendInfo) -> None:
+        """A frontend tells where it serves; the view lists it (status, metrics discovery)."""
+        with self._lock:
+            self._frontends[info.name] = info
+            self._view = self._routing_view()
+
+    def unregister_frontend(self, name: str) -> None:
+        with self._lock:
+            self._frontends.pop(name, None)
+            self._view = self._routing_view()
 
     def _autoscaler_figures(self) -> AutoscalerFigures | None:
         loop = self._autoscaler
@@ -373,9 +445,23 @@ class Controller:
         self._watch.start()
         return self.cluster.status()
 
+    def _prune_frontends(self) -> None:
+        """Forget frontends whose actor is gone (their node was lost): status and metrics
+        discovery list only the living."""
+        for name in list(self._frontends):
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                log.warning("frontend %s is gone", name)
+                self.unregister_frontend(name)
+
     def _watch_loop(self) -> None:
+        next_prune = 0.0
         while not self._stop.is_set():
             try:
+                if time.monotonic() >= next_prune:
+                    self._prune_frontends()
+                    next_prune = time.monotonic() + 2.0
                 with self._lock:
                     self.cluster.watch()
                     self._view = self._routing_view()  # a failure shows before the rebuild

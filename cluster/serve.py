@@ -1,9 +1,14 @@
-"""``tandem serve``: the cluster (controller + pools) and the gRPC frontend, until interrupted.
+"""``tandem serve``: the cluster (controller + pools) and the gRPC frontends, until interrupted.
 
-Start-up: Ray (embedded, or ``--address``) -> the controller starts every group -> the frontend
-binds its port and waits until both pools are ready -> one "serving" line on stdout. SIGINT or
-SIGTERM stops the frontend first (health NOT_SERVING, running calls get a grace period), then
-the groups, then Ray.
+Start-up: Ray (embedded, or ``--address``), in a namespace named after the deployment -> refuse
+if that deployment already runs -> the controller starts every group -> each frontend binds its
+port and waits until both pools are ready -> one "serving" line on stdout. SIGINT or SIGTERM
+stops the frontends first (health NOT_SERVING, running calls get a grace period), then the
+groups, then Ray. With ``detach`` the command returns once serving and the deployment (named
+actors, placement groups, all detached) stays in the cluster until ``tandem stop``.
+
+Frontend 0 runs on the node where ``serve`` runs (its port is bound there); the others are
+spread over the cluster, each on ``port + i`` (``metrics_port + i``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tandem.cluster.controller import CONTROLLER_NAME, Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import Topology
-from tandem.engine.request import SamplingParams
+from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
 from tandem.frontend.request_stream import StreamSummary
@@ -32,7 +37,24 @@ from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
 
 TINY_SEED = 0
+DEFAULT_DEPLOYMENT = "tandem"
 log = logging.getLogger(__name__)
+
+
+class DeploymentExists(InvalidRequestError):
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            "--name",
+            f"a deployment named {name!r} already runs on this Ray cluster; "
+            f"stop it (tandem stop --name {name}) or choose another name",
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:  # type: ignore[override]
+        return (type(self), (self.message.split("'")[1],))
+
+
+def frontend_name(index: int) -> str:
+    return f"{FRONTEND_NAME}-{index}"
 
 
 def default_model_dir() -> Path:
@@ -69,6 +91,9 @@ class ServeOptions:
     prometheus_url: str | None = None  # the autoscaler's Prometheus; None: one of our own
     autoscale_dry_run: bool = False  # decide and record, do not act
     scrape_interval_s: float = 5.0  # of the Prometheus started here for the autoscaler
+    deployment: str = DEFAULT_DEPLOYMENT  # its Ray namespace; one deployment per name per cluster
+    detach: bool = False  # leave it running when the command exits (needs address)
+    frontends: int = 1  # frontend actors, each with its own gRPC port
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -87,44 +112,72 @@ class Server:
         self.model_dir = options.model_dir or ensure_tiny_model()
         self.model_name = options.model_name or self.model_dir.name
         self.controller: Any = None
-        self.frontend: Any = None
-        self.port = 0
+        self.frontends: list[Any] = []
+        self.ports: list[int] = []
         self.metrics_address: str | None = None
         self.prometheus: PrometheusProcess | None = None
 
+    @property
+    def frontend(self) -> Any:
+        """Frontend 0, on this node."""
+        return self.frontends[0] if self.frontends else None
+
+    @property
+    def port(self) -> int:
+        return self.ports[0] if self.ports else 0
+
     def start(self) -> int:
         o = self.options
-        init_ray(o.address)
-        self.controller = Controller.options(name=CONTROLLER_NAME).remote(  # type: ignore[attr-defined]
+        init_ray(o.address, namespace=o.deployment)
+        try:
+            ray.get_actor(CONTROLLER_NAME)
+        except ValueError:
+            pass
+        else:
+            raise DeploymentExists(o.deployment)
+        lifetime = "detached" if o.detach else None
+        # the controller and frontend 0 on this node (a head, typically): the loss of a rank's
+        # node must not take them along
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.controller = Controller.options(  # type: ignore[attr-defined]
+            name=CONTROLLER_NAME, lifetime=lifetime, scheduling_strategy=here
+        ).remote(
             o.topology,
             str(self.model_dir),
             o.dtype,
             model_name=self.model_name,
             metrics_host=o.rank_metrics_host,
+            detached=o.detach,
+            deployment=o.deployment,
         )
         try:
             ray.get(self.controller.start.remote())
-            config = FrontendConfig(
-                model_dir=str(self.model_dir),
-                model_name=self.model_name,
-                host=o.host,
-                port=o.port,
-                max_running_requests=o.max_running_requests,
-                auth_token=o.auth_token,
-                tls_cert_file=o.tls_cert_file,
-                tls_key_file=o.tls_key_file,
-                metrics=o.metrics_port is not None,
-                metrics_host=o.host,
-                metrics_port=o.metrics_port,
-            )
-            # on this node: the port is bound where the operator started serve
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            self.frontend = Frontend.options(  # type: ignore[attr-defined]
-                name=FRONTEND_NAME, scheduling_strategy=here
-            ).remote(config)
-            self.port = ray.get(self.frontend.start.remote())
+            for i in range(o.frontends):
+                config = FrontendConfig(
+                    model_dir=str(self.model_dir),
+                    model_name=self.model_name,
+                    host=o.host,
+                    port=o.port + i if o.port else 0,
+                    max_running_requests=o.max_running_requests,
+                    auth_token=o.auth_token,
+                    tls_cert_file=o.tls_cert_file,
+                    tls_key_file=o.tls_key_file,
+                    name=frontend_name(i),
+                    metrics=o.metrics_port is not None,
+                    metrics_host=o.host,
+                    metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
+                )
+                # frontend 0 where the operator started serve; the rest spread over the nodes
+                where = here if i == 0 else "SPREAD"
+                self.frontends.append(
+                    Frontend.options(  # type: ignore[attr-defined]
+                        name=config.name, scheduling_strategy=where, lifetime=lifetime
+                    ).remote(config)
+                )
+            self.ports = list(ray.get([f.start.remote() for f in self.frontends]))
             self.metrics_address = ray.get(self.frontend.metrics_address.remote())
-            if not ray.get(self.frontend.wait_ready.remote(o.ready_timeout_s)):
+            ready = ray.get([f.wait_ready.remote(o.ready_timeout_s) for f in self.frontends])
+            if not all(ready):
                 raise TimeoutError(f"the pools were not ready within {o.ready_timeout_s:.0f} s")
             if o.autoscale:
                 self._start_autoscaler()
@@ -165,10 +218,10 @@ class Server:
         ray.get([self.frontend.observe.remote(enabled), *(r.observe.remote(enabled) for r in ranks)])
 
     def stop(self) -> None:
-        """Frontend first (no new work), then the groups; each step runs even if one before failed."""
-        frontend, controller = self.frontend, self.controller
-        self.frontend = self.controller = None
-        for actor in (frontend, controller):
+        """Frontends first (no new work), then the groups; each step runs even if one before failed."""
+        actors = [*self.frontends, self.controller]
+        self.frontends, self.controller = [], None
+        for actor in actors:
             if actor is None:
                 continue
             try:
@@ -192,22 +245,30 @@ def serve(options: ServeOptions, announce: Callable[[str], None] = print) -> int
 
     server = Server(options)
     previous: dict[int, Any] = {}
+    detached = False
     try:
-        port = server.start()
+        server.start()
         # after Ray's start-up, which installs its own SIGTERM handler in this process
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         metrics = (
             f"; metrics and discovery on http://{server.metrics_address}" if server.metrics_address else ""
         )
+        where = ", ".join(f"{options.host}:{port}" for port in server.ports)
+        name = options.deployment
+        how = f"detached; tandem stop --name {name} stops it" if options.detach else "Ctrl-C stops"
         announce(
-            f"tandem: serving {server.model_name} on {options.host}:{port} "
-            f"({options.topology.describe()}){metrics}; Ctrl-C stops"
+            f"tandem: serving {server.model_name} on {where} "
+            f"({options.topology.describe()}){metrics}; deployment {name}, {how}"
         )
+        if options.detach:
+            detached = True
+            return 0
         while not stop.wait(0.5):
             pass
         announce("tandem: shutting down")
     finally:
-        server.stop()
+        if not detached:
+            server.stop()
         shutdown_ray()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -14,6 +14,8 @@ from typing import Any
 
 import ray
 
+from tandem.cluster.controller import FrontendInfo
+from tandem.cluster.placement import this_place
 from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, last_line
 from tandem.frontend.grpc_service import build_server, set_serving
@@ -46,8 +48,13 @@ class Frontend:
         self._server, self._health, self.port = build_server(self.core)
         config, metrics = self.config, self._all_metrics
         if config.metrics_port is not None and metrics is not None:
+            wildcard = config.metrics_host in ("", "0.0.0.0", "::")
             self._metrics = MetricsServer(
-                metrics.registry, config.metrics_host, config.metrics_port, discovery=self.discovery
+                metrics.registry,
+                config.metrics_host,
+                config.metrics_port,
+                discovery=self.discovery,
+                advertise=ray.util.get_node_ip_address() if wildcard else None,
             )
         await self._server.start()
         await self._set_health(False)
@@ -62,17 +69,27 @@ class Frontend:
         """``host:port`` of ``/metrics`` and ``/sd`` (``None`` when not served)."""
         return self._metrics.address if self._metrics is not None else None
 
+    def _metrics_target(self) -> ScrapeTarget | None:
+        if self._metrics is None or self._all_metrics is None:
+            return None
+        return ScrapeTarget(self._metrics.address, "frontend", self._all_metrics.labels.as_dict())
+
+    def info(self) -> FrontendInfo:
+        """What this frontend registers with the controller: where its gRPC server listens
+        (the node's address when bound to every interface), its metrics and its process."""
+        place = this_place()
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else place.node_address
+        return FrontendInfo(self.config.name, f"{host}:{self.port}", place, self._metrics_target())
+
     def discovery(self) -> list[dict[str, Any]]:
-        """The deployment's scrape targets: this frontend, then what the controller's last view
-        lists (itself and every rank of every started group)."""
-        targets: list[ScrapeTarget] = []
-        if self._metrics is not None and self._all_metrics is not None:
-            labels = self._all_metrics.labels.as_dict()
-            targets.append(ScrapeTarget(self._metrics.address, "frontend", labels))
+        """The deployment's scrape targets: every registered frontend, the controller and every
+        rank of every started group, as the controller's last view lists them (this frontend
+        first, before it has registered)."""
+        own = self._metrics_target()
         view = self.core.view
-        if view is not None:
-            targets += view.metrics_targets
-        return sd_document(targets)
+        listed = list(view.metrics_targets) if view is not None else []
+        targets = [own] if own is not None and own not in listed else []
+        return sd_document(targets + listed)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -106,6 +123,8 @@ class Frontend:
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in self._tasks:
             task.cancel()
+        with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the controller may be gone
+            await ray.get_actor(self.config.controller).unregister_frontend.remote(self.config.name)
         view = self.core.view
         if view is not None:  # the prefill ranks stop pushing KV events here
             for handle in view.prefill.values():
@@ -124,6 +143,7 @@ class Frontend:
                 if controller is None:  # the frontend may start before the controller
                     try:
                         controller = ray.get_actor(self.config.controller)
+                        await controller.register_frontend.remote(self.info())
                     except ValueError:
                         self.core.ready = False
                 if controller is not None:

@@ -46,7 +46,7 @@ from tandem.metrics.labels import FrontendLabels
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
 from tandem.prefill.kv_events import KVEventBatch
-from tandem.router.router import NoRankAvailable, Router
+from tandem.router.router import NoRankAvailable, Router, RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class FrontendCore:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
-        self.router = Router()
+        self.router = Router(RouterConfig(tie_break_salt=config.name))
         self.view: RoutingView | None = None
         self.running: dict[str, _Running] = {}  # by the client's request id
         self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
@@ -311,7 +311,7 @@ class FrontendCore:
                 subscribe = self.kv_events.subscribe(rank.name, incarnations[rank], handle)
                 self._tasks.add(task := asyncio.ensure_future(subscribe))
                 task.add_done_callback(self._tasks.discard)
-        await self._read_decode_stats(view)
+        await self._read_rank_stats(view)
         # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
         # by itself: end it here
         for running in list(self.running.values()):
@@ -329,17 +329,20 @@ class FrontendCore:
             and bool(self.kv_events.following.keys() & {r.name for r in view.prefill})
         )
 
-    async def _read_decode_stats(self, view: RoutingView) -> None:
-        ranks = sorted(view.decode)
-        replies = await asyncio.gather(
-            *[view.decode[r].stats.remote() for r in ranks], return_exceptions=True
-        )
+    async def _read_rank_stats(self, view: RoutingView) -> None:
+        """Every rank's report: decode ranks' free pages and requests, prefill ranks' pending
+        tokens (loads that include the other frontends' requests)."""
+        handles = view.decode | view.prefill
+        ranks = sorted(handles)
+        replies = await asyncio.gather(*[handles[r].stats.remote() for r in ranks], return_exceptions=True)
         for rank, stats in zip(ranks, replies, strict=True):
-            if isinstance(stats, ray.exceptions.RayActorError):
+            if isinstance(stats, ray.exceptions.RayActorError) and rank in view.decode:
                 self.fail_rank(rank, f"decode rank {rank} died while serving the request")
-            elif isinstance(stats, RankStats):
+            elif isinstance(stats, RankStats) and rank in view.decode:
                 running = stats.running + stats.waiting_for_kv
                 self.router.update_decode_stats(rank.name, stats.free_pages, running, stats.total_pages)
+            elif isinstance(stats, RankStats):
+                self.router.update_prefill_stats(rank.name, stats.pending_tokens)
 
     async def status(self, check_integrity: bool) -> StatusView:
         return await read_status(

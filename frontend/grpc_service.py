@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.engine.messages import RankId
+from tandem.engine.messages import ProcessPlace, RankId
 from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
 from tandem.frontend.core import FrontendCore, GenerateSpec
 from tandem.frontend.grpc_auth import BearerTokenInterceptor, server_credentials
@@ -293,12 +293,18 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
                     routed_requests=r.routed_requests,
                     indexed_blocks=r.indexed_blocks,
                     integrity=r.integrity,
+                    place=_place(r.place),
                     **counts,
                 )
             )
         groups.append(
             tandem_pb2.GroupStatus(
-                group_id=g.group_id, role=g.role, state=g.state, incarnation=g.incarnation, ranks=ranks
+                group_id=g.group_id,
+                role=g.role,
+                state=g.state,
+                incarnation=g.incarnation,
+                ranks=ranks,
+                failure=g.failure or "",
             )
         )
     decisions = [
@@ -320,4 +326,23 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
         router_counters=view.router_counters,
         running_requests=view.running_requests,
         autoscaler_decisions=decisions,
+        deployment=view.deployment,
+        controller=_place(view.controller),
+        frontends=[
+            tandem_pb2.FrontendStatus(
+                name=f.name,
+                address=f.address,
+                metrics_address=f.metrics_target.address if f.metrics_target else "",
+                place=_place(f.place),
+            )
+            for f in view.frontends
+        ],
+    )
+
+
+def _place(place: ProcessPlace | None) -> tandem_pb2.ProcessPlace | None:
+    if place is None:
+        return None
+    return tandem_pb2.ProcessPlace(
+        node_id=place.node_id, node_address=place.node_address, node_labels=dict(place.labels), pid=place.pid
     )

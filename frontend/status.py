@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import ray
 
 from tandem.autoscaler.policy import Decision
-from tandem.cluster.controller import RoutingView
-from tandem.engine.messages import RankId, RankStats
+from tandem.cluster.controller import FrontendInfo, RoutingView
+from tandem.engine.messages import ProcessPlace, RankId, RankStats
 from tandem.router.router import Router
 
 
@@ -23,6 +23,7 @@ class RankStatusView:
     routed_requests: int = 0
     indexed_blocks: int = 0
     integrity: str = ""
+    place: ProcessPlace | None = None
 
 
 @dataclass
@@ -32,6 +33,7 @@ class GroupStatusView:
     state: str
     incarnation: int
     ranks: list[RankStatusView] = field(default_factory=list)
+    failure: str | None = None
 
 
 @dataclass
@@ -42,6 +44,9 @@ class StatusView:
     router_counters: dict[str, int]
     running_requests: int
     autoscaler_decisions: tuple[tuple[float, Decision], ...] = ()
+    deployment: str = ""
+    controller: ProcessPlace | None = None
+    frontends: tuple[FrontendInfo, ...] = ()
 
 
 async def read_status(
@@ -73,5 +78,19 @@ async def read_status(
     groups = []
     for g in view.groups:
         ranks = await asyncio.gather(*[rank_status(rank, g.role.value) for rank in g.ranks])
-        groups.append(GroupStatusView(g.group_id, g.role.value, g.state, g.incarnation, list(ranks)))
-    return StatusView(model, ready, groups, router.counters(), running, view.autoscaler_decisions)
+        for rank, place in zip(ranks, g.places, strict=False):
+            rank.place = place
+        groups.append(
+            GroupStatusView(g.group_id, g.role.value, g.state, g.incarnation, list(ranks), g.failure)
+        )
+    return StatusView(
+        model,
+        ready,
+        groups,
+        router.counters(),
+        running,
+        view.autoscaler_decisions,
+        view.deployment,
+        view.controller,
+        view.frontends,
+    )

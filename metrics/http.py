@@ -22,7 +22,9 @@ class MetricsServer:
         host: str,
         port: int = 0,
         discovery: Callable[[], list[dict[str, Any]]] | None = None,
+        advertise: str | None = None,
     ) -> None:
+        """``advertise``: the host others reach it at, when ``host`` is every interface."""
         server_registry, sd = registry, discovery
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,7 +50,7 @@ class MetricsServer:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self.host = host
+        self.host = advertise or host
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()

@@ -211,7 +211,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity", "incarnation", "kv_cache_usage_ratio", "sends_in_flight", "receives_in_flight", "kv_bytes_sent", "kv_bytes_received", "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "transfer_failures", "steps", "step_s")
+    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity", "incarnation", "kv_cache_usage_ratio", "sends_in_flight", "receives_in_flight", "kv_bytes_sent", "kv_bytes_received", "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "transfer_failures", "steps", "step_s", "place")
     class TransferFailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class RankStatus(_message.Message):
     TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     queued: int
@@ -273,24 +274,58 @@ class RankStatus(_message.Message):
     transfer_failures: _containers.ScalarMap[str, int]
     steps: int
     step_s: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ..., incarnation: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., sends_in_flight: _Optional[int] = ..., receives_in_flight: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transfer_failures: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
+    place: ProcessPlace
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ..., incarnation: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., sends_in_flight: _Optional[int] = ..., receives_in_flight: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transfer_failures: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., step_s: _Optional[float] = ..., place: _Optional[_Union[ProcessPlace, _Mapping]] = ...) -> None: ...
+
+class ProcessPlace(_message.Message):
+    __slots__ = ("node_id", "node_address", "node_labels", "pid")
+    class NodeLabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_LABELS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_address: str
+    node_labels: _containers.ScalarMap[str, str]
+    pid: int
+    def __init__(self, node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class FrontendStatus(_message.Message):
+    __slots__ = ("name", "address", "metrics_address", "place")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    metrics_address: str
+    place: ProcessPlace
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., place: _Optional[_Union[ProcessPlace, _Mapping]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "role", "state", "incarnation", "ranks")
+    __slots__ = ("group_id", "role", "state", "incarnation", "ranks", "failure")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     role: str
     state: str
     incarnation: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+    failure: str
+    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions")
+    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions", "deployment", "controller", "frontends")
     class RouterCountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -304,13 +339,19 @@ class ClusterStatusResponse(_message.Message):
     ROUTER_COUNTERS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     AUTOSCALER_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     ready: bool
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
     router_counters: _containers.ScalarMap[str, int]
     running_requests: int
     autoscaler_decisions: _containers.RepeatedCompositeFieldContainer[AutoscalerDecision]
-    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ..., autoscaler_decisions: _Optional[_Iterable[_Union[AutoscalerDecision, _Mapping]]] = ...) -> None: ...
+    deployment: str
+    controller: ProcessPlace
+    frontends: _containers.RepeatedCompositeFieldContainer[FrontendStatus]
+    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ..., autoscaler_decisions: _Optional[_Iterable[_Union[AutoscalerDecision, _Mapping]]] = ..., deployment: _Optional[str] = ..., controller: _Optional[_Union[ProcessPlace, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[FrontendStatus, _Mapping]]] = ...) -> None: ...
 
 class AutoscalerDecision(_message.Message):
     __slots__ = ("unix_time", "pool", "action", "rule", "ready_groups", "desired_groups", "inputs_json")

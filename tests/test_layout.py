@@ -66,6 +66,8 @@ TORCH_FREE = (
     "tandem.router.router",
     "tandem.cluster.controller",
     "tandem.cluster.serve",
+    "tandem.cluster.deployment",
+    "tandem.cluster.node_roles",
     "tandem.cluster.rank_actor",
     "tandem.cli.main",
     "tandem.cli.generate",

@@ -42,6 +42,14 @@ def _tandem(
         (["--autoscale", "--prometheus-url", "h:9090"], "--prometheus-url: expected http://HOST:PORT"),
         (["--tls-cert", "cert.pem"], "--tls-key"),
         (["--auth-token-file", "/no/such/token"], "--auth-token-file: cannot read /no/such/token"),
+        (["--detach"], "--detach: needs --address"),
+        (["--frontends", "0"], "--frontends: must be at least 1"),
+        (["--port", "65535", "--frontends", "2"], "--frontends: ports 65535..65536 pass 65535"),
+        (["--name", "Bad_Name"], "--name: expected lower-case letters, digits and '-'"),
+        (
+            ["--detach", "--address", "127.0.0.1:1", "--autoscale"],
+            "--prometheus-url: --detach --autoscale needs the cluster's Prometheus",
+        ),
     ],
 )
 def test_serve_refuses_bad_arguments_before_starting(args: list[str], message: str) -> None:

@@ -1,0 +1,126 @@
+"""A multi-node Ray cluster on this machine, started the way an operator starts one: ``ray start
+--head`` and one ``ray start --address ... --labels ...`` per worker node, each its own raylet.
+
+Every process of it runs with token authentication (a token file of its own) and a temp dir
+of its own, so tearing it down kills exactly its processes (found by that dir in their command
+lines), and a node is lost by killing its raylet (found by its node id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+class RayNodes:
+    def __init__(self, head_cpus: int = 2) -> None:
+        # a short path: Ray's unix sockets live under it
+        self.root = Path(tempfile.mkdtemp(prefix="tn", dir="/tmp"))
+        (self.root / "token").write_text(secrets.token_hex(32))
+        self.env = os.environ | {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.root / "token"),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "TANDEM_CACHE_DIR": str(self.root / "cache"),
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        port = _free_port()
+        self.address = f"127.0.0.1:{port}"
+        self._ray(
+            "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}", "--include-dashboard=false",
+            f"--temp-dir={self.root / 'ray'}", "--object-store-memory=150000000", "--disable-usage-stats",
+        )  # fmt: skip
+
+    def _ray(self, *args: str) -> str:
+        out = subprocess.run([RAY, *args], capture_output=True, text=True, env=self.env, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"ray {' '.join(args)} failed: {out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def add_node(self, labels: dict[str, str], cpus: int = 1) -> None:
+        label = ",".join(f"{k}={v}" for k, v in labels.items())
+        self._ray(
+            "start", f"--address={self.address}", f"--num-cpus={cpus}", f"--labels={label}",
+            "--object-store-memory=150000000", "--disable-usage-stats",
+        )  # fmt: skip
+
+    def nodes(self) -> list[dict[str, object]]:
+        """Live nodes: id and labels, read by a process of its own (this one stays off Ray)."""
+        code = (
+            f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR');"
+            "print(json.dumps([{'id': n['NodeID'], 'labels': n['Labels'], 'alive': n['Alive']}"
+            " for n in ray.nodes()]))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=self.env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        import json
+
+        return [n for n in json.loads(out.stdout.strip().splitlines()[-1]) if n["alive"]]
+
+    def nodes_with(self, key: str, value: str) -> list[str]:
+        """Ids of the live nodes labelled ``key=value`` (a lost node stays listed until Ray's
+        health checks mark it dead)."""
+        return [str(n["id"]) for n in self.nodes() if dict(n["labels"]).get(key) == value]  # type: ignore[call-overload]
+
+    def node_with(self, key: str, value: str) -> str:
+        ids = self.nodes_with(key, value)
+        assert len(ids) == 1, ids
+        return ids[0]
+
+    def kill_raylet(self, node_id: str) -> None:
+        """Lose a node: SIGKILL its raylet (its workers follow)."""
+        pids = self._pids(f"--node_id={node_id}", "raylet")
+        assert pids, f"no raylet of node {node_id}"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    def _pids(self, *needles: str, file: str = "cmdline") -> list[int]:
+        """Processes whose command line (or environment) holds every needle."""
+        out = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                text = (proc / file).read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if all(n in text for n in needles):
+                out.append(int(proc.name))
+        return out
+
+    def processes(self) -> list[int]:
+        """Every live process of this cluster: Ray's and the workers (actors) it started, which
+        carry this cluster's token path in their environment."""
+        return self._pids(f"RAY_AUTH_TOKEN_PATH={self.root / 'token'}", file="environ")
+
+    def shutdown(self) -> None:
+        """Kill every process of this cluster, then remove its files."""
+        for _ in range(5):
+            pids = self.processes()
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,298 @@
+"""``tandem serve --address`` on a three-node Ray cluster built the way an operator builds one:
+a head, a node labelled prefill and a node labelled decode, each its own raylet. Everything is
+driven through the command line and gRPC, as an operator would; this process never joins Ray.
+
+The tests run in order on one deployment: placement by role and the colocated engine's tokens
+(KV crossing nodes over NIXL), two frontends against one, the loss and return of the decode
+node, then ``tandem stop`` from a new process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.cli.client import ClientOptions, status, wait_serving
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.request import SamplingParams
+from tests.integration.ray_nodes import RayNodes
+
+CLI = [sys.executable, "-m", "tandem.cli"]
+ROLE = "tandem.io/role"
+NAME = "multi"
+PAGE = 64  # the local preset's page size
+
+
+@dataclass
+class Deployment:
+    nodes: RayNodes
+    frontends: list[str]  # host:port of each frontend's gRPC server
+
+    def tandem(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=self.nodes.env
+        )
+
+    def status(self) -> dict[str, Any]:
+        out = self.tandem("status", "--address", self.nodes.address, "--name", NAME)
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    def generate(
+        self, frontend: int, rows: list[dict[str, Any]], concurrency: int = 4
+    ) -> list[dict[str, Any]]:
+        prompts = self.nodes.root / f"prompts-{frontend}-{time.monotonic_ns()}.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = self.tandem(
+            "client", "generate", "--prompts-file", str(prompts), "--max-tokens", "4", "--ignore-eos",
+            "--concurrency", str(concurrency), "--json", "--addr", self.frontends[frontend],
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return list(json.loads(out.stdout)["outputs"])
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[Deployment]:
+    nodes = RayNodes()
+    try:
+        nodes.add_node({ROLE: "prefill"})
+        nodes.add_node({ROLE: "decode"})
+        out = subprocess.run(
+            [*CLI, "serve", "--address", nodes.address, "--name", NAME, "--detach", "--frontends", "2",
+             "--port", "0", "--metrics-port", "0", "--dtype", "float64", "--preset", "local"],
+            capture_output=True, text=True, timeout=600, env=nodes.env,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "deployment multi, detached" in out.stdout, out.stdout
+        dep = Deployment(nodes, [])
+        dep.frontends = [f["address"] for f in dep.status()["frontends"]]
+        assert len(dep.frontends) == 2
+        yield dep
+    finally:
+        nodes.shutdown()
+
+
+def _reference(nodes: RayNodes, prompts: list[list[int]]) -> list[list[int]]:
+    engine = ColocatedEngine.from_model_dir(
+        nodes.root / "cache" / "tiny-seed0", torch.float64, EngineConfig()
+    )
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    return [list(r.token_ids) for r in engine.generate(prompts, [sampling] * len(prompts))]
+
+
+def test_dry_run_names_each_groups_node(deployment: Deployment) -> None:
+    prefill = deployment.nodes.node_with(ROLE, "prefill")
+    decode = deployment.nodes.node_with(ROLE, "decode")
+    out = deployment.tandem("serve", "--address", deployment.nodes.address, "--name", "other", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.strip().startswith("prefill0") and f"rank 1 on {prefill[:12]}" in line for line in lines)
+    assert any(line.strip().startswith("decode0") and f"rank 1 on {decode[:12]}" in line for line in lines)
+    # a pool that fits nowhere says why, and the command fails
+    too_big = deployment.nodes.root / "big.yaml"
+    too_big.write_text("name: big\ndecode: {groups: 1, dep: 40}\ncpus_per_rank: 0.05\n")
+    out = deployment.tandem(
+        "serve", "--address", deployment.nodes.address, "--topology", str(too_big), "--dry-run"
+    )
+    assert out.returncode == 1
+    assert "decode0 (decode, nodes tandem.io/role=decode): cannot be placed: needs 40 bundles" in out.stdout
+
+
+def test_groups_run_on_their_role_nodes_and_give_the_colocated_tokens(deployment: Deployment) -> None:
+    prefill = deployment.nodes.node_with(ROLE, "prefill")
+    decode = deployment.nodes.node_with(ROLE, "decode")
+    state = deployment.status()
+    where = {r["rank"]: r["node_id"] for g in state["groups"] for r in g["ranks"]}
+    assert where == {
+        "prefill0-r0": prefill,
+        "prefill0-r1": prefill,
+        "decode0-r0": decode,
+        "decode0-r1": decode,
+    }
+    assert all(r["pid"] > 0 for g in state["groups"] for r in g["ranks"])
+    assert state["controller"]["pid"] > 0 and state["controller"]["node_id"]
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 250) for _ in range(n)] for n in (5, 70, 150)]
+    expected = _reference(deployment.nodes, prompts)
+    for frontend in (0, 1):
+        outputs = deployment.generate(frontend, [{"prompt_ids": p} for p in prompts])
+        assert [o["token_ids"] for o in outputs] == expected
+        # the KV crossed from the prefill node to the decode node
+        assert all(o["bill"]["kv_bytes"] > 0 for o in outputs)
+
+    # the same status through gRPC, from each frontend
+    reply = asyncio.run(status(ClientOptions(deployment.frontends[1])))
+    assert {f.name for f in reply.frontends} == {"tandem-frontend-0", "tandem-frontend-1"}
+    assert {r.place.node_labels[ROLE] for g in reply.groups for r in g.ranks} == {"prefill", "decode"}
+
+    # metrics discovery, from either frontend, lists every frontend, the controller and each rank
+    for frontend in state["frontends"]:
+        with urllib.request.urlopen(f"http://{frontend['metrics']}/sd", timeout=10) as reply_sd:
+            document = json.loads(reply_sd.read())
+        processes = Counter(t["labels"]["tandem_process"] for t in document)
+        assert processes == {"frontend": 2, "controller": 1, "rank": 4}, document
+        addresses = {t["targets"][0] for t in document}
+        assert {f["metrics"] for f in state["frontends"]} <= addresses
+
+
+def _conversations(seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(seed)
+    first = [[rng.randrange(10, 250) for _ in range(3 * PAGE + 8)] for _ in range(n)]
+    second = [p + [rng.randrange(10, 250) for _ in range(PAGE + 16)] for p in first]
+    return first, second
+
+
+def _hit_rate(outputs: list[dict[str, Any]]) -> float:
+    return sum(o["cached_tokens"] for o in outputs) / sum(o["prompt_tokens"] for o in outputs)
+
+
+def test_two_frontends_share_the_cache_and_the_load(deployment: Deployment) -> None:
+    n = 8
+    first, second = _conversations(2, n)
+    one = deployment.generate(0, [{"prompt_ids": p} for p in first])
+    one += deployment.generate(0, [{"prompt_ids": p} for p in second])
+
+    first, second = _conversations(3, n)
+    two: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def run(frontend: int, prompts: list[list[int]]) -> None:
+        outputs = deployment.generate(frontend, [{"prompt_ids": p} for p in prompts])
+        with lock:
+            two.extend(outputs)
+
+    # both frontends at once; each conversation's second turn goes to the other frontend
+    for turn, cross in ((first, False), (second, True)):
+        halves = [turn[: n // 2], turn[n // 2 :]]
+        threads = [
+            threading.Thread(target=run, args=(f ^ int(cross), half))
+            for f, half in zip((0, 1), halves, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    hit_one, hit_two = _hit_rate(one), _hit_rate(two)
+    per_rank = Counter(o["placement"]["prefill_rank"] for o in two)
+    print(
+        f"hit rate: one frontend {hit_one:.3f}, two frontends {hit_two:.3f}; prefill ranks {dict(per_rank)}"
+    )
+    assert hit_one > 0.3  # second turns find their first turn's pages
+    assert abs(hit_two - hit_one) <= 0.05
+    assert max(per_rank.values()) <= 0.75 * len(two), per_rank
+
+
+def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deployment: Deployment) -> None:
+    nodes = deployment.nodes
+    decode = nodes.node_with(ROLE, "decode")
+    state = deployment.status()
+    # a frontend on a node that stays
+    survivor = next(f["address"] for f in state["frontends"] if f["node_id"] != decode)
+    index = deployment.frontends.index(survivor)
+
+    prompts = nodes.root / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [11 + i, 12, 13]}) + "\n" for i in range(2)))
+    streams = subprocess.Popen(
+        [*CLI, "client", "generate", "--prompts-file", str(prompts), "--max-tokens", "3000",
+         "--ignore-eos", "--concurrency", "2", "--json", "--addr", survivor],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=nodes.env,
+    )  # fmt: skip
+    time.sleep(8)  # the streams are running on the decode node
+    assert streams.poll() is None, streams.communicate()
+    nodes.kill_raylet(decode)
+    killed = time.monotonic()
+    out, err = streams.communicate(timeout=60)
+    ended_s = time.monotonic() - killed
+    assert streams.returncode == 0, err
+    outputs = json.loads(out)["outputs"]
+    assert all(o["finish_reason"] == "error" and "decode0" in o["error"] for o in outputs), outputs
+    print(f"streams ended {ended_s:.1f} s after the decode node was lost: {outputs[0]['error']}")
+    assert ended_s < 30
+
+    # the surviving frontend answers health and status; the group says why it is down
+    options = ClientOptions(survivor, timeout_s=10)
+    reply = asyncio.run(status(options))
+    down = next(g for g in reply.groups if g.group_id == "decode0")
+    assert down.state == "failed", down
+    assert asyncio.run(wait_serving(options, 0)) is False  # no decode rank takes work
+    # a frontend that ran on the lost node leaves the status (and metrics discovery)
+    deadline = time.monotonic() + 60
+    while any(f["node_id"] == decode for f in deployment.status()["frontends"]):
+        assert time.monotonic() < deadline, deployment.status()["frontends"]
+        time.sleep(1)
+
+    # no node of its role is left: the rebuild cannot be placed, and the status says so
+    deadline = time.monotonic() + 60
+    while "not placed" not in str(_group(deployment.status(), "decode0")["failure"]):
+        assert time.monotonic() < deadline, _group(deployment.status(), "decode0")
+        time.sleep(1)
+    print(f"while the node is lost: {_group(deployment.status(), 'decode0')['failure']}")
+
+    nodes.add_node({ROLE: "decode"})  # the node comes back (a new raylet, same label)
+    assert asyncio.run(wait_serving(options, 180)), deployment.status()
+    back = deployment.status()
+    (new_decode,) = set(nodes.nodes_with(ROLE, "decode")) - {decode}
+    assert {r["node_id"] for g in back["groups"] if g["role"] == "decode" for r in g["ranks"]} == {new_decode}
+    rng = random.Random(4)
+    again = [[rng.randrange(10, 250) for _ in range(40)]]
+    expected = _reference(nodes, again)
+    assert [
+        o["token_ids"] for o in deployment.generate(index, [{"prompt_ids": p} for p in again])
+    ] == expected
+
+
+def test_a_second_deployment_of_the_name_is_refused_and_stop_leaves_nothing(deployment: Deployment) -> None:
+    nodes = deployment.nodes
+    again = deployment.tandem("serve", "--address", nodes.address, "--name", NAME, "--detach", timeout=120)
+    assert again.returncode == 2
+    assert "--name: a deployment named 'multi' already runs on this Ray cluster" in again.stderr
+
+    stopped = deployment.tandem("stop", "--address", nodes.address, "--name", NAME)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "no placement group left" in stopped.stdout
+    left = _leftovers(nodes)
+    assert left == {"actors": [], "placement_groups": []}, left
+    missing = deployment.tandem("status", "--address", nodes.address, "--name", NAME)
+    assert missing.returncode == 2 and "no deployment named 'multi'" in missing.stderr
+
+
+def _group(state: dict[str, Any], group_id: str) -> dict[str, Any]:
+    return next(g for g in state["groups"] if g["group"] == group_id)
+
+
+def _leftovers(nodes: RayNodes) -> dict[str, list[str]]:
+    """Live actors and placement groups of the cluster, read from Ray's GCS by a new process."""
+    code = f"""
+import json, time, ray
+from ray._private import state
+from ray.util.placement_group import placement_group_table
+ray.init(address={nodes.address!r}, logging_level="ERROR")
+deadline = time.monotonic() + 60
+while True:
+    actors = [a["ActorClassName"] for a in state.actors().values() if a["State"] != "DEAD"]
+    pgs = [p["name"] for p in placement_group_table().values() if p["state"] != "REMOVED"]
+    if (not actors and not pgs) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps({{"actors": actors, "placement_groups": pgs}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=nodes.env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
