@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -445,22 +445,31 @@ class Controller:
         self._watch.start()
         return self.cluster.status()
 
-    def _prune_frontends(self) -> None:
-        """Forget frontends whose actor is gone (their node was lost): status and metrics
-        discovery list only the living."""
+    def _check_frontends(self, timeout_s: float = 5.0) -> None:
+        """Each registered frontend: one Ray restarted (its node or process was lost) is
+        started again and re-registered where it now runs; one that is gone for good is
+        forgotten, so status and metrics discovery list only the living. A frontend still
+        restarting is asked again next time."""
         for name in list(self._frontends):
             try:
-                ray.get_actor(name)
-            except ValueError:
+                handle: Any = ray.get_actor(name)
+                ref: ray.ObjectRef = handle.ensure_started.remote()
+                info = cast(FrontendInfo, ray.get(ref, timeout=timeout_s))
+            except (ValueError, ray.exceptions.ActorDiedError):
                 log.warning("frontend %s is gone", name)
                 self.unregister_frontend(name)
+                continue
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            if info != self._frontends.get(name):
+                self.register_frontend(info)
 
     def _watch_loop(self) -> None:
         next_prune = 0.0
         while not self._stop.is_set():
             try:
                 if time.monotonic() >= next_prune:
-                    self._prune_frontends()
+                    self._check_frontends()
                     next_prune = time.monotonic() + 2.0
                 with self._lock:
                     self.cluster.watch()

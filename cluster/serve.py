@@ -171,7 +171,10 @@ class Server:
                 where = here if i == 0 else "SPREAD"
                 self.frontends.append(
                     Frontend.options(  # type: ignore[attr-defined]
-                        name=config.name, scheduling_strategy=where, lifetime=lifetime
+                        name=config.name,
+                        scheduling_strategy=where,
+                        lifetime=lifetime,
+                        max_restarts=-1,  # a lost frontend comes back (the controller starts it)
                     ).remote(config)
                 )
             self.ports = list(ray.get([f.start.remote() for f in self.frontends]))

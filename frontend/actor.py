@@ -44,7 +44,10 @@ class Frontend:
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
-        With ``metrics_port`` set, ``/metrics`` and ``/sd`` are served there too."""
+        With ``metrics_port`` set, ``/metrics`` and ``/sd`` are served there too. Once only: a
+        second call returns the port."""
+        if self._server is not None:
+            return self.port
         self._server, self._health, self.port = build_server(self.core)
         config, metrics = self.config, self._all_metrics
         if config.metrics_port is not None and metrics is not None:
@@ -60,6 +63,12 @@ class Frontend:
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         return self.port
+
+    async def ensure_started(self) -> FrontendInfo:
+        """Start if not started (Ray restarted this actor after its node or process was lost:
+        the new instance serves again, on its new node); what it registers."""
+        await self.start()
+        return self.info()
 
     def observe(self, enabled: bool) -> None:
         """Count and observe requests (the default) or not: what ``tandem bench metrics`` compares."""

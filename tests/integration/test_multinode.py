@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -197,13 +199,34 @@ def test_two_frontends_share_the_cache_and_the_load(deployment: Deployment) -> N
     assert max(per_rank.values()) <= 0.75 * len(two), per_rank
 
 
+def test_a_frontend_whose_process_dies_comes_back_and_serves(deployment: Deployment) -> None:
+    before = {f["name"]: f for f in deployment.status()["frontends"]}
+    os.kill(before["tandem-frontend-1"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        after = {f["name"]: f for f in deployment.status()["frontends"]}
+        if (
+            set(after) == set(before)
+            and after["tandem-frontend-1"]["pid"] != before["tandem-frontend-1"]["pid"]
+        ):
+            break
+        assert time.monotonic() < deadline, after
+        time.sleep(1)
+    address = after["tandem-frontend-1"]["address"]
+    assert asyncio.run(wait_serving(ClientOptions(address), 120))
+    deployment.frontends = [after[f"tandem-frontend-{i}"]["address"] for i in range(2)]
+    rng = random.Random(6)
+    prompts = [[rng.randrange(10, 250) for _ in range(30)]]
+    outputs = deployment.generate(1, [{"prompt_ids": p} for p in prompts])
+    assert [o["token_ids"] for o in outputs] == _reference(deployment.nodes, prompts)
+
+
 def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deployment: Deployment) -> None:
     nodes = deployment.nodes
     decode = nodes.node_with(ROLE, "decode")
     state = deployment.status()
     # a frontend on a node that stays
     survivor = next(f["address"] for f in state["frontends"] if f["node_id"] != decode)
-    index = deployment.frontends.index(survivor)
 
     prompts = nodes.root / "long.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [11 + i, 12, 13]}) + "\n" for i in range(2)))
@@ -230,11 +253,19 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
     down = next(g for g in reply.groups if g.group_id == "decode0")
     assert down.state == "failed", down
     assert asyncio.run(wait_serving(options, 0)) is False  # no decode rank takes work
-    # a frontend that ran on the lost node leaves the status (and metrics discovery)
-    deadline = time.monotonic() + 60
-    while any(f["node_id"] == decode for f in deployment.status()["frontends"]):
-        assert time.monotonic() < deadline, deployment.status()["frontends"]
+    # a frontend that ran on the lost node comes back on another and serves again
+    deadline = time.monotonic() + 120
+    while True:
+        frontends = deployment.status()["frontends"]
+        if len(frontends) == 2 and all(f["node_id"] != decode for f in frontends):
+            break
+        assert time.monotonic() < deadline, frontends
         time.sleep(1)
+    moved = [f for f in state["frontends"] if f["node_id"] == decode]
+    print(f"frontends on the lost node: {[f['name'] for f in moved]}")
+    deployment.frontends = [f["address"] for f in frontends]
+    for f in frontends:
+        assert asyncio.run(status(ClientOptions(f["address"], timeout_s=10))).deployment == NAME
 
     # no node of its role is left: the rebuild cannot be placed, and the status says so
     deadline = time.monotonic() + 60
@@ -251,9 +282,9 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
     rng = random.Random(4)
     again = [[rng.randrange(10, 250) for _ in range(40)]]
     expected = _reference(nodes, again)
-    assert [
-        o["token_ids"] for o in deployment.generate(index, [{"prompt_ids": p} for p in again])
-    ] == expected
+    for index in range(len(deployment.frontends)):  # through every frontend, moved ones too
+        outputs = deployment.generate(index, [{"prompt_ids": p} for p in again])
+        assert [o["token_ids"] for o in outputs] == expected
 
 
 def test_a_second_deployment_of_the_name_is_refused_and_stop_leaves_nothing(deployment: Deployment) -> None:
@@ -296,3 +327,34 @@ print(json.dumps({{"actors": actors, "placement_groups": pgs}}))
     )
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_dep_group_too_big_for_one_node_spans_nodes(deployment: Deployment) -> None:
+    """A DEP4 prefill group on prefill nodes that hold two ranks each: its ranks span two nodes,
+    join one torch.distributed group across them and give the colocated engine's tokens."""
+    nodes = deployment.nodes
+    nodes.add_node({ROLE: "prefill"})  # a second prefill node, of one CPU like the first
+    topology = nodes.root / "span.yaml"
+    topology.write_text(
+        "name: span\nprefill: {groups: 1, dep: 4}\ndecode: {groups: 1, dep: 1}\ncpus_per_rank: 0.5\n"
+    )
+    out = deployment.tandem(
+        "serve", "--address", nodes.address, "--name", "span", "--topology", str(topology), "--detach",
+        "--port", "0", "--dtype", "float64", timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        state = json.loads(deployment.tandem("status", "--address", nodes.address, "--name", "span").stdout)
+        prefill_nodes = set(nodes.nodes_with(ROLE, "prefill"))
+        ranks = _group(state, "prefill0")["ranks"]
+        assert len(ranks) == 4 and {r["node_id"] for r in ranks} == prefill_nodes and len(prefill_nodes) == 2
+        address = state["frontends"][0]["address"]
+        rng = random.Random(5)
+        prompts = [[rng.randrange(10, 250) for _ in range(n)] for n in (9, 70, 130, 20)]
+        span = Deployment(nodes, [address])
+        outputs = span.generate(0, [{"prompt_ids": p} for p in prompts])
+        assert [o["token_ids"] for o in outputs] == _reference(nodes, prompts)
+        assert len({o["placement"]["prefill_rank"] for o in outputs}) > 1
+    finally:
+        stopped = deployment.tandem("stop", "--address", nodes.address, "--name", "span")
+        assert stopped.returncode == 0, stopped.stderr
