@@ -23,7 +23,9 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 
 class RayNodes:
-    def __init__(self, head_cpus: int = 2) -> None:
+    def __init__(self, head_cpus: int = 2, dashboard: bool = False) -> None:
+        """``dashboard``: run the head's dashboard, whose job server takes ``ray job submit``
+        (``dashboard_url``)."""
         # a short path: Ray's unix sockets live under it
         self.root = Path(tempfile.mkdtemp(prefix="tn", dir="/tmp"))
         (self.root / "token").write_text(secrets.token_hex(32))
@@ -34,11 +36,14 @@ class RayNodes:
             "TANDEM_CACHE_DIR": str(self.root / "cache"),
         }
         self.env.pop("RAY_ADDRESS", None)
-        port = _free_port()
+        port, dashboard_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{port}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
         self._ray(
-            "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}", "--include-dashboard=false",
-            f"--temp-dir={self.root / 'ray'}", "--object-store-memory=150000000", "--disable-usage-stats",
+            "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}",
+            f"--include-dashboard={dashboard}", f"--dashboard-port={dashboard_port}",
+            f"--temp-dir={self.root / 'ray'}",
+            "--object-store-memory=150000000", "--disable-usage-stats",
         )  # fmt: skip
 
     def _ray(self, *args: str) -> str:

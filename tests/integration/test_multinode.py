@@ -31,7 +31,7 @@ from tandem.cli.client import ClientOptions, status, wait_serving
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
-from tests.integration.ray_nodes import RayNodes
+from tests.integration.ray_nodes import RAY, RayNodes
 
 CLI = [sys.executable, "-m", "tandem.cli"]
 ROLE = "tandem.io/role"
@@ -69,12 +69,15 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
-    nodes = RayNodes()
+    """Started as a Ray job (``ray job submit -- tandem serve --address auto --detach``): the
+    job ends once it serves, and the deployment stays."""
+    nodes = RayNodes(dashboard=True)
     try:
         nodes.add_node({ROLE: "prefill"})
         nodes.add_node({ROLE: "decode"})
         out = subprocess.run(
-            [*CLI, "serve", "--address", nodes.address, "--name", NAME, "--detach", "--frontends", "2",
+            [RAY, "job", "submit", "--address", str(nodes.dashboard_url), "--",
+             *CLI, "serve", "--address", "auto", "--name", NAME, "--detach", "--frontends", "2",
              "--port", "0", "--metrics-port", "0", "--dtype", "float64", "--preset", "local"],
             capture_output=True, text=True, timeout=600, env=nodes.env,
         )  # fmt: skip
