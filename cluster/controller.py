@@ -46,6 +46,7 @@ class GroupView:
     ranks: tuple[RankId, ...]
     places: tuple[ProcessPlace, ...] = ()  # each rank's node and pid, while started
     failure: str | None = None  # why it failed (a rebuild that cannot be placed says so here)
+    unplaceable: bool = False  # its last start found no room on the nodes of its role
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class Cluster:
                 tuple(g.rank_ids),
                 tuple(g.places[r] for r in g.rank_ids if r in g.places),
                 g.failure,
+                g.unplaceable,
             )
             for g in self.groups
         )
@@ -430,10 +432,17 @@ class Controller:
 
     def _group_figures(self) -> list[GroupFigures]:
         """From the last published view: a scrape never waits on a rebuild. A group is started
-        once, then once per rebuild after a failure, so its restarts are its incarnation - 1."""
+        once, then once per rebuild attempt after a failure (one that could not be placed
+        included), so its restarts are its incarnation - 1."""
         return [
             GroupFigures(
-                v.group_id, v.role.value, v.state, v.incarnation, max(v.incarnation - 1, 0), len(v.ranks)
+                v.group_id,
+                v.role.value,
+                v.state,
+                v.incarnation,
+                max(v.incarnation - 1, 0),
+                len(v.ranks),
+                v.unplaceable,
             )
             for v in self._view.groups
         ]

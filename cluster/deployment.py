@@ -61,6 +61,7 @@ def describe(view: RoutingView) -> dict[str, Any]:
                 "state": g.state,
                 "incarnation": g.incarnation,
                 "failure": g.failure,
+                "unplaceable": g.unplaceable,
                 "ranks": ranks,
             }
         )

@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.node_roles import label_selector
-from tandem.cluster.placement import RankResources, live_nodes, place_group, release_group
+from tandem.cluster.placement import PlacementTimeout, RankResources, live_nodes, place_group, release_group
 from tandem.cluster.rank_actor import MetricsSpec, RankActor, RankSpec
 from tandem.cluster.topology import PlacementSpec
 from tandem.engine.messages import Bill, ProcessPlace, RankId, RankRequest, RankStats, RequestResult, Role
@@ -76,6 +76,7 @@ class RankGroup:
         self.incarnation = 0
         self.state = GroupState.STOPPED
         self.failure: str | None = None
+        self.unplaceable = False  # the last start found no room on the nodes of its role
         self._actors: list[Any] = []  # RankActor handles, by rank
         self._loops: dict[ray.ObjectRef, int] = {}  # each rank's ``run`` call
         self._collecting: dict[int, ray.ObjectRef] = {}  # rank -> its ``collect`` call not yet answered
@@ -145,9 +146,10 @@ class RankGroup:
             self._teardown()
             why = _cause(exc) if isinstance(exc, ray.exceptions.RayError) else str(exc)
             self.state, self.failure = GroupState.FAILED, f"start failed: {why}"
+            self.unplaceable = isinstance(exc, PlacementTimeout)
             raise GroupFailed(cfg.group_id, self.incarnation, self.failure) from exc
         self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
-        self.state = GroupState.READY
+        self.state, self.unplaceable = GroupState.READY, False
 
     def selector(self) -> dict[str, str] | None:
         """The node label selector of this group's bundles, for the nodes alive now."""

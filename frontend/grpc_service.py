@@ -305,6 +305,7 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
                 incarnation=g.incarnation,
                 ranks=ranks,
                 failure=g.failure or "",
+                unplaceable=g.unplaceable,
             )
         )
     decisions = [

@@ -34,6 +34,7 @@ class GroupStatusView:
     incarnation: int
     ranks: list[RankStatusView] = field(default_factory=list)
     failure: str | None = None
+    unplaceable: bool = False
 
 
 @dataclass
@@ -81,7 +82,9 @@ async def read_status(
         for rank, place in zip(ranks, g.places, strict=False):
             rank.place = place
         groups.append(
-            GroupStatusView(g.group_id, g.role.value, g.state, g.incarnation, list(ranks), g.failure)
+            GroupStatusView(
+                g.group_id, g.role.value, g.state, g.incarnation, list(ranks), g.failure, g.unplaceable
+            )
         )
     return StatusView(
         model,

@@ -23,6 +23,7 @@ class GroupFigures:
     incarnation: int
     restarts: int
     ranks: int
+    unplaceable: bool = False  # its rebuild finds no room on the nodes of its role
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,14 @@ class _GroupsCollector(Collector):
             "Rebuilds of each group after a failure",
             labels=[*names, "group", "role"],
         )
+        unplaceable = GaugeMetricFamily(
+            "tandem_group_unplaceable",
+            "1 while a group's rebuild finds no room on the nodes of its role (a lost node), else 0",
+            labels=[*names, "group", "role"],
+        )
         pool: dict[str, int] = {}
         for g in self.groups():
+            unplaceable.add_metric([*values, g.group_id, g.role], 1.0 if g.unplaceable else 0.0)
             for s in GROUP_STATES:
                 state.add_metric([*values, g.group_id, g.role, s], 1.0 if g.state == s else 0.0)
             incarnation.add_metric([*values, g.group_id, g.role], g.incarnation)
@@ -109,4 +116,4 @@ class _GroupsCollector(Collector):
         )
         for role in ("prefill", "decode"):
             ranks.add_metric([*values, role], pool.get(role, 0))
-        yield from (state, incarnation, restarts, ranks)
+        yield from (state, incarnation, restarts, unplaceable, ranks)

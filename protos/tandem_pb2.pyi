@@ -309,20 +309,22 @@ class FrontendStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., place: _Optional[_Union[ProcessPlace, _Mapping]] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "role", "state", "incarnation", "ranks", "failure")
+    __slots__ = ("group_id", "role", "state", "incarnation", "ranks", "failure", "unplaceable")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    UNPLACEABLE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     role: str
     state: str
     incarnation: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     failure: str
-    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
+    unplaceable: bool
+    def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., unplaceable: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions", "deployment", "controller", "frontends")

@@ -1,9 +1,11 @@
 """A multi-node Ray cluster on this machine, started the way an operator starts one: ``ray start
 --head`` and one ``ray start --address ... --labels ...`` per worker node, each its own raylet.
 
-Every process of it runs with token authentication (a token file of its own) and a temp dir
-of its own, so tearing it down kills exactly its processes (found by that dir in their command
-lines), and a node is lost by killing its raylet (found by its node id).
+Every process of it runs with token authentication (a token file of its own), so tearing it
+down kills exactly its processes (those with that token path in their environment, and every
+process they started: Ray starts its agents with an environment of their own), and a node is
+lost by killing its raylet (found by its node id). Each node's agents get ports of their own,
+as several nodes share this machine.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class RayNodes:
             "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}",
             f"--include-dashboard={dashboard}", f"--dashboard-port={dashboard_port}",
             f"--temp-dir={self.root / 'ray'}",
-            "--object-store-memory=150000000", "--disable-usage-stats",
+            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(),
         )  # fmt: skip
 
     def _ray(self, *args: str) -> str:
@@ -52,11 +54,24 @@ class RayNodes:
             raise RuntimeError(f"ray {' '.join(args)} failed: {out.stdout}\n{out.stderr}")
         return out.stdout
 
+    def submit_job(self, *entrypoint: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+        """``ray job submit`` to the head's job server, waiting for it: just after ``ray start``
+        it answers "No available agent" until the head's dashboard agent is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = subprocess.run(
+                [RAY, "job", "submit", "--address", str(self.dashboard_url), "--", *entrypoint],
+                capture_output=True, text=True, env=self.env, timeout=timeout_s,
+            )  # fmt: skip
+            if "No available agent" not in out.stderr + out.stdout or time.monotonic() > deadline:
+                return out
+            time.sleep(2)
+
     def add_node(self, labels: dict[str, str], cpus: int = 1) -> None:
         label = ",".join(f"{k}={v}" for k, v in labels.items())
         self._ray(
             "start", f"--address={self.address}", f"--num-cpus={cpus}", f"--labels={label}",
-            "--object-store-memory=150000000", "--disable-usage-stats",
+            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(),
         )  # fmt: skip
 
     def nodes(self) -> list[dict[str, object]]:
@@ -106,9 +121,25 @@ class RayNodes:
         return out
 
     def processes(self) -> list[int]:
-        """Every live process of this cluster: Ray's and the workers (actors) it started, which
-        carry this cluster's token path in their environment."""
-        return self._pids(f"RAY_AUTH_TOKEN_PATH={self.root / 'token'}", file="environ")
+        """Every live process of this cluster: those carrying its token path in their
+        environment (Ray's, and the workers it started) and all their descendants."""
+        mine = set(self._pids(f"RAY_AUTH_TOKEN_PATH={self.root / 'token'}", file="environ"))
+        children: dict[int, list[int]] = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+        todo = list(mine)
+        while todo:
+            for child in children.get(todo.pop(), []):
+                if child not in mine and child != os.getpid():
+                    mine.add(child)
+                    todo.append(child)
+        return sorted(mine)
 
     def shutdown(self) -> None:
         """Kill every process of this cluster, then remove its files."""
@@ -121,6 +152,15 @@ class RayNodes:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _agent_ports() -> list[str]:
+    return [
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+    ]
 
 
 def _free_port() -> int:

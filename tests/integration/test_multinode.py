@@ -31,7 +31,7 @@ from tandem.cli.client import ClientOptions, status, wait_serving
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
-from tests.integration.ray_nodes import RAY, RayNodes
+from tests.integration.ray_nodes import RayNodes
 
 CLI = [sys.executable, "-m", "tandem.cli"]
 ROLE = "tandem.io/role"
@@ -75,11 +75,9 @@ def deployment() -> Iterator[Deployment]:
     try:
         nodes.add_node({ROLE: "prefill"})
         nodes.add_node({ROLE: "decode"})
-        out = subprocess.run(
-            [RAY, "job", "submit", "--address", str(nodes.dashboard_url), "--",
-             *CLI, "serve", "--address", "auto", "--name", NAME, "--detach", "--frontends", "2",
-             "--port", "0", "--metrics-port", "0", "--dtype", "float64", "--preset", "local"],
-            capture_output=True, text=True, timeout=600, env=nodes.env,
+        out = nodes.submit_job(
+            *CLI, "serve", "--address", "auto", "--name", NAME, "--detach", "--frontends", "2",
+            "--port", "0", "--metrics-port", "0", "--dtype", "float64", "--preset", "local",
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         assert "deployment multi, detached" in out.stdout, out.stdout
@@ -276,6 +274,10 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
         assert time.monotonic() < deadline, _group(deployment.status(), "decode0")
         time.sleep(1)
     print(f"while the node is lost: {_group(deployment.status(), 'decode0')['failure']}")
+    assert _controller_metric(deployment, 'tandem_group_unplaceable{group="decode0"') == 1.0
+    assert _group(deployment.status(), "decode0")["unplaceable"] is True
+    grpc_view = asyncio.run(status(ClientOptions(survivor, timeout_s=10)))
+    assert next(g for g in grpc_view.groups if g.group_id == "decode0").unplaceable
 
     nodes.add_node({ROLE: "decode"})  # the node comes back (a new raylet, same label)
     assert asyncio.run(wait_serving(options, 180)), deployment.status()
@@ -303,6 +305,18 @@ def test_a_second_deployment_of_the_name_is_refused_and_stop_leaves_nothing(depl
     assert left == {"actors": [], "placement_groups": []}, left
     missing = deployment.tandem("status", "--address", nodes.address, "--name", NAME)
     assert missing.returncode == 2 and "no deployment named 'multi'" in missing.stderr
+
+
+def _controller_metric(deployment: Deployment, prefix: str) -> float:
+    """A series of the controller's /metrics, found through a frontend's discovery document."""
+    frontend = deployment.status()["frontends"][0]["metrics"]
+    with urllib.request.urlopen(f"http://{frontend}/sd", timeout=10) as reply:
+        targets = json.loads(reply.read())
+    controller = next(t["targets"][0] for t in targets if t["labels"]["tandem_process"] == "controller")
+    with urllib.request.urlopen(f"http://{controller}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    (line,) = [line for line in lines if line.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
 
 
 def _group(state: dict[str, Any], group_id: str) -> dict[str, Any]:

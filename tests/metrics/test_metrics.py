@@ -116,7 +116,7 @@ def test_a_rank_exports_its_stats_at_scrape() -> None:
 
 def test_the_controller_exports_group_states_and_restarts() -> None:
     groups = [
-        GroupFigures("decode0", "decode", "failed", 3, 2, 2),
+        GroupFigures("decode0", "decode", "failed", 3, 2, 2, unplaceable=True),
         GroupFigures("prefill0", "prefill", "ready", 1, 0, 2),
     ]
     s = _samples(ControllerMetrics(ControllerLabels("tiny"), lambda: groups).registry)
@@ -124,6 +124,8 @@ def test_the_controller_exports_group_states_and_restarts() -> None:
     assert _value(s, "tandem_group_state", group="decode0", state="ready") == 0
     assert _value(s, "tandem_group_incarnation", group="decode0") == 3
     assert _value(s, "tandem_group_restarts_total", group="decode0") == 2
+    assert _value(s, "tandem_group_unplaceable", group="decode0") == 1
+    assert _value(s, "tandem_group_unplaceable", group="prefill0") == 0
     assert (
         _value(s, "tandem_pool_ranks", role="prefill") == 2
         and _value(s, "tandem_pool_ranks", role="decode") == 0
