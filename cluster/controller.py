@@ -432,8 +432,8 @@ class Controller:
 
     def _group_figures(self) -> list[GroupFigures]:
         """From the last published view: a scrape never waits on a rebuild. A group is started
-        once, then once per rebuild attempt after a failure (one that could not be placed
-        included), so its restarts are its incarnation - 1."""
+        once, then once per rebuild that was placed, so its restarts are its incarnation - 1
+        (tries that found no room are not counted: ``unplaceable`` says so)."""
         return [
             GroupFigures(
                 v.group_id,

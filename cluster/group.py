@@ -87,6 +87,7 @@ class RankGroup:
         # placement group names are global to the Ray namespace: two clusters (or a test's
         # leftovers) that both have a "prefill0" must not collide
         self._placement_tag = uuid.uuid4().hex[:8]
+        self._tries = 0  # placements asked for, in this group's placement group names
 
     @property
     def group_id(self) -> str:
@@ -109,11 +110,13 @@ class RankGroup:
         """Place and start a new incarnation; returns when every rank is ready to step. Raises
         :class:`GroupFailed` (the group is then failed, its ranks and placement group freed)."""
         cfg = self.config
-        self.incarnation += 1
         self.state, self.failure = GroupState.STARTING, None
         try:
             resources = cfg.resources or RankResources.detect()
-            parts = (cfg.deployment, cfg.group_id, str(self.incarnation), self._placement_tag)
+            # a new incarnation once placed: tries that find no room are not starts
+            self._tries += 1
+            tag = f"{self._placement_tag}{self._tries}"
+            parts = (cfg.deployment, cfg.group_id, str(self.incarnation + 1), tag)
             self._pg = place_group(
                 "-".join(p for p in parts if p),
                 cfg.size,
@@ -122,6 +125,7 @@ class RankGroup:
                 self.selector(),
                 cfg.detached,
             )
+            self.incarnation += 1
             bundle = resources.bundle()
             self._actors = [
                 RankActor.options(  # type: ignore[attr-defined]

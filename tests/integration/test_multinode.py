@@ -283,6 +283,7 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
     assert asyncio.run(wait_serving(options, 180)), deployment.status()
     back = deployment.status()
     (new_decode,) = set(nodes.nodes_with(ROLE, "decode")) - {decode}
+    assert _group(back, "decode0")["incarnation"] == 2  # one rebuild, however many tries found no room
     assert {r["node_id"] for g in back["groups"] if g["role"] == "decode" for r in g["ranks"]} == {new_decode}
     rng = random.Random(4)
     again = [[rng.randrange(10, 250) for _ in range(40)]]
