@@ -110,7 +110,7 @@ def stop(name: str, address: str, timeout_s: float = 120.0) -> dict[str, int]:
     if left:
         raise TimeoutError(f"placement groups of {name} still exist after {timeout_s:.0f} s: {left}")
     ranks = sum(len(g.ranks) for g in view.groups if g.state not in ("stopped", "failed"))
-    return {"frontends": len(frontends), "controllers": 1, "ranks": ranks}
+    return {"frontends": len(frontends), "ranks": ranks}
 
 
 def leftover_placement_groups(name: str) -> list[str]:

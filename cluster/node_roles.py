@@ -29,7 +29,7 @@ from tandem.engine.messages import Role
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A live Ray node: its id, address, labels and the resources it has free."""
+    """A live Ray node: its id, address, labels and its (total) resources."""
 
     node_id: str
     address: str
@@ -119,6 +119,7 @@ def plan(topology: Topology, nodes: Sequence[NodeInfo], bundle: Mapping[str, flo
             group_id = f"{role.value}{index}"
             eligible = [f for f in free if admits(selector, f.node)]
             trial = [_Free(f.node, dict(f.resources)) for f in eligible]
+            taken = {id(t): f for t, f in zip(trial, eligible, strict=True)}  # trial is re-sorted below
             chosen: list[NodeInfo] = []
             for _ in range(pool.dep):
                 # PACK: the node this group already uses first, then the roomiest
@@ -132,8 +133,8 @@ def plan(topology: Topology, nodes: Sequence[NodeInfo], bundle: Mapping[str, flo
                 problem = _why(pool.dep, bundle, eligible, nodes)
                 plans.append(GroupPlan(group_id, role, selector, problem=problem))
                 continue
-            for f, t in zip(eligible, trial, strict=True):
-                f.resources = t.resources
+            for t in trial:
+                taken[id(t)].resources = t.resources
             plans.append(GroupPlan(group_id, role, selector, tuple(chosen)))
     return plans
 

@@ -30,7 +30,6 @@ class PlacementTimeout(TimeoutError):
             f"placement group {group_id}: {size} bundles of {bundle}{where} not placed within "
             f"{waited_s:.0f}s; the cluster has {free} free"
         )
-        self.group_id = group_id
 
 
 def this_place() -> ProcessPlace:

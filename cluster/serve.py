@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 class DeploymentExists(InvalidRequestError):
     def __init__(self, name: str) -> None:
+        self.name = name
         super().__init__(
             "--name",
             f"a deployment named {name!r} already runs on this Ray cluster; "
@@ -50,7 +51,7 @@ class DeploymentExists(InvalidRequestError):
         )
 
     def __reduce__(self) -> tuple[type, tuple[str]]:  # type: ignore[override]
-        return (type(self), (self.message.split("'")[1],))
+        return (type(self), (self.name,))
 
 
 def frontend_name(index: int) -> str:

@@ -25,6 +25,7 @@ from tandem.metrics.http import MetricsServer
 from tandem.prefill.kv_events import KVEventBatch
 
 log = logging.getLogger(__name__)
+EVERY_INTERFACE = ("", "0.0.0.0", "::")  # bind addresses others reach at the node's address
 
 
 @ray.remote(num_cpus=0)
@@ -51,7 +52,7 @@ class Frontend:
         self._server, self._health, self.port = build_server(self.core)
         config, metrics = self.config, self._all_metrics
         if config.metrics_port is not None and metrics is not None:
-            wildcard = config.metrics_host in ("", "0.0.0.0", "::")
+            wildcard = config.metrics_host in EVERY_INTERFACE
             self._metrics = MetricsServer(
                 metrics.registry,
                 config.metrics_host,
@@ -87,7 +88,7 @@ class Frontend:
         """What this frontend registers with the controller: where its gRPC server listens
         (the node's address when bound to every interface), its metrics and its process."""
         place = this_place()
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else place.node_address
+        host = place.node_address if self.config.host in EVERY_INTERFACE else self.config.host
         return FrontendInfo(self.config.name, f"{host}:{self.port}", place, self._metrics_target())
 
     def discovery(self) -> list[dict[str, Any]]:

@@ -137,10 +137,12 @@ class PrefillScheduler:
     @property
     def num_pending_tokens(self) -> int:
         """Prompt tokens still to compute: a queued job's whole prompt (its cached prefix is
-        found when it is admitted), a computing job's rest. Frontends share it as load."""
-        queued = sum(len(s.job.prompt_token_ids) for s in self._queued.values())
+        found when it is admitted), a computing job's rest. Frontends share it as load. Read off
+        the loop thread (``RankLoop.stats``): it sums over copies, which the loop may not change
+        under it."""
+        queued = sum(len(s.job.prompt_token_ids) for s in tuple(self._queued.values()))
         return queued + sum(
-            len(s.job.prompt_token_ids) - s.num_computed_tokens for s in self._computing.values()
+            len(s.job.prompt_token_ids) - s.num_computed_tokens for s in tuple(self._computing.values())
         )
 
     @property

@@ -90,6 +90,16 @@ def test_the_plan_packs_each_group_and_spans_nodes_when_one_is_too_small() -> No
     )
 
 
+def test_a_group_sees_the_room_earlier_groups_took() -> None:
+    """The roomiest node (by CPU) is tried first; once a group fills it, the next group goes to
+    the other node."""
+    topology = Topology(prefill=PoolSpec(groups=1, dep=1), decode=PoolSpec(groups=2, dep=2))
+    small, roomy = _node("decode-a", "decode", gpus=2, cpus=32), _node("decode-b", "decode", gpus=2, cpus=64)
+    plans = {p.group_id: p for p in plan(topology, [PREFILL, small, roomy], GPU_RANK)}
+    assert [n.node_id for n in plans["decode0"].nodes] == ["decode-b", "decode-b"]
+    assert [n.node_id for n in plans["decode1"].nodes] == ["decode-a", "decode-a"]
+
+
 def test_a_role_with_no_node_says_so() -> None:
     topology = Topology(placement=PlacementSpec(unlabelled_nodes="never"))
     plans = plan(topology, [BARE, PREFILL], GPU_RANK)
