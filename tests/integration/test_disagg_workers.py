@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,18 @@ def _model(path: Path) -> DeepseekV3:
     model = DeepseekV3(cfg, torch.float64)
     model.load_weights(load_checkpoint(path, cfg, torch.float64))
     return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread, as a rank runs (``cluster/rank_setup.py``): two threads beside the two
+    NIXL agents' UCX threads oversubscribe a two-core machine, and a forward of a few
+    milliseconds then stalls for more than a second now and then, which the timing tests
+    would read as transfer time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
