@@ -276,10 +276,35 @@ class Cluster:
         return [g for g in pool if g.group_id not in self._draining]
 
     def watch(self) -> None:
-        """Look at every group once: a rank that died, or whose loop failed, fails its group.
-        (Their requests end at the frontends, which stream them.)"""
+        """Look at every group once: a rank that died, or whose loop failed, fails its group
+        (its ranks killed and confirmed dead). Then, at once, the decode ranks get a
+        membership without it, and every live rank of the other role hears that its ranks are
+        lost: transfers with them fail now, and a decode rank retries its requests on the prefill
+        ranks left, instead of waiting for a deadline."""
+        failed = []
         for g in self.groups:
+            was = g.state
             g.check()
+            if was is GroupState.READY and g.state is GroupState.FAILED:
+                failed.append(g)
+        if not failed:
+            return
+        if any(g in self.prefill for g in failed):
+            self._send_membership()
+        for g in failed:
+            if not g.dead:  # a rank Ray could not confirm gone: its peers keep their deadlines
+                log.warning("group %s: not every rank was confirmed dead; no fence sent", g.group_id)
+                continue
+            lost = [r.name for r in g.rank_ids]
+            peers = self.decode if g in self.prefill else self.prefill
+            ray.get(
+                [
+                    a.peers_lost.remote(lost)
+                    for p in peers
+                    if p.state is GroupState.READY
+                    for a in p.actors.values()
+                ]
+            )
 
     def heal(self, place_timeout_s: float = 10.0, retry_s: float = 5.0) -> list[str]:
         """Rebuild every failed group (gang restart) and resend the membership; the rebuilt ids.

@@ -77,6 +77,7 @@ class RankGroup:
         self.state = GroupState.STOPPED
         self.failure: str | None = None
         self.unplaceable = False  # the last start found no room on the nodes of its role
+        self.dead = True  # every rank of the last incarnation is confirmed gone (see _teardown)
         self._actors: list[Any] = []  # RankActor handles, by rank
         self._loops: dict[ray.ObjectRef, int] = {}  # each rank's ``run`` call
         self._collecting: dict[int, ray.ObjectRef] = {}  # rank -> its ``collect`` call not yet answered
@@ -299,9 +300,16 @@ class RankGroup:
         self.state, self.failure = GroupState.FAILED, reason
         self._teardown()
 
-    def _teardown(self) -> None:
+    def _teardown(self, wait_dead_s: float = 10.0) -> None:
+        """Kill every rank and wait (up to ``wait_dead_s``) until Ray reports each one dead: its
+        loop call ends with an actor error once its process is gone. The death is the fence
+        peers rely on (``dead``): no write of the old incarnation can land after it."""
         for actor in self._actors:
             ray.kill(actor)
+        loops = list(self._loops)
+        if loops:
+            ended, _ = ray.wait(loops, num_returns=len(loops), timeout=wait_dead_s)
+            self.dead = len(ended) == len(loops)
         self._actors, self._loops, self._collecting = [], {}, {}
         self.metrics_addresses, self.places = {}, {}
         if self._pg is not None:

@@ -171,6 +171,11 @@ class RankActor:
         with contextlib.suppress(RankFailed):
             self._require().post(lambda worker: worker.set_peers(peers))
 
+    def peers_lost(self, ranks: list[str]) -> None:
+        """The controller's word that these ranks' processes are gone (see ``RankWorker``)."""
+        with contextlib.suppress(RankFailed):
+            self._require().post(lambda worker: worker.peers_lost(ranks))
+
     def stop(self) -> None:
         self._stop.set()
         if self._metrics_server is not None:

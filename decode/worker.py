@@ -205,6 +205,12 @@ class DecodeWorker(RankWorker):
     def set_peers(self, peers: dict[RankId, Any]) -> None:
         self.dispatcher.set_ranks(peers)
 
+    def peers_lost(self, ranks: list[str]) -> None:
+        """Prefill ranks whose group failed: their receives fail now and are retried on the
+        prefill ranks of the membership (which no longer lists them)."""
+        for rank in ranks:
+            self.transport.fence_peer(rank)
+
     # -- the loop ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         """A batch to decode this step; requests only waiting for their KV need no step."""

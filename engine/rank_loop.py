@@ -95,6 +95,10 @@ class RankWorker(ABC):
     def set_peers(self, peers: dict[Any, Any]) -> None:
         raise RoleMismatch(f"rank {self.name} sends work to no other rank")
 
+    def peers_lost(self, ranks: list[str]) -> None:  # noqa: B027  (a rank without a transport)
+        """These ranks' incarnations are dead (their processes are gone): fail every transfer
+        with them at once instead of waiting for its deadline."""
+
 
 class RankDraining(RuntimeError):
     """The rank is being drained: it finishes what it holds and takes nothing new (the caller

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
@@ -32,11 +33,16 @@ class ModelRunner:
         self.lockstep = lockstep
         self.stats = RunnerStats()
 
-    def kv_ready(self) -> None:
-        """Return once the KV written so far is in the pool: on a GPU the kernels run
-        asynchronously, so a transfer that reads the pool must wait for the stream first."""
-        if self.model.device.type == "cuda":
-            torch.cuda.current_stream(self.model.device).synchronize()
+    def kv_event(self) -> ReadyEvent:
+        """An event that completes once the KV queued so far is in the pool. On a GPU the kernels
+        run asynchronously: a CUDA event recorded on the compute stream, which a transfer polls
+        before it reads the pool (nothing here waits on the device). On a CPU the forward is
+        synchronous and the KV is there already."""
+        if self.model.device.type != "cuda":
+            return READY
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.model.device))
+        return event
 
     def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one;

@@ -6,7 +6,10 @@ a prepared list too, cached until the peer's incarnation changes. A transfer pic
 two lists by index, run by run (:mod:`kvtransfer.descriptors`), so NIXL merges each run of
 contiguous pages into one descriptor.
 
-Ordering and timing: every layer's writes are posted as their own transfer (the last one too);
+Ordering and timing: every layer's writes are posted as their own transfer (the last one too),
+each only once the ready event the sender handed over with it completes (on a GPU, a CUDA event
+recorded after the layer's kernels: no write reads KV the device has not produced yet); events are
+checked without blocking, at each call and each ``poll``, and posted in layer order;
 once every transfer of the request is complete by NIXL's own account (its UCX backend flushes
 the endpoint before it reports a transfer done, so the data is in the receiver's pool), the
 sender stamps that moment and only then sends the notification, carrying the sender's figures:
@@ -24,6 +27,7 @@ Abort protocol (so no late write lands in a page that was handed out again)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -46,13 +50,16 @@ from tandem.kvtransfer.types import (
     ABORT,
     ABORT_ACK,
     DONE,
+    READY,
     KVDestination,
     KVNotification,
     KVTransferAborted,
     KVTransferError,
     KVTransferTimeout,
+    PeerLost,
     PoolLayout,
     RankMetadata,
+    ReadyEvent,
     StalePeerError,
     TransferStats,
     decode_message,
@@ -75,13 +82,15 @@ class _Send:
     stats: TransferStats
     deadline: float
     posted: list[Any] = field(default_factory=list)  # transfer handles in flight or done
-    layers_sent: set[int] = field(default_factory=set)
+    waiting: list[tuple[list[int], ReadyEvent]] = field(default_factory=list)  # layers not yet ready
+    waited_s: float = 0.0  # when the last event that had to be waited for was seen complete
+    layers_sent: set[int] = field(default_factory=set)  # handed over, posted or waiting
     whole: bool = False
     notification: KVNotification | None = None
     error: KVTransferError | None = None  # set once aborting
 
     def all_posted(self, num_layers: int) -> bool:
-        return self.notification is not None and len(self.layers_sent) == num_layers
+        return self.notification is not None and len(self.layers_sent) == num_layers and not self.waiting
 
 
 @dataclass
@@ -184,28 +193,36 @@ class NixlTransport(KVTransport):
         stats = TransferStats(request_id, dest.rank)
         self._sends[request_id] = _Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 
-    def send_layer(self, request_id: str, layer: int) -> None:
+    def send_layer(self, request_id: str, layer: int, ready: ReadyEvent = READY) -> None:
         send = self._send(request_id)
         if send is None or send.error is not None or layer in send.layers_sent or send.whole:
             return
         send.layers_sent.add(layer)
-        self._post(send, [layer])
+        send.waiting.append(([layer], ready))
+        self._post_ready(send)
 
     def send_all_layers(self, request_id: str) -> None:
         send = self._send(request_id)
         if send is not None:
             send.whole = True
 
-    def finish_send(self, request_id: str, notification: KVNotification, compute_done_s: float) -> None:
+    def finish_send(
+        self,
+        request_id: str,
+        notification: KVNotification,
+        compute_done_s: float,
+        ready: ReadyEvent = READY,
+    ) -> None:
         send = self._send(request_id)
         if send is None or send.error is not None:
             return
         send.notification = notification
         send.stats.compute_done_s = compute_done_s
-        if send.whole:  # every layer in one transfer, now that all are computed
+        if send.whole:  # every layer in one transfer, now that all are queued
             layers = [layer for layer in range(self.layout.num_layers) if layer not in send.layers_sent]
             send.layers_sent.update(layers)
-            self._post(send, layers)
+            send.waiting.append((layers, ready))
+        self._post_ready(send)
 
     def abort_send(self, request_id: str) -> None:
         send = self._sends.get(request_id)
@@ -219,6 +236,20 @@ class NixlTransport(KVTransport):
         if send is None and request_id not in self._ended:
             raise KVTransferError(request_id, "no transfer was begun with this request id")
         return send
+
+    def _post_ready(self, send: _Send) -> None:
+        """Post, in order, the waiting layers whose events have completed; the first one still
+        running holds back the rest."""
+        while send.waiting and send.error is None:
+            layers, ready = send.waiting[0]
+            if not ready.query():
+                if ready is not READY:
+                    send.waited_s = -1.0  # seen running: its completion is stamped when seen
+                return
+            if send.waited_s < 0:
+                send.waited_s = time.monotonic()
+            send.waiting.pop(0)
+            self._post(send, layers)
 
     def _post(self, send: _Send, layers: list[int]) -> None:
         """Post the writes of ``layers``. A write NIXL refuses fails this transfer alone (``poll``
@@ -246,7 +277,8 @@ class NixlTransport(KVTransport):
 
     def _progress_send(self, send: _Send, now: float, events: TransportEvents) -> bool:
         """Advance one send; True when it is over (reported in ``events``)."""
-        states = [self.agent.check_xfer_state(h) for h in send.posted]
+        self._post_ready(send)
+        states = [self._state(h) for h in send.posted]
         if "ERR" in states and send.error is None:
             send.error = KVTransferError(send.request_id, f"a write to {send.peer.meta.rank} failed")
         if send.error is None and now > send.deadline:
@@ -262,7 +294,9 @@ class NixlTransport(KVTransport):
             return False
         assert send.notification is not None
         send.stats.end_s = time.monotonic()  # the last write completed, as NIXL reports it
-        send.stats.descriptors = sum(self.agent.get_xfer_telemetry(h).descCount for h in send.posted)
+        # the last layer's KV was in the pool when its event was seen complete, if it was waited for
+        send.stats.compute_done_s = max(send.stats.compute_done_s, send.waited_s)
+        send.stats.descriptors = sum(self._descriptors(h) for h in send.posted)
         fields = notification_fields(send.notification)
         fields["timings"] = {**fields["timings"], "kv_transfer_s": send.stats.duration_s}
         fields["kv_bytes"] = send.stats.bytes
@@ -279,10 +313,23 @@ class NixlTransport(KVTransport):
         events.sent.append(send.stats)
         return True
 
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception:  # NIXL's own errors: this transfer failed, nothing else did
+            return "ERR"
+
+    def _descriptors(self, handle: Any) -> int:
+        try:
+            return int(self.agent.get_xfer_telemetry(handle).descCount)
+        except Exception:  # telemetry is a figure, never a reason to fail a transfer
+            return 0
+
     def _release(self, send: _Send) -> None:
         for handle in send.posted:
             handle.release()
         send.posted = []
+        send.waiting = []
 
     # -- receiver ------------------------------------------------------------------------------
     def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:
@@ -308,6 +355,18 @@ class NixlTransport(KVTransport):
         self._message(peer.meta.agent_name, ABORT, recv.request_id)
 
     # -- both ----------------------------------------------------------------------------------
+    def fence_peer(self, rank: str) -> None:
+        for recv in self._recvs.values():
+            if recv.peer_rank == rank:
+                recv.error, recv.ack_deadline = PeerLost(recv.request_id, rank), 0.0  # fail now
+        for send in self._sends.values():
+            if send.peer.meta.rank == rank and send.error is None:
+                send.error = PeerLost(send.request_id, rank)  # drained, then failed
+        peer = self._peers.pop(rank, None)
+        if peer is not None:  # its connection closed; a new incarnation is fetched afresh
+            with contextlib.suppress(Exception):  # an agent NIXL already dropped
+                self.agent.remove_remote_agent(peer.meta.agent_name)
+
     def poll(self) -> TransportEvents:
         events = TransportEvents()
         now = time.monotonic()
@@ -352,10 +411,11 @@ class NixlTransport(KVTransport):
             self.late_messages_dropped += 1  # a notification for a request already aborted
             return
         if kind == DONE and recv.error is None:
-            notification = KVNotification(
-                request_id, int(msg["first_token"]), int(msg["cached_tokens"]),
-                dict(msg.get("timings") or {}), int(msg.get("kv_bytes") or 0),
-            )  # fmt: skip
+            notification = _notification(request_id, msg)
+            if notification is None:  # sent after its writes: the pages are safe to give up
+                recv.error = KVTransferError(request_id, f"malformed notification from {recv.peer_rank}")
+                self._fail_recv(recv, events)
+                return
             stats = TransferStats(request_id, recv.peer_rank, start_s=recv.start, end_s=now)
             stats.bytes = notification.kv_bytes  # what the sender's descriptors covered
             stats.layers_written = self.layout.num_layers
@@ -381,6 +441,19 @@ class NixlTransport(KVTransport):
         self._sends.clear()
         self._recvs.clear()
         self.agent.deregister_memory(self._registration)
+
+
+def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None:
+    """The DONE message's notification, or ``None`` when a field is missing or of the wrong type."""
+    try:
+        timings = {str(k): float(v) for k, v in dict(msg.get("timings") or {}).items()}
+        first_token, cached = msg["first_token"], msg["cached_tokens"]
+        kv_bytes = msg.get("kv_bytes") or 0
+        if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes)):
+            return None
+        return KVNotification(request_id, first_token, cached, timings, kv_bytes)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _page_descs(layout: PoolLayout) -> list[tuple[int, int, int]]:

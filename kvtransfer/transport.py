@@ -4,6 +4,11 @@ A rank has one transport. As a sender (prefill) it writes a request's pages into
 receiver (decode) reserved, layer by layer as they are computed or all at once, then notifies; as
 a receiver it is told what to expect and polls. Nothing here knows group sizes: ranks are names.
 
+On a device whose kernels run asynchronously, the sender hands each layer over with a
+:class:`ReadyEvent` recorded after that layer's kernels; a write is posted only once its event
+completes (checked without blocking, at each call and each ``poll``), so no write reads KV the
+device has not produced yet, and nothing waits on the device.
+
 Pages are owned by the schedulers, not by the transport: a side may free a request's pages only
 once :meth:`KVTransport.poll` reports that request finished or failed on that side, which the
 transport does only when no write can still touch them. Every wait has a deadline.
@@ -14,6 +19,7 @@ transport does only when no write can still touch them. Every wait has a deadlin
     finish_send(n) ───┘ + notification ───▶  poll(): received(n)   ─ decode may use the pages
     poll(): sent(stats)                      abort_receive ─▶ sender stops, acks ─▶ failed
     abort_send ─▶ writes drained, receiver told ─▶ failed on both sides
+    fence_peer(dead rank) ─▶ its transfers fail at once on this side (no ack to wait for)
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tandem.kvtransfer.metadata import MetadataStore
-from tandem.kvtransfer.types import KVDestination, KVNotification, KVTransferError, PoolLayout, TransferStats
+from tandem.kvtransfer.types import (
+    READY,
+    KVDestination,
+    KVNotification,
+    KVTransferError,
+    PoolLayout,
+    ReadyEvent,
+    TransferStats,
+)
 
 
 @dataclass(frozen=True)
@@ -68,16 +82,24 @@ class KVTransport(ABC):
         """Start a transfer of ``src_page_ids`` (in token order) into ``dest.page_ids``."""
 
     @abstractmethod
-    def send_layer(self, request_id: str, layer: int) -> None:
-        """Post the writes of one computed layer."""
+    def send_layer(self, request_id: str, layer: int, ready: ReadyEvent = READY) -> None:
+        """Post the writes of one layer once ``ready`` completes (its kernels have run)."""
 
     @abstractmethod
     def send_all_layers(self, request_id: str) -> None:
         """Whole-request mode: every layer in one transfer, posted with the notification."""
 
     @abstractmethod
-    def finish_send(self, request_id: str, notification: KVNotification, compute_done_s: float) -> None:
-        """Every layer is computed: notify the receiver once all writes have landed."""
+    def finish_send(
+        self,
+        request_id: str,
+        notification: KVNotification,
+        compute_done_s: float,
+        ready: ReadyEvent = READY,
+    ) -> None:
+        """Every layer is queued (``compute_done_s``: when the last was); in whole-request mode
+        the writes are posted once ``ready`` completes. Notify the receiver once all writes have
+        landed."""
 
     @abstractmethod
     def abort_send(self, request_id: str) -> None: ...
@@ -88,6 +110,12 @@ class KVTransport(ABC):
 
     @abstractmethod
     def abort_receive(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def fence_peer(self, rank: str) -> None:
+        """``rank``'s current incarnation is dead (the caller has proof: its process is gone):
+        forget its agent, and fail every transfer with it at once, reported by the next
+        ``poll``; its pages on this side are free, since nothing of it can write any more."""
 
     @abstractmethod
     def poll(self) -> TransportEvents: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,27 @@ class PoolLayout:
             if getattr(self, name) != getattr(other, name):
                 return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} there"
         return None
+
+
+class ReadyEvent(Protocol):
+    """Completes once the work queued before it on the device has run (a CUDA event recorded on
+    the compute stream); ``query`` never blocks. A write of a layer's pages is posted only once
+    the event recorded after that layer's kernels completes."""
+
+    def query(self) -> bool: ...
+
+
+class _Ready:
+    """The event of a device whose work is done when the call that queued it returns (CPU)."""
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "READY"
+
+
+READY: ReadyEvent = _Ready()
 
 
 @dataclass(frozen=True)
@@ -149,8 +170,23 @@ class StalePeerError(KVTransferError):
         return (StalePeerError, (self.request_id, self.peer, self.wanted, self.published))
 
 
+class PeerLost(KVTransferError):
+    """The peer's incarnation is gone, its process confirmed dead by the controller: nothing of
+    it can write into this side's pages any more, so they are free at once."""
+
+    def __init__(self, request_id: str, peer: str) -> None:
+        super().__init__(request_id, f"peer {peer} was lost (its group failed)")
+        self.peer = peer
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PeerLost, (self.request_id, self.peer))
+
+
 def failure_cause(error: KVTransferError) -> str:
-    """A failed transfer's cause as a metric label: timeout, aborted, stale_peer or error."""
+    """A failed transfer's cause as a metric label: timeout, aborted, stale_peer, peer_lost or
+    error."""
+    if isinstance(error, PeerLost):
+        return "peer_lost"
     if isinstance(error, KVTransferTimeout):
         return "timeout"
     if isinstance(error, KVTransferAborted):

@@ -10,9 +10,10 @@ prefix cache's KV events to the frontends that subscribed.
 
 The job's figures, each on this rank's monotonic clock, travel in its notification: pickup
 (received by the actor -> queued on the loop), queue (-> first chunk scheduled), compute (-> the
-last layer's KV in the pool); the transport adds the transfer's own. On a GPU the hook waits for
-the layer's kernels before it posts (``ModelRunner.kv_ready``); on a CPU the forward is
-synchronous.
+last layer's KV in the pool); the transport adds the transfer's own. On a GPU a layer's writes
+are posted only once its kernels have run: the hook hands the transport a CUDA event recorded
+after them (``ModelRunner.kv_event``), which the transport polls; the forward never waits for it.
+On a CPU the forward is synchronous and the event is complete at once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from tandem.engine.rank_loop import RankWorker
 from tandem.engine.request import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
-from tandem.kvtransfer.types import FailureCounts, KVNotification, KVTransferError, TransferStats
+from tandem.kvtransfer.types import (
+    READY,
+    FailureCounts,
+    KVNotification,
+    KVTransferError,
+    ReadyEvent,
+    TransferStats,
+)
 from tandem.prefill.job import PrefillJob
 from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
@@ -97,6 +105,18 @@ class PrefillWorker(RankWorker):
             self.transport.abort_send(request_id)
         else:
             self._forget(request_id)
+
+    def peers_lost(self, ranks: list[str]) -> None:
+        """Decode ranks whose group failed: nothing waits for their jobs' KV any more. Sends to
+        them stop (their posted writes drained first); their jobs not yet sending are dropped."""
+        lost = set(ranks)
+        for rank in ranks:
+            self.transport.fence_peer(rank)
+        for request_id, job in list(self._jobs.items()):
+            if job.destination.rank not in lost:
+                continue
+            if self.scheduler.abort(request_id) is not AbortAction.ABORT_TRANSFER:
+                self._forget(request_id)  # a transferring one ends with its send's failure
 
     def _forget(self, request_id: str) -> None:
         self._jobs.pop(request_id, None)
@@ -201,16 +221,18 @@ class PrefillWorker(RankWorker):
             for request_id in finishing:
                 self.transport.send_all_layers(request_id)
         last_layer = self.runner.model.cfg.num_hidden_layers - 1
-        kv_done: list[float] = []  # when the last layer's KV was in the pool
+        kv_done: list[float] = []  # when the last layer's KV was queued
+        last_ready: list[ReadyEvent] = []  # and its event, for whole-request writes
 
         def layer_kv(layer: int) -> None:
-            if self.layerwise or layer == last_layer:
-                self.runner.kv_ready()
             if layer == last_layer:
                 kv_done.append(time.monotonic())
             if self.layerwise:
+                ready = self.runner.kv_event()  # the writes wait for it, the forward does not
                 for request_id in finishing:
-                    self.transport.send_layer(request_id, layer)
+                    self.transport.send_layer(request_id, layer, ready)
+            elif layer == last_layer:
+                last_ready.append(self.runner.kv_event())
 
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
@@ -227,4 +249,6 @@ class PrefillWorker(RankWorker):
                 "prefill_compute_s": done.timings.compute_s,
             }
             notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
-            self.transport.finish_send(done.request_id, notification, compute_done)
+            self.transport.finish_send(
+                done.request_id, notification, compute_done, last_ready[0] if last_ready else READY
+            )

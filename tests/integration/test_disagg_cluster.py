@@ -17,7 +17,7 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId, RankRequest, RankStats
+from tandem.engine.messages import RankId, RankRequest, RankStats, RequestResult
 from tandem.engine.request import SamplingParams
 from tandem.frontend.request_stream import StreamSummary
 
@@ -157,6 +157,51 @@ def test_a_prefill_rank_dying_never_leaves_a_request_hanging(tiny: Path) -> None
         decode.submit(0, [RankRequest("after", (5, 6, 7), SamplingParams(max_tokens=3, ignore_eos=True))])
         (after,) = decode.run_to_completion(timeout_s=60)
         assert after.error is None and len(after.token_ids) == 3
+        cluster.check_integrity()
+        _check_all_free(cluster.stats())
+    finally:
+        cluster.stop()
+
+
+def test_a_prefill_rank_killed_mid_flight_is_fenced_and_its_requests_complete_elsewhere(tiny: Path) -> None:
+    """Six requests routed to one of two prefill ranks, which is killed as they arrive. The KV
+    deadline is 30 s, yet every request completes within 10 s with the colocated engine's
+    tokens: the controller confirms the rank dead, fences it on the decode rank, whose receives
+    from it fail at once and are retried on the prefill rank left."""
+    t = _topology("local")
+    t = t.model_copy(
+        update={
+            "prefill": PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=96),
+            "decode": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=96),
+        }
+    )
+    cluster = Cluster(t, str(tiny), "float64")
+    cluster.start()
+    decode = cluster.decode[0]
+    victim = RankId("prefill0", 0)
+    rng = random.Random(5)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = [([rng.randrange(256) for _ in range(rng.randrange(20, 60))], greedy) for _ in range(6)]
+    try:
+        for i, (prompt, sampling) in enumerate(requests):
+            decode.submit(0, [RankRequest(f"k{i}", tuple(prompt), sampling, prefill_rank=victim)])
+        ray.kill(cluster.prefill[0].actors[victim])
+        start = time.monotonic()
+        done: dict[str, RequestResult] = {}
+        while len(done) < len(requests) and time.monotonic() - start < 60:
+            cluster.watch()
+            done |= {r.request_id: r for r in decode.poll(wait_s=0.2)}
+        elapsed = time.monotonic() - start
+        assert len(done) == len(requests) and elapsed < 10, (elapsed, sorted(done))
+        results = [done[f"k{i}"] for i in range(len(requests))]
+        assert [list(r.token_ids) for r in results] == _expected(tiny, requests)
+        assert all(r.error is None for r in results)
+        lost = [r for r in results if len(r.bill.attempts) > 1]
+        assert lost, "no request was in flight on the killed rank"
+        for r in lost:
+            assert "was lost" in (r.bill.attempts[0].error or "") and r.prefill_rank == RankId("prefill1", 0)
+        assert cluster.status()["prefill0"].startswith("failed")
+        assert cluster.heal() == ["prefill0"]
         cluster.check_integrity()
         _check_all_free(cluster.stats())
     finally:

@@ -115,6 +115,73 @@ class _RefusingAgent:
         return getattr(self._agent, name)
 
 
+class _FaultyAgent:
+    """The sender's NIXL agent, failing its first ``count`` transfers in one way:
+    ``completion`` (NIXL reports the write failed), ``state-raises`` (asking NIXL about the write
+    raises), ``notify`` (the DONE notification cannot be sent), ``corrupt`` (the DONE
+    notification arrives with a field of the wrong type), ``unreachable`` (the receiver's agent
+    cannot be added). Everything else is the real agent."""
+
+    def __init__(self, agent: Any, fault: str, count: int = 1) -> None:
+        self._agent, self.fault, self.left = agent, fault, count
+        self._failing: set[int] = set()
+
+    def transfer(self, handle: Any, *args: Any) -> Any:
+        if self.fault in ("completion", "state-raises") and self.left > 0:
+            self.left -= 1
+            self._failing.add(id(handle))
+        return self._agent.transfer(handle, *args)
+
+    def check_xfer_state(self, handle: Any) -> str:
+        state = str(self._agent.check_xfer_state(handle))
+        if id(handle) in self._failing and state == "DONE":
+            if self.fault == "state-raises":
+                raise RuntimeError("NIXL_ERR_BACKEND")
+            return "ERR"
+        return state
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        if self.fault in ("notify", "corrupt") and b'"kind": "done"' in message and self.left > 0:
+            self.left -= 1
+            if self.fault == "notify":
+                raise RuntimeError("NIXL_ERR_NOT_FOUND")
+            message = message.replace(b'"first_token": ', b'"first_token": "x", "was": ')
+        self._agent.send_notif(agent_name, message)
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        if self.fault == "unreachable" and self.left > 0:
+            self.left -= 1
+            raise RuntimeError("NIXL_ERR_BACKEND: no route")
+        return self._agent.add_remote_agent(metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+class _Gate:
+    """A ready event that completes only when the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def query(self) -> bool:
+        return self.open
+
+
+class _CountingAgent:
+    """The sender's NIXL agent, counting the writes it posts."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent, self.posted = agent, 0
+
+    def transfer(self, handle: Any, *args: Any) -> Any:
+        self.posted += 1
+        return self._agent.transfer(handle, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
 def _slow_attention(model: DeepseekV3, seconds: float) -> None:
     """Each layer's attention (which writes its KV) takes ``seconds`` longer: known compute."""
     for layer in model.layers:
@@ -128,6 +195,9 @@ def _workers(
     completion_delay_s: float = 0.0,
     attention_delay_s: float = 0.0,
     refuse_writes: int = 0,
+    fault: str | None = None,
+    kv_timeout_s: float = 30.0,
+    abort_grace_s: float = 5.0,
 ) -> tuple[PrefillWorker, DecodeWorker]:
     store = InMemoryMetadataStore()
     p_model, d_model = _model(tiny), _model(tiny)
@@ -157,8 +227,9 @@ def _workers(
         1,
         DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
         ModelRunner(d_model, d_pool),
-        NixlTransport(DECODE.name, 1, d_pool.layout, store),
+        NixlTransport(DECODE.name, 1, d_pool.layout, store, abort_grace_s=abort_grace_s),
         _Direct(prefill),
+        kv_timeout_s=kv_timeout_s,
     )
     transport = prefill.transport
     assert isinstance(transport, NixlTransport)
@@ -166,6 +237,8 @@ def _workers(
         transport.agent = _DelayedCompletion(transport.agent, completion_delay_s)
     if refuse_writes:
         transport.agent = _RefusingAgent(transport.agent, refuse_writes)
+    if fault is not None:
+        transport.agent = _FaultyAgent(transport.agent, fault)
     return prefill, decode
 
 
@@ -367,3 +440,92 @@ def test_a_refused_write_fails_that_attempt_alone_and_the_retry_delivers(tiny: P
     assert decode.scheduler.num_free_pages == 32 and prefill.transport.in_flight() == (0, 0)
     prefill.transport.close()
     decode.transport.close()
+
+
+@pytest.mark.parametrize("fault", ["completion", "state-raises", "notify", "corrupt", "unreachable"])
+def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: Path, fault: str) -> None:
+    """Each way a transfer can fail on the wire fails that request's attempt only: neither rank's
+    step raises, the retry delivers the colocated engine's tokens, and every page comes back.
+    (A receiver its sender cannot reach hears nothing from it: it gives up at its deadline.)"""
+    deadlines = {"kv_timeout_s": 1.0, "abort_grace_s": 0.5} if fault == "unreachable" else {}
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True, fault=fault, **deadlines)
+    rng = random.Random(fault)
+    prompt = [rng.randrange(256) for _ in range(30)]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    result = _run(prefill, decode, _requests([prompt], [sampling], fault))[f"{fault}0"]
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    assert list(result.token_ids) == engine.generate([prompt], [sampling])[0].token_ids
+    agent = prefill.transport.agent  # type: ignore[attr-defined]
+    assert isinstance(agent, _FaultyAgent) and agent.left == 0  # the fault happened
+    failed, delivered = result.bill.attempts
+    assert not failed.delivered and failed.error and delivered.delivered
+    if fault == "corrupt":
+        assert "malformed notification" in failed.error
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64
+    assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
+    prefill.transport.close()
+    decode.transport.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole-request"])
+def test_no_write_is_posted_before_its_layers_ready_event_completes(tiny: Path, layerwise: bool) -> None:
+    """The forward hands the transport one event per layer (as a GPU's CUDA events would be):
+    with every event held open, the forward ends and nothing is written; opened out of order,
+    only the layers whose events and all earlier ones completed are written; once all are open,
+    the request completes with the colocated engine's tokens."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=layerwise)
+    transport = prefill.transport
+    assert isinstance(transport, NixlTransport)
+    counter = _CountingAgent(transport.agent)
+    transport.agent = counter
+    gates: list[_Gate] = []
+
+    def held_event() -> _Gate:
+        gates.append(_Gate())
+        return gates[-1]
+
+    prefill.runner.kv_event = held_event  # type: ignore[method-assign]
+    rng = random.Random(f"gate-{layerwise}")
+    prompt = [rng.randrange(256) for _ in range(20)]
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    _submit(decode, _requests([prompt], [sampling], "gated"))
+    for _ in range(200):  # the decode rank sends the job; the prefill rank runs its forward
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        if gates:
+            break
+    layers = prefill.runner.model.cfg.num_hidden_layers
+    assert len(gates) == (layers if layerwise else 1)
+    for _ in range(20):
+        prefill.tick()
+        decode.tick()
+    assert counter.posted == 0 and decode.scheduler.num_waiting_for_kv == 1
+    if layerwise:
+        gates[1].open = True  # layer 1 is done, layer 0 not yet: nothing may go
+        prefill.tick()
+        assert counter.posted == 0
+        gates[0].open = True
+        prefill.tick()
+        assert counter.posted == 2
+    for gate in gates:
+        gate.open = True
+    done = _drive(prefill, decode, until=1)
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    assert list(done["gated0"].token_ids) == engine.generate([prompt], [sampling])[0].token_ids
+    assert counter.posted == (layers if layerwise else 1)
+    decode.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_the_gpu_transfer_check_passes_between_host_pools() -> None:
+    """``scripts/gpu-check.sh``'s transfer check, run on the CPU: its page comparison and tokens
+    hold here, so on a GPU a difference is the device's."""
+    from tandem.bench.gpu_transfer_check import main
+
+    assert main(["--device", "cpu"]) == 0
