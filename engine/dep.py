@@ -1,9 +1,10 @@
 """Expert parallelism inside a DEP group: routed experts split across the ranks, rows moved to
 their experts and back with all-to-all in every MoE layer.
 
-Rank ``r`` of ``n`` holds experts ``[r*E/n, (r+1)*E/n)``. Per MoE layer, on every rank::
+Each rank holds a contiguous slice of the experts (:func:`expert_slice`; sizes differ by at most
+one, and a rank may hold none). Per MoE layer, on every rank::
 
-    (token, k) pairs sorted by expert  ->  grouped by owner rank (expert // E_local)
+    (token, k) pairs sorted by expert  ->  grouped by owner rank (slices are contiguous)
     all-to-all #1: counts [n, E_local]     who sends how many rows for each of my experts
     all-to-all #2: rows   [pairs, D]       hidden states to their owners (uneven splits)
     owner: each received row through its expert (weight 1: the sender weights it)
@@ -40,12 +41,14 @@ class DispatchStats:
 
 
 def expert_slice(num_experts: int, rank: int, world_size: int) -> range:
-    if num_experts % world_size:
-        raise ValueError(
-            f"n_routed_experts {num_experts} does not split evenly over a DEP group of {world_size} ranks"
-        )
-    per_rank = num_experts // world_size
-    return range(rank * per_rank, (rank + 1) * per_rank)
+    """Rank ``rank``'s routed experts: contiguous slices, the first ``E % n`` ranks one expert
+    more than the rest (256 experts on 144 ranks: 112 ranks hold 2, 32 hold 1); with fewer
+    experts than ranks the last ranks hold none and serve attention only."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a DEP group of {world_size} ranks")
+    base, extra = divmod(num_experts, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
 
 
 class ExpertParallelDispatcher(ExpertDispatcher):
@@ -55,9 +58,11 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         self.rank = rank
         self.world_size = world_size
         self.num_experts = num_experts
-        self.local = expert_slice(num_experts, rank, world_size)
+        self.slices = [expert_slice(num_experts, r, world_size) for r in range(world_size)]
+        self.local = self.slices[rank]
         self.group = group
         self.stats = DispatchStats()
+        self._owner: torch.Tensor | None = None  # expert -> the rank that holds it
 
     def _all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None
@@ -73,11 +78,15 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by owner rank
         token_of_pair = order // top_k
-        send_counts = torch.bincount(flat_ids, minlength=self.num_experts).view(n, per_rank)
-        recv_counts = torch.empty_like(send_counts)
-        self._all_to_all(recv_counts.view(-1), send_counts.view(-1), None, None)
+        if self._owner is None or self._owner.device != x.device:
+            sizes = torch.tensor([len(s) for s in self.slices], device=x.device)
+            self._owner = torch.repeat_interleave(torch.arange(n, device=x.device), sizes)
+        send_counts = torch.bincount(flat_ids, minlength=self.num_experts)  # per expert, by owner
+        recv_counts = send_counts.new_empty((n, per_rank))  # per sender, per local expert
+        self._all_to_all(recv_counts.view(-1), send_counts, [per_rank] * n, [len(s) for s in self.slices])
 
-        in_splits = send_counts.sum(1).tolist()
+        in_splits = torch.zeros(n, dtype=send_counts.dtype, device=x.device)
+        in_splits = in_splits.index_add_(0, self._owner, send_counts).tolist()
         out_splits = recv_counts.sum(1).tolist()
         send_rows = x[token_of_pair]
         recv_rows = x.new_empty((sum(out_splits), x.shape[1]))

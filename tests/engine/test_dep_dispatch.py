@@ -1,9 +1,11 @@
-"""Expert-parallel MoE over gloo in separate processes equals the one-process MoE layer."""
+"""Expert-parallel MoE over gloo in separate processes equals the one-process MoE layer, whether
+the experts split evenly over the group or not (12 experts over 16 ranks: four hold none)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,9 +17,12 @@ from tandem.model.kernels.backend import get_backend
 from tandem.model.layers import MoE
 from tandem.model.make_tiny import tiny_config_dict
 
-WORLD = 4
-# tokens per rank: uneven, one rank idle
-TOKENS = [5, 0, 1, 9]
+# (ranks, routed experts, tokens per rank): uneven tokens, one rank idle
+CASES = {
+    "even": (4, 16, [5, 0, 1, 9]),
+    "uneven": (3, 16, [4, 7, 0]),
+    "12-experts-on-dep16": (16, 12, [3, 0, 1, 6, 2, 0, 5, 1, 4, 2, 0, 3, 7, 1, 2, 5]),
+}
 
 
 def _moe(cfg: ModelConfig, experts: range, full: dict[str, torch.Tensor]) -> MoE:
@@ -48,33 +53,59 @@ def _weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     }
 
 
-def _inputs(cfg: ModelConfig) -> list[torch.Tensor]:
+def _config(experts: int) -> ModelConfig:
+    return ModelConfig.from_dict({**tiny_config_dict(), "n_routed_experts": experts})
+
+
+def _inputs(cfg: ModelConfig, tokens: list[int]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64) for n in TOKENS]
+    return [torch.randn(n, cfg.hidden_size, generator=gen, dtype=torch.float64) for n in tokens]
 
 
-def _rank(rank: int, out_dir: str) -> None:
+def _rank(rank: int, out_dir: str, case: str) -> None:
+    world, num_experts, tokens = CASES[case]
     # a file rendezvous: no port to race other processes for
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
-    cfg = ModelConfig.from_dict(tiny_config_dict())
-    experts = expert_slice(cfg.n_routed_experts, rank, WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    cfg = _config(num_experts)
+    experts = expert_slice(cfg.n_routed_experts, rank, world)
     moe = _moe(cfg, experts, _weights(cfg))
-    dispatcher = ExpertParallelDispatcher(rank, WORLD, cfg.n_routed_experts)
-    x = _inputs(cfg)[rank]
+    dispatcher = ExpertParallelDispatcher(rank, world, cfg.n_routed_experts)
+    x = _inputs(cfg, tokens)[rank]
     out = moe(x, get_backend("cpu", "torch"), dispatcher)
     flags = [any_rank_has_work(rank == 2), any_rank_has_work(False)]
-    torch.save({"out": out, "flags": flags, "sent": dispatcher.stats.rows_sent}, f"{out_dir}/{rank}.pt")
+    received = dispatcher.stats.rows_received
+    torch.save(
+        {"out": out, "flags": flags, "sent": dispatcher.stats.rows_sent, "received": received},
+        f"{out_dir}/{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
-def test_expert_parallel_equals_one_process(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(str(tmp_path),), nprocs=WORLD)
-    cfg = ModelConfig.from_dict(tiny_config_dict())
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_expert_parallel_equals_one_process(tmp_path: Path, case: str) -> None:
+    world, num_experts, tokens = CASES[case]
+    mp.spawn(_rank, args=(str(tmp_path), case), nprocs=world)
+    cfg = _config(num_experts)
     moe = _moe(cfg, range(cfg.n_routed_experts), _weights(cfg))
-    for rank, x in enumerate(_inputs(cfg)):
+    received = 0
+    for rank, x in enumerate(_inputs(cfg, tokens)):
         result = torch.load(tmp_path / f"{rank}.pt")
         expected = moe(x, get_backend("cpu", "torch"), LocalExperts())
-        assert result["out"].shape == (TOKENS[rank], cfg.hidden_size)
+        assert result["out"].shape == (tokens[rank], cfg.hidden_size)
         torch.testing.assert_close(result["out"], expected, rtol=1e-12, atol=1e-12)
         assert result["flags"] == [True, False]
-        assert result["sent"] == TOKENS[rank] * cfg.num_experts_per_tok
+        assert result["sent"] == tokens[rank] * cfg.num_experts_per_tok
+        received += result["received"]
+        if not expert_slice(num_experts, rank, world):  # a rank without experts computes none
+            assert result["received"] == 0
+    assert received == sum(tokens) * cfg.num_experts_per_tok
+
+
+def test_expert_slices_cover_every_expert_once_and_differ_by_at_most_one() -> None:
+    for experts, world in [(16, 4), (16, 3), (12, 16), (256, 144), (256, 320), (7, 1)]:
+        slices = [expert_slice(experts, r, world) for r in range(world)]
+        assert [e for s in slices for e in s] == list(range(experts))
+        assert max(map(len, slices)) - min(map(len, slices)) <= 1
+    assert [len(expert_slice(256, r, 144)) for r in (0, 111, 112, 143)] == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match="rank 4"):
+        expert_slice(16, 4, 4)

@@ -18,6 +18,7 @@ from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import RankId, RankRequest, RequestResult
 from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.model.make_tiny import make_tiny_checkpoint
 
 ENGINE = EngineConfig(page_size=8, num_pages=96)
 
@@ -86,13 +87,21 @@ def test_dep4_uneven_load_matches_the_colocated_engine(tiny: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dep16_starts_and_matches(tiny: Path) -> None:
+def test_dep16_with_12_experts_matches(tiny: Path, tmp_path: Path) -> None:
+    """12 routed experts over 16 ranks: ranks 0..11 hold one each, ranks 12..15 none (they
+    serve attention and route their tokens to the others); the tokens are the colocated
+    engine's."""
+    model = make_tiny_checkpoint(tmp_path / "tiny12", seed=0, n_routed_experts=12)
     requests = _requests(12, seed=2)
-    group = RankGroup(GroupConfig("dep16", str(tiny), 16, ColocatedRole(ENGINE), "float64"))
+    group = RankGroup(GroupConfig("dep16", str(model), 16, ColocatedRole(ENGINE), "float64"))
     group.start()
     try:
-        done = _run(group, requests, [i % 5 for i in range(12)])  # ranks 5..15 stay idle
-        assert [_tokens(done[f"r{i}"]) for i in range(12)] == _colocated(tiny, requests)
+        # ranks 0..4 and 13 take requests; the others stay idle
+        done = _run(group, requests, [i % 5 for i in range(11)] + [13])
+        assert [_tokens(done[f"r{i}"]) for i in range(12)] == _colocated(model, requests)
+        stats = group.stats()
+        assert [s.local_experts for s in stats] == [1] * 12 + [0] * 4
+        assert all(s.moe_rows_received == 0 for s in stats[12:])
         _check_all_pages_free(group)
     finally:
         group.stop()
