@@ -85,8 +85,8 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         recv_counts = send_counts.new_empty((n, per_rank))  # per sender, per local expert
         self._all_to_all(recv_counts.view(-1), send_counts, [per_rank] * n, [len(s) for s in self.slices])
 
-        in_splits = torch.zeros(n, dtype=send_counts.dtype, device=x.device)
-        in_splits = in_splits.index_add_(0, self._owner, send_counts).tolist()
+        per_owner = torch.zeros(n, dtype=send_counts.dtype, device=x.device)
+        in_splits = per_owner.index_add_(0, self._owner, send_counts).tolist()
         out_splits = recv_counts.sum(1).tolist()
         send_rows = x[token_of_pair]
         recv_rows = x.new_empty((sum(out_splits), x.shape[1]))
