@@ -340,11 +340,11 @@ def _generate_disaggregated(
     from tandem.cli.generate import generate_on_cluster, summary_record
     from tandem.cluster.topology import Topology
     from tandem.engine.request import check_prompt
-    from tandem.model.config import ModelConfig
+    from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
-    cfg = ModelConfig.from_dir(args.model)
+    cfg = check_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = _encode(specs, tokenizer)
     for prompt in prompts:  # rejected here, before any actor starts
@@ -373,12 +373,12 @@ def _generate_disaggregated(
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
     from tandem.cli.generate import generate_on_dep_group
     from tandem.engine.request import check_prompt
-    from tandem.model.config import ModelConfig
+    from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
 
     if args.dep < 1:
         raise InvalidRequestError("--dep", f"must be at least 1, got {args.dep}")
-    cfg = ModelConfig.from_dir(args.model)
+    cfg = check_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = _encode(specs, tokenizer)
     # validate here, before any actor starts: the same checks every rank makes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -89,15 +90,30 @@ def _read_secret(path: Path | None, flag: str) -> str | None:
     return secret
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (a port in TIME_WAIT counts as free, as it does
+    for the gRPC server)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.cluster.serve import ServeOptions, serve
     from tandem.cluster.topology import Topology
+    from tandem.model.checkpoint import check_model_dir
 
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise InvalidRequestError("--model", f"{args.model} holds no config.json")
+    if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out
+        check_model_dir(args.model)
     if not 0 <= args.port < 65536:
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:
@@ -136,8 +152,19 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             "--prometheus-url", "--detach --autoscale needs the cluster's Prometheus (this command's ends)"
         )
+    for flag in ("--tls-cert", "--tls-key"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None and not Path(path).is_file():
+            raise InvalidRequestError(flag, f"{path} is not a readable file")
     if args.dry_run:
         return run_dry_run(topology, args.address, name)
+    # the ports the frontends on this machine bind: every one with an embedded Ray, frontend 0's
+    # on a cluster (the others' nodes are known only once placed)
+    local = 1 if args.address else args.frontends
+    for flag, first in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        for port in range(first, first + local) if first else ():
+            if not port_is_free(args.host, port):
+                raise InvalidRequestError(flag, f"{args.host}:{port} is in use")
     metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
     options = ServeOptions(
         topology=topology,

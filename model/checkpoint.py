@@ -128,6 +128,21 @@ def load_checkpoint(
     return tensors
 
 
+def check_model_dir(model_dir: Path | str) -> ModelConfig:
+    """Everything a rank will read from ``model_dir``, checked from this process before any rank
+    starts: ``config.json``, the tokenizer files, and every tensor's name, shape and dtype from
+    the safetensors headers (no tensor is read). Raises a ``ModelFileError`` naming the file."""
+    from tandem.model.tokenizer import Tokenizer  # tokenizers is heavy; only this check needs it
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(model_dir, "model directory does not exist")
+    cfg = ModelConfig.from_dir(model_dir)
+    Tokenizer.from_dir(model_dir)
+    _validate(model_dir, _read_headers(model_dir), cfg, cfg.quant_block_size or DEFAULT_BLOCK)
+    return cfg
+
+
 def _keep_expert(name: str, expert_filter: ExpertFilter) -> bool:
     match = _EXPERT.match(name)
     return match is None or expert_filter(int(match.group(1)), int(match.group(2)))

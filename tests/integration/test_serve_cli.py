@@ -7,11 +7,14 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,52 @@ def test_serve_refuses_bad_arguments_before_starting(args: list[str], message: s
     result = _tandem("serve", *args, timeout=60)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and result.stderr.startswith("tandem: error:")
+
+
+def test_serve_checks_the_model_files_and_ports_before_starting_anything(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A model directory without its tokenizer, without its weights, or whose weights do not fit
+    its config; a TLS file that is not there; a port in use: each is one line on stderr and exit
+    code 2, from the command itself (no Ray, no rank, no traceback)."""
+
+    def broken(name: str, change: Callable[[Path], None]) -> Path:
+        model = tmp_path / name
+        shutil.copytree(tiny_dir, model)
+        change(model)
+        return model
+
+    def wider(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 48}))
+
+    no_tokenizer = broken("no-tokenizer", lambda m: (m / "tokenizer.json").unlink())
+    no_weights = broken("no-weights", lambda m: (m / "model.safetensors").unlink())
+    mismatched = broken("mismatched", wider)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--model", str(no_tokenizer)], "tokenizer.json not found"),
+            (["--model", str(no_weights)], "no model.safetensors"),
+            (["--model", str(mismatched)], "shape"),
+            (
+                ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")],
+                "--tls-cert: ",
+            ),
+            (["--port", str(port)], f"--port: 127.0.0.1:{port} is in use"),
+            (["--metrics-port", str(port)], f"--metrics-port: 127.0.0.1:{port} is in use"),
+        ]
+        for args, message in cases:
+            result = _tandem("serve", *args, timeout=60)
+            assert result.returncode == 2, (args, result.stderr)
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("tandem: error:") and message in lines[0], (
+                args,
+                lines,
+            )
+            assert result.stdout == ""  # nothing was served or announced
 
 
 def test_autoscale_without_a_prometheus_says_so_in_one_line() -> None:
