@@ -19,10 +19,18 @@ notification before the data, and the bill's transfer figures are the sender's o
 
 Abort protocol (so no late write lands in a page that was handed out again)::
 
-    receiver abort / deadline  ── ABORT ──▶  sender stops posting, waits for posted writes
+    receiver abort / deadline  ── ABORT(deadline) ──▶  sender stops posting, waits for posted writes
                                ◀─ ABORT_ACK ─ sender reports its failure (its pages are free)
-    receiver reports failure (pages free) on the ack, or after ``abort_grace_s`` without one
+    ... send not begun yet     ── ABORT(deadline) ──▶  ``poll`` reports it ``cancelled``: the caller
+                                                       drops the job and calls ``confirm_cancelled``
+                               ◀─ ABORT_ACK ─          (or drops it when it arrives, if it has not)
+    receiver reports failure (pages free) on the ack, on a fence (the sender is dead), or once
+    the job's own deadline has passed by ``abort_grace_s``: a prefill rank never begins a job
+    past its deadline, so by then no write can come (the grace covers clocks that disagree)
     sender abort / deadline: posted writes drained, then ABORT ──▶ receiver reports failure
+
+A cancellation the sender cannot match to a job yet is kept until the job's deadline, not in a
+list of bounded length from which it could fall out.
 """
 
 from __future__ import annotations
@@ -136,7 +144,8 @@ class NixlTransport(KVTransport):
         self.late_messages_dropped = 0
         self.messages_undeliverable = 0
         self._ended: OrderedDict[str, None] = OrderedDict()  # recent sends, for late calls
-        self._aborted_before_begin: OrderedDict[str, str] = OrderedDict()  # id -> who aborted
+        # receivers that gave up before this side began sending: id -> (their rank, agent, until)
+        self._cancelled: dict[str, tuple[str, str, float]] = {}
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
         )
@@ -168,11 +177,11 @@ class NixlTransport(KVTransport):
         self._peers[rank] = peer = _Peer(meta, dlist)
         return peer
 
-    def _message(self, agent_name: str, kind: str, request_id: str) -> None:
+    def _message(self, agent_name: str, kind: str, request_id: str, **fields: Any) -> None:
         """Send a control message, best effort: an agent that is gone, or was replaced by a newer
         incarnation and forgotten, cannot be told (and has nothing left to wait for)."""
         try:
-            self.agent.send_notif(agent_name, encode_message(kind, request_id, self.rank))
+            self.agent.send_notif(agent_name, encode_message(kind, request_id, self.rank, **fields))
         except Exception:
             self.messages_undeliverable += 1
 
@@ -182,8 +191,10 @@ class NixlTransport(KVTransport):
     ) -> None:
         if request_id in self._sends:
             raise KVTransferError(request_id, "a transfer with this request id is already in flight")
-        if request_id in self._aborted_before_begin:  # the receiver gave its pages up already
-            raise KVTransferAborted(request_id, self._aborted_before_begin.pop(request_id))
+        if request_id in self._cancelled:  # the receiver gave up already: nothing may be written
+            who = f"decode rank {self._cancelled[request_id][0]}"
+            self.confirm_cancelled(request_id)
+            raise KVTransferAborted(request_id, who)
         if len(src_page_ids) != len(dest.page_ids):
             raise KVTransferError(
                 request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
@@ -223,6 +234,18 @@ class NixlTransport(KVTransport):
             send.layers_sent.update(layers)
             send.waiting.append((layers, ready))
         self._post_ready(send)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self._cancelled
+
+    def confirm_cancelled(self, request_id: str) -> None:
+        entry = self._cancelled.pop(request_id, None)
+        if entry is None:
+            return
+        rank, agent_name, _ = entry
+        with contextlib.suppress(KVTransferError):  # first contact: this side never wrote to it
+            self._peer(rank, None, request_id)
+        self._message(agent_name, ABORT_ACK, request_id)  # the job is dropped: pages may be freed
 
     def abort_send(self, request_id: str) -> None:
         send = self._sends.get(request_id)
@@ -346,13 +369,15 @@ class NixlTransport(KVTransport):
             )
 
     def _start_abort(self, recv: _Recv, error: KVTransferError, now: float) -> None:
-        recv.error, recv.ack_deadline = error, now + self.abort_grace_s
+        # without an ack, the pages are safe once the job's deadline is past (see above)
+        recv.error, recv.ack_deadline = error, max(now, recv.deadline) + self.abort_grace_s
         try:
             peer = self._peer(recv.peer_rank, None, recv.request_id)
         except KVTransferError:
             recv.ack_deadline = now  # no such peer: nothing can write into the pages
             return
-        self._message(peer.meta.agent_name, ABORT, recv.request_id)
+        deadline_unix_s = time.time() + (recv.deadline - now)
+        self._message(peer.meta.agent_name, ABORT, recv.request_id, deadline_unix_s=deadline_unix_s)
 
     # -- both ----------------------------------------------------------------------------------
     def fence_peer(self, rank: str) -> None:
@@ -378,6 +403,8 @@ class NixlTransport(KVTransport):
             self._ended[request_id] = None
             if len(self._ended) > 4096:
                 self._ended.popitem(last=False)
+        for request_id in [r for r, (*_, until) in self._cancelled.items() if now >= until]:
+            del self._cancelled[request_id]  # its job can no longer begin: nothing to refuse
         for recv in list(self._recvs.values()):
             if recv.error is None and now > recv.deadline:
                 self._start_abort(
@@ -400,11 +427,13 @@ class NixlTransport(KVTransport):
             self._message(agent_name, ABORT_ACK, request_id)
             return
         if kind == ABORT and request_id not in self._recvs:  # nothing in flight here to stop
-            if request_id not in self._ended:  # not begun yet: refuse it when it is
-                self._aborted_before_begin[request_id] = f"decode rank {msg['sender']}"
-                if len(self._aborted_before_begin) > 4096:
-                    self._aborted_before_begin.popitem(last=False)
-            self._message(agent_name, ABORT_ACK, request_id)
+            if request_id in self._ended:  # over already: nothing more will be written
+                self._message(agent_name, ABORT_ACK, request_id)
+                return
+            # not begun: acked once the caller has dropped the job (or on its arrival, refused)
+            until = now + _seconds_until(msg.get("deadline_unix_s"), self.abort_grace_s)
+            self._cancelled[request_id] = (str(msg["sender"]), agent_name, until)
+            events.cancelled.append(request_id)
             return
         recv = self._recvs.get(request_id)
         if recv is None:
@@ -441,6 +470,15 @@ class NixlTransport(KVTransport):
         self._sends.clear()
         self._recvs.clear()
         self.agent.deregister_memory(self._registration)
+
+
+def _seconds_until(deadline_unix_s: Any, grace_s: float) -> float:
+    """Seconds from now until a wall-clock deadline a peer sent, plus ``grace_s`` for clocks that
+    disagree; a missing or malformed one counts as no time at all."""
+    try:
+        return max(0.0, float(deadline_unix_s) - time.time()) + grace_s
+    except (TypeError, ValueError):
+        return grace_s
 
 
 def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None:

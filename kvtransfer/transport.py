@@ -59,9 +59,12 @@ class TransportEvents:
     received: list[ReceivedKV] = field(default_factory=list)
     sent: list[TransferStats] = field(default_factory=list)
     failed: list[TransferFailure] = field(default_factory=list)
+    # sender: receivers that gave up on a transfer not begun yet; drop the job, then
+    # ``confirm_cancelled`` (a job that has not arrived yet: check ``is_cancelled`` when it does)
+    cancelled: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.received or self.sent or self.failed)
+        return bool(self.received or self.sent or self.failed or self.cancelled)
 
 
 class KVTransport(ABC):
@@ -103,6 +106,14 @@ class KVTransport(ABC):
 
     @abstractmethod
     def abort_send(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def is_cancelled(self, request_id: str) -> bool:
+        """Sender: the receiver gave this transfer up before it began (its job must not run)."""
+
+    @abstractmethod
+    def confirm_cancelled(self, request_id: str) -> None:
+        """Sender: the cancelled job is dropped and will never write; the receiver is told."""
 
     @abstractmethod
     def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:

@@ -70,6 +70,7 @@ class PrefillWorker(RankWorker):
         self.layerwise = layerwise
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
+        self.cancelled_jobs = 0  # jobs dropped uncomputed because their decode rank gave up
         self._jobs: dict[str, PrefillJob] = {}
         self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
         self.sent: list[TransferStats] = []
@@ -91,6 +92,10 @@ class PrefillWorker(RankWorker):
         turned into this process's monotonic clock here."""
         now, wall = time.monotonic(), time.time()
         for job, received in jobs:
+            if self.transport.is_cancelled(job.request_id):  # given up before it arrived
+                self.cancelled_jobs += 1
+                self.transport.confirm_cancelled(job.request_id)
+                continue
             job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
             try:
                 self.scheduler.add_job(job, now)
@@ -193,6 +198,12 @@ class PrefillWorker(RankWorker):
                 self.scheduler.transfer_over(failure.request_id)
                 self._forget(failure.request_id)
                 self._failed(failure)
+        for request_id in events.cancelled:  # its decode rank gave up before the send began
+            if self.scheduler.abort(request_id) in (AbortAction.DEQUEUED, AbortAction.STOPPED):
+                self._forget(request_id)
+                self.cancelled_jobs += 1
+                self.transport.confirm_cancelled(request_id)
+            # not here yet: refused on arrival (``submit``)
         for expired in self.scheduler.take_expired():
             self._forget(expired.request_id)
 
