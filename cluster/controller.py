@@ -10,6 +10,7 @@ not pass through here: frontends route them to ranks themselves, from the ``rout
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,7 +22,7 @@ import ray
 from tandem.autoscaler.policy import Autoscaler, Decision
 from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop
-from tandem.cluster.group import GroupConfig, GroupFailed, GroupState, RankGroup
+from tandem.cluster.group import GroupConfig, GroupFailed, GroupState, RankGroup, parse_rank_actor_name
 from tandem.cluster.placement import RankResources, this_place
 from tandem.cluster.rank_actor import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
@@ -230,6 +231,62 @@ class Cluster:
                 return g
         raise ValueError(f"no group {group_id!r}; groups: {sorted(g.group_id for g in self.groups)}")
 
+    def adopt(self) -> list[str]:
+        """After a restart of the controller: take over every group whose ranks still run, found
+        by their names in this deployment's namespace (the newest incarnation of each group;
+        older leftovers are killed). A group of the topology with no rank left is marked
+        failed, so the watch rebuilds it. Returns the ids adopted."""
+        namespace = ray.get_runtime_context().namespace
+        found: dict[str, dict[int, dict[int, str]]] = {}  # group -> incarnation -> rank -> name
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            parsed = parse_rank_actor_name(entry["name"]) if entry["namespace"] == namespace else None
+            if parsed is not None:
+                group_id, incarnation, rank = parsed
+                found.setdefault(group_id, {}).setdefault(incarnation, {})[rank] = entry["name"]
+        adopted = []
+        for group_id, incarnations in sorted(found.items()):
+            newest = max(incarnations)
+            for incarnation, names in incarnations.items():
+                if incarnation != newest:
+                    for name in names.values():
+                        with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                            ray.kill(ray.get_actor(name))
+            group = self._group_for(group_id)
+            if group is None:
+                log.warning("controller restart: ranks of unknown group %s left alone", group_id)
+                continue
+            names = incarnations[newest]
+            try:
+                actors = [ray.get_actor(names[rank]) for rank in range(group.config.size)]
+            except (KeyError, ValueError):  # a rank is gone: the group cannot be adopted
+                for name in names.values():
+                    with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                        ray.kill(ray.get_actor(name))
+                group.incarnation, group.state = newest, GroupState.FAILED
+                group.failure = "a rank was missing when the controller restarted"
+                continue
+            group.adopt(actors, newest)
+            adopted.append(group_id)
+        for group in self.groups:
+            if group.state is GroupState.STOPPED:  # nothing of it ran: start it anew
+                group.state, group.failure = GroupState.FAILED, "no rank found when the controller restarted"
+        self._send_membership()
+        return adopted
+
+    def _group_for(self, group_id: str) -> RankGroup | None:
+        """The topology's group of this id, or one the autoscaler had added (made again)."""
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        for role, template in self._templates.items():
+            index = group_id.removeprefix(role.value)
+            if index != group_id and index.isdigit():
+                self._next_index[role] = max(self._next_index[role], int(index) + 1)
+                group = RankGroup(replace(template, group_id=group_id))
+                (self.prefill if role is Role.PREFILL else self.decode).append(group)
+                return group
+        return None
+
     def new_group(self, role: Role) -> RankGroup:
         """A group more for ``role``'s pool (named after the pool, never reusing a name), not
         started yet; ``start_group`` starts it."""
@@ -386,6 +443,12 @@ class Controller:
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._view = self._routing_view()
         self.rebuilt: list[str] = []
+        if ray.get_runtime_context().was_current_actor_reconstructed:  # Ray restarted this actor
+            with self._lock:
+                adopted = self.cluster.adopt()
+                self._view = self._routing_view()
+            log.warning("controller restarted: adopted groups %s", ", ".join(adopted) or "none")
+            self._watch.start()
 
     def _routing_view(self) -> RoutingView:
         view = self.cluster.routing_view()

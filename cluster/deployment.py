@@ -7,6 +7,7 @@ A deployment is found by its name, which is its Ray namespace: the controller th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 from typing import Any
@@ -15,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
+from tandem.cluster.group import parse_rank_actor_name
 from tandem.cluster.node_roles import GroupPlan, plan
 from tandem.cluster.placement import RankResources, live_nodes
 from tandem.cluster.topology import Topology
@@ -104,6 +106,9 @@ def stop(name: str, address: str, timeout_s: float = 120.0) -> dict[str, int]:
             ray.get(actor.stop.remote(), timeout=timeout_s)
         finally:
             ray.kill(actor)
+    for leftover in rank_actors(name):  # ranks outlive their controller: none may stay behind
+        with contextlib.suppress(ValueError, ray.exceptions.RayError):
+            ray.kill(ray.get_actor(leftover, namespace=name))
     deadline = time.monotonic() + timeout_s
     while (left := leftover_placement_groups(name)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -111,6 +116,15 @@ def stop(name: str, address: str, timeout_s: float = 120.0) -> dict[str, int]:
         raise TimeoutError(f"placement groups of {name} still exist after {timeout_s:.0f} s: {left}")
     ranks = sum(len(g.ranks) for g in view.groups if g.state not in ("stopped", "failed"))
     return {"frontends": len(frontends), "ranks": ranks}
+
+
+def rank_actors(name: str) -> list[str]:
+    """Names of the deployment's rank actors that are alive."""
+    return sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == name and parse_rank_actor_name(entry["name"]) is not None
+    )
 
 
 def leftover_placement_groups(name: str) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -23,7 +24,14 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.node_roles import label_selector
-from tandem.cluster.placement import PlacementTimeout, RankResources, live_nodes, place_group, release_group
+from tandem.cluster.placement import (
+    PlacementTimeout,
+    RankResources,
+    live_nodes,
+    place_group,
+    placement_group_by_id,
+    release_group,
+)
 from tandem.cluster.rank_actor import MetricsSpec, RankActor, RankSpec
 from tandem.cluster.topology import PlacementSpec
 from tandem.engine.messages import Bill, ProcessPlace, RankId, RankRequest, RankStats, RequestResult, Role
@@ -64,7 +72,9 @@ class GroupConfig:
     metrics: MetricsSpec | None = None  # None: the ranks serve no metrics
     placement: PlacementSpec | None = None  # node roles by label; None: any node
     place_timeout_s: float = 120.0  # for the placement group to be ready
-    detached: bool = False  # ranks and placement group outlive the job that started them
+    # the placement group outlives the job that started it (ranks always outlive the process
+    # that started them: a controller that restarts adopts them, see ``adopt``)
+    detached: bool = False
     deployment: str = ""  # the deployment's name, in its placement groups' names
 
 
@@ -130,9 +140,10 @@ class RankGroup:
             bundle = resources.bundle()
             self._actors = [
                 RankActor.options(  # type: ignore[attr-defined]
+                    name=rank_actor_name(cfg.group_id, self.incarnation, rank, self._placement_tag),
                     num_cpus=bundle.get("CPU", 0),
                     num_gpus=bundle.get("GPU", 0),
-                    lifetime="detached" if cfg.detached else None,
+                    lifetime="detached",
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._pg, placement_group_bundle_index=rank
                     ),
@@ -155,6 +166,26 @@ class RankGroup:
             raise GroupFailed(cfg.group_id, self.incarnation, self.failure) from exc
         self._loops = {a.run.remote(): rank for rank, a in enumerate(self._actors)}
         self.state, self.unplaceable = GroupState.READY, False
+
+    def adopt(self, actors: list[Any], incarnation: int) -> None:
+        """Take over a running incarnation's ranks (a restarted controller finds them by name):
+        where they run, their metrics and placement group, and a watch on each loop. A rank
+        that does not answer fails the group, which is then rebuilt like any failed group."""
+        self.incarnation, self._actors, self.state = incarnation, list(actors), GroupState.STARTING
+        try:
+            timeout = self.config.start_timeout_s
+            places = ray.get([a.place.remote() for a in self._actors], timeout=timeout)
+            addresses = ray.get([a.metrics_address.remote() for a in self._actors], timeout=timeout)
+            pg_id = ray.get(self._actors[0].placement_group_id.remote(), timeout=timeout)
+        except Exception as exc:
+            why = _cause(exc) if isinstance(exc, ray.exceptions.RayError) else str(exc)
+            self._fail(f"adopting incarnation {incarnation} failed: {why}")
+            return
+        self.places = dict(zip(self.rank_ids, places, strict=True))
+        self.metrics_addresses = {r: a for r, a in zip(self.rank_ids, addresses, strict=True) if a}
+        self._pg = placement_group_by_id(pg_id) if pg_id else None
+        self._loops = {a.watch_loop.remote(): rank for rank, a in enumerate(self._actors)}
+        self.state, self.failure = GroupState.READY, None
 
     def selector(self) -> dict[str, str] | None:
         """The node label selector of this group's bundles, for the nodes alive now."""
@@ -315,6 +346,22 @@ class RankGroup:
         if self._pg is not None:
             release_group(self._pg)
             self._pg = None
+
+
+_RANK_ACTOR = re.compile(r"^tandem-rank-(?P<group>[a-z0-9-]+)-i(?P<inc>\d+)-r(?P<rank>\d+)-[0-9a-f]+$")
+
+
+def rank_actor_name(group_id: str, incarnation: int, rank: int, tag: str) -> str:
+    """A rank actor's name in its deployment's namespace: what a restarted controller finds."""
+    return f"tandem-rank-{group_id}-i{incarnation}-r{rank}-{tag}"
+
+
+def parse_rank_actor_name(name: str) -> tuple[str, int, int] | None:
+    """``(group id, incarnation, rank)`` of a rank actor's name; ``None`` for other names."""
+    match = _RANK_ACTOR.match(name)
+    if match is None:
+        return None
+    return match["group"], int(match["inc"]), int(match["rank"])
 
 
 def _cause(exc: Exception) -> str:

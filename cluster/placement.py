@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 import ray
+from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from tandem.cluster.node_roles import NodeInfo, describe_selector
@@ -88,6 +89,11 @@ def place_group(
         remove_placement_group(pg)
         raise PlacementTimeout(group_id, size, timeout_s, bundle, selector or {})
     return pg
+
+
+def placement_group_by_id(hex_id: str) -> PlacementGroup:
+    """The placement group with this hex id (as a rank reports it), to release it later."""
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
 
 
 def release_group(pg: PlacementGroup) -> None:

@@ -81,6 +81,8 @@ class RankActor:
         self._rendezvous = rank_setup.GroupRendezvous()
         self._outbox = RayOutbox(spec.rank_id.name)
         self._stop = threading.Event()
+        self._loop_ended = threading.Event()
+        self._loop_error: BaseException | None = None
         self._loop: RankLoop | None = None
         self._metrics_server: MetricsServer | None = None
         self._metrics: RankMetrics | None = None
@@ -128,8 +130,28 @@ class RankActor:
         return self._metrics_server.address if self._metrics_server is not None else None
 
     def run(self) -> str:
-        self._require().run(self._stop)
+        """The step loop, on this call's thread until the rank stops or fails."""
+        try:
+            self._require().run(self._stop)
+        except BaseException as exc:
+            self._loop_error = exc
+            raise
+        finally:
+            self._loop_ended.set()
         return "stopped"
+
+    def watch_loop(self) -> str:
+        """Returns (or raises) as ``run`` did, once the loop has ended: a controller that
+        restarted watches the ranks it adopted with this, as it cannot see the first
+        controller's ``run`` calls."""
+        self._loop_ended.wait()
+        if self._loop_error is not None:
+            raise self._loop_error
+        return "stopped"
+
+    def placement_group_id(self) -> str | None:
+        """The hex id of the placement group this rank runs in."""
+        return ray.get_runtime_context().get_placement_group_id()
 
     def submit(self, items: list[Any]) -> None:
         """Requests (decode, colocated) or prefill jobs (prefill); ``InvalidRequestError`` for the

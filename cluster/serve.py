@@ -141,7 +141,10 @@ class Server:
         # node must not take them along
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.controller = Controller.options(  # type: ignore[attr-defined]
-            name=CONTROLLER_NAME, lifetime=lifetime, scheduling_strategy=here
+            name=CONTROLLER_NAME,
+            lifetime=lifetime,
+            scheduling_strategy=here,
+            max_restarts=-1,  # a crashed controller comes back and adopts the running groups
         ).remote(
             o.topology,
             str(self.model_dir),

@@ -274,6 +274,49 @@ def test_generate_preset_through_the_named_controller(
         )
 
 
+def test_a_crashed_controller_comes_back_and_adopts_the_running_groups(tiny: Path) -> None:
+    """The controller is killed while a long request streams: the stream completes with the
+    colocated engine's tokens (the ranks and the frontend never needed the controller for it).
+    Ray restarts the controller, which finds the ranks by name and adopts them (incarnation 1
+    still: nothing was rebuilt); the frontend is served again and a new request completes;
+    stopping the server leaves no rank actor behind."""
+    import threading
+
+    from tandem.cluster.deployment import rank_actors
+
+    server = _serve(_topology("local"), tiny)
+    namespace = ray.get_runtime_context().namespace
+    long_request = ([7, 1, 5, 3], SamplingParams(max_tokens=600, ignore_eos=True))
+    after = ([9, 2, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    try:
+        before = ray.get(server.controller.status.remote())
+        streamed: list[StreamSummary] = []
+        prompt, sampling = long_request
+        thread = threading.Thread(target=lambda: streamed.extend(server.generate([prompt], [sampling])))
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive(), "the request ended before the controller was killed"
+        ray.kill(server.controller, no_restart=False)
+        thread.join(timeout=300)
+        (summary,) = streamed
+        assert summary.error is None and summary.token_ids == _expected(tiny, [long_request])[0]
+        deadline = time.monotonic() + 120
+        status = None
+        while status is None and time.monotonic() < deadline:
+            try:
+                status = ray.get(server.controller.status.remote(), timeout=10)
+            except ray.exceptions.RayError:
+                time.sleep(0.5)
+        assert status == before  # adopted: every group ready, incarnation 1
+        assert ray.get(server.frontend.wait_ready.remote(120))
+        (again,) = server.generate([after[0]], [after[1]])
+        assert again.error is None and again.token_ids == _expected(tiny, [after])[0]
+        _all_pages_free(server)
+    finally:
+        server.stop()
+    assert rank_actors(namespace) == []
+
+
 def test_membership_and_draining(tiny: Path) -> None:
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     cluster.start()

@@ -232,7 +232,7 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
     prompts = nodes.root / "long.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [11 + i, 12, 13]}) + "\n" for i in range(2)))
     streams = subprocess.Popen(
-        [*CLI, "client", "generate", "--prompts-file", str(prompts), "--max-tokens", "3000",
+        [*CLI, "client", "generate", "--prompts-file", str(prompts), "--max-tokens", "2040",
          "--ignore-eos", "--concurrency", "2", "--json", "--addr", survivor],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=nodes.env,
     )  # fmt: skip
