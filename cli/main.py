@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeats", type=int, default=3)
     kv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     kv.add_argument("--json", action="store_true")
+    soak = bench.add_parser("soak", help="many requests, some cancelled: exact tokens, no leak, flat memory")
+    soak.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    soak.add_argument("--preset", default="local")
+    soak.add_argument("--requests", type=int, default=1000)
+    soak.add_argument("--concurrency", type=int, default=16)
+    soak.add_argument("--cancel-fraction", type=float, default=0.05)
+    soak.add_argument("--seed", type=int, default=0)
     rb = bench.add_parser("router", help="Mooncake trace through the router over simulated prefill ranks")
     rb.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
     rb.add_argument("--prefill-ranks", type=int, default=8)
@@ -238,6 +245,28 @@ def _dispatch(args: argparse.Namespace) -> int:
         result = run_kvtransfer_bench(args.size_mib, args.repeats, args.address)
         emit(json.dumps(result, indent=None if args.json else 2))
         return 0
+    if args.command == "bench" and args.bench_command == "soak":
+        from tandem.bench.soak import SoakConfig, run_soak
+
+        if args.requests < 1 or args.concurrency < 1:
+            flag = "--requests" if args.requests < 1 else "--concurrency"
+            raise InvalidRequestError(flag, "must be at least 1")
+        if not 0 <= args.cancel_fraction <= 1:
+            raise InvalidRequestError("--cancel-fraction", f"must be in [0, 1], got {args.cancel_fraction}")
+        if args.model is not None:
+            from tandem.model.checkpoint import check_model_dir
+
+            check_model_dir(args.model)
+        soak_config = SoakConfig(
+            requests=args.requests,
+            concurrency=args.concurrency,
+            cancel_fraction=args.cancel_fraction,
+            seed=args.seed,
+            preset=args.preset,
+        )
+        soak_result = run_soak(soak_config, args.model)
+        emit(json.dumps(soak_result))
+        return 0 if soak_result["ok"] else 1
     if args.command == "bench" and args.bench_command == "router":
         from tandem.bench import router_bench
 
