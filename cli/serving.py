@@ -14,6 +14,7 @@ from typing import Any
 from tandem.cli.output import emit
 from tandem.cli.prompts import PromptSpec
 from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.frontend.limits import EdgeLimits
 
 
 def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -27,9 +28,66 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
-    srv.add_argument("--auth-token-file", type=Path, default=None, help="require this bearer token")
+    srv.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=None,
+        help="require a bearer token: the file holds one, or name:token lines, one client each",
+    )
     srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    limits = EdgeLimits()
+    srv.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=None,
+        help="streams one client runs at once (default: no cap)",
+    )
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=limits.max_request_bytes, help="a larger request is refused"
+    )
+    srv.add_argument(
+        "--keepalive-time",
+        type=float,
+        default=limits.keepalive_time_s,
+        help="seconds between the server's pings",
+    )
+    srv.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=limits.keepalive_timeout_s,
+        help="seconds to wait for a ping's answer before closing the connection",
+    )
+    srv.add_argument(
+        "--max-connection-idle",
+        type=float,
+        default=limits.max_connection_idle_s,
+        help="seconds without a call before a connection is closed (0: never)",
+    )
+    srv.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=0.0,
+        help="seconds before a connection is recycled (0: never)",
+    )
+    srv.add_argument(
+        "--max-connection-age-grace",
+        type=float,
+        default=limits.max_connection_age_grace_s,
+        help="seconds a recycled connection's calls get to finish",
+    )
+    srv.add_argument(
+        "--min-ping-interval",
+        type=float,
+        default=limits.min_ping_interval_s,
+        help="seconds between a client's pings while it runs no call; faster ones close its connection",
+    )
+    srv.add_argument(
+        "--stream-buffer-chunks",
+        type=int,
+        default=limits.stream_buffer_chunks,
+        help="chunks a stream holds for a slow reader before it merges them",
+    )
     srv.add_argument(
         "--metrics-port",
         type=int,
@@ -90,6 +148,41 @@ def _read_secret(path: Path | None, flag: str) -> str | None:
     return secret
 
 
+def edge_limits(args: argparse.Namespace) -> EdgeLimits:
+    """The limits of ``serve``'s options, checked; an error names the flag."""
+    limits = EdgeLimits(
+        max_requests_per_client=args.max_requests_per_client,
+        max_request_bytes=args.max_request_bytes,
+        keepalive_time_s=args.keepalive_time,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_connection_idle_s=args.max_connection_idle or None,
+        max_connection_age_s=args.max_connection_age or None,
+        max_connection_age_grace_s=args.max_connection_age_grace,
+        min_ping_interval_s=args.min_ping_interval,
+        stream_buffer_chunks=args.stream_buffer_chunks,
+    )
+    try:
+        limits.check()
+    except ValueError as exc:
+        setting, why = str(exc).split(": ", 1)
+        flag = "--" + setting.removesuffix("_s").replace("_", "-")
+        raise InvalidRequestError(flag, why) from None
+    return limits
+
+
+def read_auth_tokens(path: Path | None) -> str | None:
+    """The text of ``--auth-token-file``, its clients checked (``grpc_auth.parse_client_tokens``)."""
+    from tandem.frontend.grpc_auth import parse_client_tokens
+
+    text = _read_secret(path, "--auth-token-file")
+    if text is not None:
+        try:
+            parse_client_tokens(text, str(path))
+        except ValueError as exc:
+            raise InvalidRequestError("--auth-token-file", str(exc)) from None
+    return text
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether ``host:port`` can be bound now (a port in TIME_WAIT counts as free, as it does
     for the gRPC server)."""
@@ -118,6 +211,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:
         raise InvalidRequestError("--max-running-requests", "must be at least 1")
+    limits = edge_limits(args)  # a bad value is refused here, before anything starts
+    auth_token = read_auth_tokens(args.auth_token_file)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise InvalidRequestError("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
     if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
@@ -167,6 +262,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise InvalidRequestError(flag, f"{args.host}:{port} is in use")
     metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
     options = ServeOptions(
+        limits=limits,
         topology=topology,
         model_dir=args.model,
         host=args.host,
@@ -174,7 +270,7 @@ def run_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         address=args.address,
         model_name=args.model_name,
-        auth_token=_read_secret(args.auth_token_file, "--auth-token-file"),
+        auth_token=auth_token,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
@@ -186,6 +282,11 @@ def run_serve(args: argparse.Namespace) -> int:
         detach=args.detach,
         frontends=args.frontends,
     )
+    from tandem.frontend.grpc_auth import exposure_warning
+
+    warning = exposure_warning(args.host, bool(args.tls_cert), auth_token is not None)
+    if warning is not None:  # every refusal is behind: serving starts now
+        print(f"tandem: warning: {warning}", file=sys.stderr)
     return serve(options, announce=emit)
 
 

@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -32,6 +32,7 @@ from tandem.cluster.topology import Topology
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
+from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.request_stream import StreamSummary
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
@@ -95,6 +96,7 @@ class ServeOptions:
     deployment: str = DEFAULT_DEPLOYMENT  # its Ray namespace; one deployment per name per cluster
     detach: bool = False  # leave it running when the command exits (needs address)
     frontends: int = 1  # frontend actors, each with its own gRPC port
+    limits: EdgeLimits = field(default_factory=EdgeLimits)  # the gRPC edge's (frontend/limits.py)
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -170,6 +172,7 @@ class Server:
                     metrics=o.metrics_port is not None,
                     metrics_host=o.host,
                     metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
+                    limits=o.limits,
                 )
                 # frontend 0 where the operator started serve; the rest spread over the nodes
                 where = here if i == 0 else "SPREAD"

@@ -17,7 +17,8 @@ import ray
 from tandem.cluster.controller import FrontendInfo
 from tandem.cluster.placement import this_place
 from tandem.engine.messages import StreamBatch
-from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, last_line
+from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
+from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.request_stream import StreamSummary
 from tandem.metrics.discovery import ScrapeTarget, sd_document
@@ -61,6 +62,9 @@ class Frontend:
                 advertise=ray.util.get_node_ip_address() if wildcard else None,
             )
         await self._server.start()
+        warning = exposure_warning(config.host, bool(config.tls_cert_file), bool(config.clients))
+        if warning is not None:
+            log.warning("%s: %s", config.name, warning)
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         return self.port
@@ -123,6 +127,10 @@ class Frontend:
             raise RuntimeError(f"request {spec.request_id}: the stream ended without a summary")
 
         return list(await asyncio.gather(*(one(spec) for spec in specs)))
+
+    def stream_buffers(self) -> list[StreamBuffer]:
+        """What each running request's stream holds for its client now."""
+        return self.core.stream_buffers()
 
     async def push_stream(self, batch: StreamBatch) -> None:
         self.core.on_stream(batch)

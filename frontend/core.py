@@ -14,9 +14,13 @@ to every new prefill rank's KV events, reads the decode ranks' free pages for th
 the streams of ranks whose group failed, and keeps the health service in step: SERVING only
 while both pools have a rank that takes work and every prefill rank's index is loaded.
 
-Invariant: a stream is in ``streams`` from admission until its generator ends; when it ends
+Invariant: a stream is in ``running`` from admission until its generator ends; when it ends
 before the ranks reported the end (client cancel, deadline) the decode rank is told to abort,
 which frees its pages and the prefill rank's.
+
+Request ids are the client's: ``running`` is keyed by :class:`RequestKey` (the authenticated
+client and its id), so two clients may use one id and ``abort`` reaches only the caller's
+request. The ranks know a request by an id of the frontend's own making (``_Running``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import max_kv_pages
+from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
+from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
 from tandem.frontend.status import StatusView, read_status
 from tandem.metrics.frontend import FrontendMetrics
@@ -74,6 +80,7 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port
     max_running_requests: int = 256
+    # a token file's text: one token, or ``name:token`` lines of several clients (``grpc_auth``)
     auth_token: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -83,6 +90,12 @@ class FrontendConfig:
     metrics: bool = True  # keep Prometheus metrics (served when ``metrics_port`` is set)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics and /sd; 0: a free port
+    limits: EdgeLimits = field(default_factory=EdgeLimits)
+
+    @property
+    def clients(self) -> tuple[ClientToken, ...]:
+        """Every client with its token (none: the server takes calls without a token)."""
+        return parse_client_tokens(self.auth_token, "auth_token") if self.auth_token else ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,24 @@ class GenerateSpec:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_s: float = field(default_factory=time.monotonic)  # reached the server, this process's clock
+    client: str = ANONYMOUS  # whose request id it is (``grpc_auth``)
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """A running request as its client names it."""
+
+    client: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StreamBuffer:
+    """What a running request's stream holds for its client now (see ``RequestStream``)."""
+
+    key: RequestKey
+    items: int
+    tokens: int
 
 
 class FrontendUnavailable(Exception):
@@ -100,7 +131,7 @@ class FrontendUnavailable(Exception):
 
 
 class FrontendOverloaded(Exception):
-    """The frontend runs as many requests as it may (RESOURCE_EXHAUSTED)."""
+    """The frontend, or the client, runs as many requests as it may (RESOURCE_EXHAUSTED)."""
 
 
 class DuplicateRequest(Exception):
@@ -135,7 +166,8 @@ class FrontendCore:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.router = Router(RouterConfig(tie_break_salt=config.name))
         self.view: RoutingView | None = None
-        self.running: dict[str, _Running] = {}  # by the client's request id
+        self.running: dict[RequestKey, _Running] = {}  # by the client's request id
+        self._per_client: dict[str, int] = {}  # running requests of each client
         self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
         self.ready = False
         self._incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
@@ -155,17 +187,31 @@ class FrontendCore:
         view = self.view
         if not self.ready or view is None:
             raise FrontendUnavailable("the cluster is not ready: no prefill or no decode rank takes work")
-        if spec.request_id in self.running:
+        key = RequestKey(spec.client, spec.request_id)
+        if key in self.running:
             raise DuplicateRequest(f"request_id: {spec.request_id!r} is already running")
         if len(self.running) >= self.config.max_running_requests:
             raise FrontendOverloaded(
                 f"{len(self.running)} requests are running, the most this frontend takes "
                 f"(max_running_requests={self.config.max_running_requests}); retry later"
             )
+        per_client, mine = self.config.limits.max_requests_per_client, self._per_client.get(spec.client, 0)
+        if per_client is not None and mine >= per_client:
+            raise FrontendOverloaded(
+                f"this client runs {mine} requests, the most one client may "
+                f"(max_requests_per_client={per_client}); retry later"
+            )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
-        stream = RequestStream(spec.request_id, len(prompt), self.tokenizer, spec.arrival_s)
+        stream = RequestStream(
+            spec.request_id,
+            len(prompt),
+            self.tokenizer,
+            spec.arrival_s,
+            buffer_chunks=self.config.limits.stream_buffer_chunks,
+        )
         running, submit = self._route_and_submit(spec, stream, view)
+        self._per_client[spec.client] = self._per_client.get(spec.client, 0) + 1
         try:
             for retry in range(1, _DRAIN_RETRIES + 1):
                 try:
@@ -190,7 +236,7 @@ class FrontendCore:
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
             while True:
-                item = await stream.queue.get()
+                item = await stream.buffer.get()
                 if isinstance(item, StreamSummary) and self.metrics is not None:
                     self.metrics.ended(item)
                 yield item
@@ -207,8 +253,12 @@ class FrontendCore:
                 else:
                     running.send_abort()
             self.router.finished(running.rank_request_id)
-            self.running.pop(spec.request_id, None)
+            self.running.pop(key, None)
             self._by_rank_id.pop(running.rank_request_id, None)
+            if self._per_client[spec.client] > 1:
+                self._per_client[spec.client] -= 1
+            else:
+                del self._per_client[spec.client]
 
     def _route_and_submit(
         self, spec: GenerateSpec, stream: RequestStream, view: RoutingView
@@ -241,7 +291,7 @@ class FrontendCore:
             routing_s=routed_s,
         )
         running = _Running(stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank])
-        self.running[spec.request_id] = self._by_rank_id[rank_request_id] = running
+        self.running[RequestKey(spec.client, spec.request_id)] = self._by_rank_id[rank_request_id] = running
         request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
         return running, running.handle.submit.remote([request])
 
@@ -261,10 +311,10 @@ class FrontendCore:
                 f"decode rank holds ({view.decode_capacity_tokens} tokens); lower max_tokens",
             )
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a running request (by the client's id); its stream ends when the rank reports
-        the abort. False when no such request runs here."""
-        running = self.running.get(request_id)
+    def abort(self, request_id: str, client: str = ANONYMOUS) -> bool:
+        """Abort a running request of ``client`` (by its id); its stream ends when the rank
+        reports the abort. False when the client runs no such request here."""
+        running = self.running.get(RequestKey(client, request_id))
         if running is None:
             return False
         running.abort_requested = True
@@ -284,6 +334,12 @@ class FrontendCore:
             if running is not None and not running.stream.finished:
                 self.router.prefill_done(result.request_id)
                 running.stream.on_result(result)
+
+    def stream_buffers(self) -> list[StreamBuffer]:
+        """Every running request's buffered items (bounded by ``limits.stream_buffer_chunks``)."""
+        return [
+            StreamBuffer(key, len(r.stream.buffer), r.stream.buffer.tokens) for key, r in self.running.items()
+        ]
 
     def fail_rank(self, rank: RankId, why: str) -> None:
         """End every stream a decode rank held: it is gone and will report nothing."""

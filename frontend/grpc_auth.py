@@ -1,27 +1,95 @@
-"""Transport security of the gRPC frontend: optional TLS and a bearer token.
+"""Transport security of the gRPC frontend: optional TLS and bearer tokens, one per client.
 
-With a token configured every call but the health service's must carry the metadata
+With tokens configured every call but the health service's must carry the metadata
 ``authorization: Bearer <token>``; any other call ends with UNAUTHENTICATED before it reaches the
 service. Health stays open so that load balancers and orchestrators can probe the server.
+
+Each token names a client (:class:`ClientToken`). The client's name is its identity at the edge:
+request ids are unique per client, ``Abort`` reaches only the caller's own requests, and
+per-client limits count by it. Without tokens every caller is the one :data:`ANONYMOUS` client:
+a per-connection identity would let anyone dodge the limits by reconnecting.
+
+A token file holds ``name:token`` lines (blank lines and ``#`` comments skipped); a file of one
+line without ``:`` is a single token, of the client ``default``.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+import ipaddress
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+ANONYMOUS = ""  # the client of every call when no token is configured
+DEFAULT_CLIENT = "default"  # the client of a lone token
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ClientToken:
+    name: str
+    token: str = field(repr=False)
+
+
+def parse_client_tokens(text: str, source: str) -> tuple[ClientToken, ...]:
+    """The clients of a token file's ``text``; errors name ``source`` and the line."""
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
+    lines = [(n, line) for n, line in lines if line and not line.startswith("#")]
+    if not lines:
+        raise ValueError(f"{source}: holds no token")
+    if len(lines) == 1 and ":" not in lines[0][1]:
+        lines = [(lines[0][0], f"{DEFAULT_CLIENT}:{lines[0][1]}")]
+    clients: list[ClientToken] = []
+    for n, line in lines:
+        name, sep, token = line.partition(":")
+        name, token = name.strip(), token.strip()
+        where = f"{source}: line {n}"
+        if not sep or not token:
+            raise ValueError(f"{where}: expected name:token")
+        if not _CLIENT_NAME.fullmatch(name):
+            raise ValueError(f"{where}: client name {name[:64]!r} must be 1-64 of A-Z a-z 0-9 . _ -")
+        if any(c.isspace() for c in token) or not token.isprintable():
+            raise ValueError(f"{where}: the token of {name!r} holds a space or an unprintable character")
+        if any(c.name == name for c in clients):
+            raise ValueError(f"{where}: client {name!r} is listed twice")
+        if any(c.token == token for c in clients):
+            raise ValueError(f"{where}: the token of {name!r} is another client's too")
+        clients.append(ClientToken(name, token))
+    return tuple(clients)
+
+
+class BearerAuth:
+    """Which client a call's metadata names, by its bearer token (constant time per token)."""
+
+    def __init__(self, clients: Sequence[ClientToken]) -> None:
+        if not clients or any(not c.token for c in clients):
+            raise ValueError("every client needs a non-empty bearer token")
+        self._expected = [(f"Bearer {c.token}".encode(), c.name) for c in clients]
+
+    def client_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """The client whose token the metadata carries; ``None`` when none does."""
+        given = _authorization(metadata)
+        found = None
+        for expected, name in self._expected:  # no early exit: the time does not tell which matched
+            if hmac.compare_digest(given, expected):
+                found = name
+        return found
+
+
+def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> bytes:
+    value = next((v for k, v in metadata or () if k == "authorization"), "")
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the bearer token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, auth: BearerAuth) -> None:
+        self._auth = auth
 
     async def intercept_service(
         self,
@@ -30,13 +98,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if details.method.startswith(HEALTH_PREFIX):
             return await continuation(details)
-        metadata = {key: value for key, value in details.invocation_metadata or ()}
-        given = metadata.get("authorization", "")
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_bytes, self._expected):
+        if self._auth.client_of(details.invocation_metadata) is not None:
             return await continuation(details)
         handler = await continuation(details)
-        why = "missing bearer token" if not given else "invalid bearer token"
+        why = (
+            "invalid bearer token" if _authorization(details.invocation_metadata) else "missing bearer token"
+        )
         return _denying(handler, why)
 
 
@@ -59,6 +126,27 @@ def _denying(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodH
     if handler is not None and handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(deny_unary, deserializer, serializer)
     return grpc.unary_unary_rpc_method_handler(deny_unary, deserializer, serializer)
+
+
+def exposure_warning(host: str, tls: bool, auth: bool) -> str | None:
+    """What is open to the network when the server binds ``host`` beyond this machine without
+    TLS (tokens and prompts in plaintext) or without tokens (anyone may generate); ``None``
+    on loopback or with both."""
+    if _is_loopback(host) or (tls and auth):
+        return None
+    missing = " and ".join(name for name, on in (("TLS", tls), ("bearer tokens", auth)) if not on)
+    risks = ["prompts, outputs and tokens cross the network in plaintext"] if not tls else []
+    risks += ["anyone who reaches the port may generate"] if not auth else []
+    return f"serving on {host or 'every interface'} without {missing}: " + "; ".join(risks)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost, or "" (every interface)
+        return False
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

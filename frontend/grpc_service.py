@@ -1,9 +1,18 @@
 """The gRPC edge: protobuf in, validated dataclasses to :class:`FrontendCore`, protobuf out.
 
 Status codes: a bad field -> INVALID_ARGUMENT naming it (``sampling.top_p: must be in (0, 1]``);
-a running request id -> ALREADY_EXISTS; the frontend full -> RESOURCE_EXHAUSTED; no pool ready
--> UNAVAILABLE; a missing or wrong bearer token -> UNAUTHENTICATED (``grpc_auth``). The server
-also carries ``grpc.health.v1`` and server reflection.
+a running request id -> ALREADY_EXISTS; the frontend, or the client, at its limit of running
+requests -> RESOURCE_EXHAUSTED; no pool ready -> UNAVAILABLE; a missing or wrong bearer token ->
+UNAUTHENTICATED (``grpc_auth``). The server also carries ``grpc.health.v1`` and server reflection.
+
+Every size a client controls is capped here, before any work is done on it: the request's bytes
+(``limits.max_request_bytes``, gRPC's RESOURCE_EXHAUSTED), the text's characters and the prompt's
+tokens (within the model's context), ``sampling.max_tokens`` (the context minus the prompt),
+``sampling.stop_token_ids`` (at most :data:`MAX_STOP_TOKEN_IDS`, each in the vocabulary) and the
+request id (:data:`REQUEST_ID`). Bytes that do not parse, and fields this server does not know
+(a newer client's: silently ignoring, say, a sampling option would change what the client gets),
+are INVALID_ARGUMENT too; no client input ends a call with INTERNAL or UNKNOWN. Values echoed in an
+error are cut short, so that no status outgrows gRPC's metadata limit.
 """
 
 from __future__ import annotations
@@ -12,35 +21,46 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.engine.messages import ProcessPlace, RankId
 from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
 from tandem.frontend.core import FrontendCore, GenerateSpec
-from tandem.frontend.grpc_auth import BearerTokenInterceptor, server_credentials
+from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth, BearerTokenInterceptor, server_credentials
 from tandem.frontend.request_stream import StreamChunk, StreamSummary
 from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]*")  # what a request id may hold (uuids, base64, paths)
+MAX_STOP_TOKEN_IDS = 64
+TEXT_CHARS_PER_TOKEN = 16  # a text longer than this many characters per context token cannot fit
 INLINE_TOKENIZE_CHARS = 16384
+SHOWN_CHARS = 64  # of a client's value quoted in an error
 
 
 def build_server(core: FrontendCore) -> tuple[Any, Any, int]:
     """An unstarted ``grpc.aio`` server with the Tandem, health and reflection services; the
     server, its health servicer and the bound port."""
     config = core.config
-    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    config.limits.check()
+    auth = BearerAuth(config.clients) if config.clients else None
+    interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
     # no SO_REUSEPORT: a second server on a taken port must fail, not share its clients
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(core), server)
+    options = [("grpc.so_reuseport", 0), *config.limits.server_options()]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    _add_tandem_service(TandemServicer(core, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -62,9 +82,95 @@ async def set_serving(health_servicer: Any, serving: bool) -> None:
         await health_servicer.set(name, status)
 
 
+@dataclass(frozen=True)
+class Unparsable:
+    """What the service's deserializer hands on for bytes that are not its request message."""
+
+    why: str
+
+
+def _parser(message_type: type[Message]) -> Any:
+    def parse(data: bytes) -> Message | Unparsable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Unparsable(str(exc))
+
+    return parse
+
+
+def _add_tandem_service(servicer: TandemServicer, server: Any) -> None:
+    """``add_TandemServicer_to_server`` with deserializers that never raise: gRPC would end a
+    call whose bytes do not parse with UNKNOWN, the servicer ends it with INVALID_ARGUMENT."""
+    methods = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        request_type = getattr(tandem_pb2, method.input_type.name)
+        response_type = getattr(tandem_pb2, method.output_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = make(
+            getattr(servicer, name),
+            request_deserializer=_parser(request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def unknown_field_paths(message: Message, prefix: str = "") -> list[str]:
+    """Where ``message`` holds fields its schema does not declare: ``sampling.#12`` is field
+    number 12 of ``sampling``, at any depth."""
+    paths = [f"{prefix}#{f.field_number}" for f in unknown_fields.UnknownFieldSet(message)]
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        entry = descriptor.message_type
+        if entry.GetOptions().map_entry:  # a map: its values, when they are messages
+            children = list(value.values()) if entry.fields_by_name["value"].message_type else []
+        else:
+            children = list(value) if descriptor.is_repeated else [value]
+        for child in children:
+            paths += unknown_field_paths(child, f"{prefix}{descriptor.name}.")
+    return paths
+
+
+def _shown(value: str) -> str:
+    """``value`` quoted, cut short."""
+    return (
+        repr(value) if len(value) <= SHOWN_CHARS else f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    )
+
+
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, core: FrontendCore) -> None:
+    def __init__(self, core: FrontendCore, auth: BearerAuth | None = None) -> None:
         self.core = core
+        self.auth = auth
+
+    async def _checked(self, request: Message | Unparsable, context: grpc.aio.ServicerContext) -> Any:
+        """The request, if it parsed and holds only known fields; else the call ends."""
+        if isinstance(request, Unparsable):
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError("request", request.why)
+            )
+        unknown = unknown_field_paths(request)
+        if unknown:
+            shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+            why = f"unknown fields {shown}: this server does not know them (a newer client?)"
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError("request", why))
+        return request
+
+    def _client(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose call this is: the client of its bearer token (the interceptor let only known
+        ones through), or the one anonymous client without auth."""
+        if self.auth is None:
+            return ANONYMOUS
+        client = self.auth.client_of(context.invocation_metadata())
+        assert client is not None, "the bearer-token interceptor lets no unknown token through"
+        return client
 
     async def Generate(
         self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -72,8 +178,9 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         from tandem.frontend.core import DuplicateRequest, FrontendOverloaded, FrontendUnavailable
 
         arrival_s = time.monotonic()
+        request = await self._checked(request, context)
         try:
-            spec = await self._spec(request, arrival_s)
+            spec = await self._spec(request, arrival_s, self._client(context))
         except InvalidRequestError as exc:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         try:
@@ -97,50 +204,90 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     async def Abort(
         self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> tandem_pb2.AbortResponse:
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is empty")
-        return tandem_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        request = await self._checked(request, context)
+        try:
+            _check_request_id(request.request_id)
+        except InvalidRequestError as exc:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        return tandem_pb2.AbortResponse(found=self.core.abort(request.request_id, self._client(context)))
 
     async def ClusterStatus(
         self, request: tandem_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> tandem_pb2.ClusterStatusResponse:
+        request = await self._checked(request, context)
         return _status(await self.core.status(request.check_integrity))
 
     # ---- validation -----------------------------------------------------------------------
-    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_s: float) -> GenerateSpec:
+    async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_s: float, client: str) -> GenerateSpec:
         core = self.core
+        if request.request_id:
+            _check_request_id(request.request_id)
         request_id = request.request_id or core.new_request_id()
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
-        if not request_id.isprintable():
-            raise InvalidRequestError("request_id", "must be printable")
         if request.model and request.model != core.config.model_name:
             raise InvalidRequestError(
-                "model", f"unknown model {request.model!r}; this server serves {core.config.model_name!r}"
+                "model",
+                f"unknown model {_shown(request.model)}; this server serves {core.config.model_name!r}",
             )
         which = request.WhichOneof("prompt")
         cfg = core.model_config
+        context = cfg.max_position_embeddings
         if which == "text":
             if not request.text:
                 raise InvalidRequestError("text", "is empty")
+            if len(request.text) > TEXT_CHARS_PER_TOKEN * context:
+                raise InvalidRequestError(
+                    "text",
+                    f"{len(request.text)} characters cannot fit the context of {context} tokens "
+                    f"(at most {TEXT_CHARS_PER_TOKEN * context} characters)",
+                )
             if len(request.text) > INLINE_TOKENIZE_CHARS:  # keep the event loop for the streams
                 prompt = await asyncio.to_thread(core.tokenizer.encode, request.text)
             else:
                 prompt = core.tokenizer.encode(request.text)
             field = "text"
         elif which == "token_ids":
-            prompt = list(request.token_ids.ids)
             field = "token_ids"
+            if len(request.token_ids.ids) >= context:  # before any scan of the ids
+                raise InvalidRequestError(field, _too_long(len(request.token_ids.ids), context))
+            prompt = list(request.token_ids.ids)
         else:
             raise InvalidRequestError("prompt", "expected text or token_ids")
         if not prompt:
             raise InvalidRequestError(field, "is empty")
         sampling = _sampling(request.sampling if request.HasField("sampling") else None, cfg.vocab_size)
         try:
-            check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings, field=field)
+            check_prompt(prompt, cfg.vocab_size, context, field=field)
         except InvalidRequestError as exc:  # named by this API's field, whichever check failed
             raise InvalidRequestError(field, str(exc).split(": ", 1)[1]) from None
-        return GenerateSpec(request_id, prompt, sampling, arrival_s)
+        if sampling.max_tokens > context - len(prompt):
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"{sampling.max_tokens} with a prompt of {len(prompt)} tokens passes the context of "
+                f"{context} tokens: at most {context - len(prompt)}",
+            )
+        return GenerateSpec(request_id, prompt, sampling, arrival_s, client)
+
+
+def _too_long(prompt_tokens: int, context: int) -> str:
+    return (
+        f"{prompt_tokens} tokens do not fit the context of {context} tokens "
+        "(the prompt plus at least one generated token)"
+    )
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    if not request_id:
+        raise InvalidRequestError("request_id", "is empty")
+    valid = REQUEST_ID.match(request_id)
+    assert valid is not None  # the pattern matches the empty prefix
+    if valid.end() < len(request_id):
+        at = valid.end()
+        raise InvalidRequestError(
+            "request_id",
+            f"character {request_id[at]!r} at {at} is not one of A-Z a-z 0-9 . _ : / + = -",
+        )
 
 
 def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
@@ -148,7 +295,11 @@ def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> Sam
         raise InvalidRequestError("sampling", "is missing (sampling.max_tokens is required)")
     if not math.isfinite(message.temperature):
         raise InvalidRequestError("sampling.temperature", f"must be finite, got {message.temperature}")
-    stops = tuple(message.stop_token_ids)
+    if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"{len(message.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+        )
+    stops = tuple(dict.fromkeys(message.stop_token_ids))  # each once, in order
     bad = [t for t in stops if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(

@@ -11,16 +11,23 @@ arrival here. The gap between two tokens is the difference of the decode rank's 
 own clock (a request's tokens all come from one decode rank); the gap of token 0 is the time to
 first token. No figure subtracts one process's clock from another's.
 
+Backpressure: the stream holds at most ``buffer_chunks`` items for its client
+(:class:`ChunkBuffer`). When a client reads slower than its tokens come (or stops reading, and
+HTTP/2 flow control holds the server's writes), a new chunk is merged into the last one held, so
+the client gets fewer, larger chunks and the memory held is bounded by the request's tokens (its
+``max_tokens``), never by the number of decode steps.
+
 ::
 
     push_stream(StreamBatch) -> on_delta(TokenDelta) -> StreamChunk  --\\
-                                on_result(RequestResult) -> StreamChunk? + StreamSummary -> queue -> gRPC
+                                on_result(RequestResult) -> StreamChunk? + StreamSummary -> buffer -> gRPC
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +48,57 @@ class StreamChunk:
     token_ids: list[int]
     text: str
     timings: list[TokenTiming]
+
+
+def merged(first: StreamChunk, second: StreamChunk) -> StreamChunk:
+    """One chunk with the tokens, text and timings of ``first`` then ``second``."""
+    return StreamChunk(
+        first.token_ids + second.token_ids, first.text + second.text, first.timings + second.timings
+    )
+
+
+class ChunkBuffer:
+    """A stream's items waiting for its client: at most ``limit`` chunks, then the summary.
+
+    A chunk that would pass the limit is merged into the last chunk held; the summary always
+    goes in (it ends the stream, and nothing follows it). One producer (the frontend's event
+    loop, on each ``push_stream``), one consumer (the request's generator)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit: must be at least 1, got {limit}")
+        self.limit = limit
+        self._items: deque[StreamChunk | StreamSummary] = deque()
+        self._ready = asyncio.Event()
+        self.tokens = 0  # token ids held
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put(self, item: StreamChunk | StreamSummary) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, StreamChunk) and len(self._items) >= self.limit and isinstance(last, StreamChunk):
+            self._items[-1] = merged(last, item)
+        else:
+            self._items.append(item)
+        if isinstance(item, StreamChunk):
+            self.tokens += len(item.token_ids)
+        self._ready.set()
+
+    def get_nowait(self) -> StreamChunk | StreamSummary:
+        item = self._items.popleft()  # IndexError when empty
+        if isinstance(item, StreamChunk):
+            self.tokens -= len(item.token_ids)
+        return item
+
+    async def get(self) -> StreamChunk | StreamSummary:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.get_nowait()
 
 
 @dataclass(frozen=True)
@@ -94,7 +152,7 @@ class RequestStream:
     arrival_s: float = field(default_factory=time.monotonic)  # on ``clock``
     clock: Callable[[], float] = time.monotonic
     route: Route | None = None
-    queue: asyncio.Queue[StreamChunk | StreamSummary] = field(default_factory=asyncio.Queue)
+    buffer_chunks: int = 64
     finished: bool = False
     _next_index: int = 0
     _pending: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # index -> token, times
@@ -103,9 +161,11 @@ class RequestStream:
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
     _detokenizer: IncrementalDetokenizer | None = None
+    buffer: ChunkBuffer = field(init=False)
 
     def __post_init__(self) -> None:
         self._detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.buffer = ChunkBuffer(self.buffer_chunks)
 
     def on_delta(self, delta: TokenDelta) -> StreamChunk | None:
         """Queue the chunk ``delta`` completes (``None`` when it completes nothing)."""
@@ -118,7 +178,7 @@ class RequestStream:
                 self._pending.setdefault(index, (token, *times))
         chunk = self._drain()
         if chunk is not None:
-            self.queue.put_nowait(chunk)
+            self.buffer.put(chunk)
         return chunk
 
     def on_result(self, result: RequestResult) -> StreamSummary:
@@ -131,11 +191,11 @@ class RequestStream:
             self._pending.setdefault(index, (result.token_ids[index], float("nan"), time.time()))
         chunk = self._drain()
         if chunk is not None:
-            self.queue.put_nowait(chunk)
+            self.buffer.put(chunk)
         assert self._detokenizer is not None
         tail = self._detokenizer.finish()
         if tail:
-            self.queue.put_nowait(StreamChunk([], tail, []))
+            self.buffer.put(StreamChunk([], tail, []))
         summary = StreamSummary(
             finish_reason=result.finish_reason,
             error=result.error,
@@ -150,7 +210,7 @@ class RequestStream:
             token_gaps_s=tuple(self._gaps),
         )
         self.finished = True
-        self.queue.put_nowait(summary)
+        self.buffer.put(summary)
         return summary
 
     def fail(self, reason: str, decode_rank: RankId | None = None) -> StreamSummary:

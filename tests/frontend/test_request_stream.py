@@ -21,8 +21,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 def _drain(stream: RequestStream) -> list[StreamChunk | StreamSummary]:
     items = []
-    while not stream.queue.empty():
-        items.append(stream.queue.get_nowait())
+    while not stream.buffer.empty():
+        items.append(stream.buffer.get_nowait())
     return items
 
 
