@@ -16,7 +16,8 @@ while both pools have a rank that takes work and every prefill rank's index is l
 
 Invariant: a stream is in ``running`` from admission until its generator ends; when it ends
 before the ranks reported the end (client cancel, deadline) the decode rank is told to abort,
-which frees its pages and the prefill rank's.
+which frees its pages and the prefill rank's. Tokens pushed for a request no stream here waits
+for (a frontend that restarted has lost its streams) get that request aborted the same way.
 
 Request ids are the client's: ``running`` is keyed by :class:`RequestKey` (the authenticated
 client and its id), so two clients may use one id and ``abort`` reaches only the caller's
@@ -170,6 +171,7 @@ class FrontendCore:
         self._per_client: dict[str, int] = {}  # running requests of each client
         self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
         self.ready = False
+        self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
         self._incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
         self._rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
         self.kv_events = KVEventFeed(self.router, config.name)
@@ -323,17 +325,34 @@ class FrontendCore:
         return True
 
     def on_stream(self, batch: StreamBatch) -> None:
+        orphans: list[str] = []
         for delta in batch.deltas:
             running = self._by_rank_id.get(delta.request_id)
-            if running is not None:
-                if delta.start_index == 0:
-                    self.router.prefill_done(delta.request_id)
-                running.stream.on_delta(delta)
+            if running is None:
+                orphans.append(delta.request_id)
+                continue
+            if delta.start_index == 0:
+                self.router.prefill_done(delta.request_id)
+            running.stream.on_delta(delta)
+        if orphans:
+            self._abort_orphans(batch.decode_rank, orphans)
         for result in batch.finished:
             running = self._by_rank_id.get(result.request_id)
             if running is not None and not running.stream.finished:
                 self.router.prefill_done(result.request_id)
                 running.stream.on_result(result)
+
+    def _abort_orphans(self, rank: RankId, request_ids: list[str]) -> None:
+        """Tokens of requests no stream here waits for (this frontend restarted and lost them,
+        or their client went away): the decode rank is told to abort them, which frees their
+        pages there and on their prefill rank. Ids are registered before a request is
+        submitted, so no live request is taken for an orphan."""
+        handle = self.view.decode.get(rank) if self.view is not None else None
+        if handle is None:
+            return
+        with contextlib.suppress(ray.exceptions.RayError):
+            handle.abort.remote(sorted(set(request_ids)))
+        self.orphans_aborted += len(set(request_ids))
 
     def stream_buffers(self) -> list[StreamBuffer]:
         """Every running request's buffered items (bounded by ``limits.stream_buffer_chunks``)."""

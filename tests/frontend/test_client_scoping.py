@@ -176,3 +176,25 @@ def test_a_stream_that_is_not_read_holds_a_bounded_buffer(tiny_dir: Path) -> Non
         assert isinstance(rest[-1], StreamSummary) and rest[-1].token_ids == tokens
 
     asyncio.run(run())
+
+
+def test_tokens_for_a_request_no_stream_waits_for_get_it_aborted(tiny_dir: Path) -> None:
+    """A restarted frontend has lost its streams, but the decode rank still pushes their tokens:
+    each such request is aborted on the rank (which frees its pages), and a live request's
+    tokens are never taken for an orphan's."""
+    from tandem.engine.messages import TokenDelta
+
+    async def scenario() -> None:
+        core, rank = _ready_core(tiny_dir)
+        stream = core.generate(GenerateSpec("live", [1, 2, 3], SamplingParams(max_tokens=4)))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        (live,) = rank.held
+        orphan = TokenDelta("lost-before-restart", 0, (5,), (1.0,), (1.0,))
+        core.on_stream(StreamBatch(DECODE, (orphan, TokenDelta(live, 0, (7,), (1.0,), (1.0,))), ()))
+        chunk = await first
+        assert isinstance(chunk, StreamChunk) and chunk.token_ids == [7]
+        assert rank.aborted == ["lost-before-restart"] and core.orphans_aborted == 1
+        await stream.aclose()
+
+    asyncio.run(scenario())
