@@ -89,6 +89,7 @@ def summary_record(summary: StreamSummary) -> dict[str, Any]:
             "kv_bytes": bill.kv_bytes,
             "attempts": len(bill.attempts),
             "preemptions": bill.preemptions,
+            "migrations": bill.migrations,
             "latency": {part: round(s, 6) for part, s in summary.latency_parts().items()}
             | {
                 "prefill_queue": round(bill.prefill_queue_s, 6),

@@ -126,11 +126,13 @@ class DecodeScheduler:
     # -- life of a request -----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; raise ``InvalidRequestError`` naming the field if it can never run."""
+        """Queue a new request; raise ``InvalidRequestError`` naming the field if it can never run.
+        One with outputs already is resumed (moved from a failed decode rank): its KV is
+        recomputed as after a preemption, and it decodes on from its last output."""
         config = self.config
         if request.request_id in self._entries:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages)
+        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages, resumed=True)
         entry = _Entry(request, next(self._counter))
         self._entries[request.request_id] = entry
         self._queue.append(entry)

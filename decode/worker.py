@@ -50,6 +50,21 @@ if TYPE_CHECKING:
     from tandem.model.config import ModelConfig
 
 
+def _resumed(r: RankRequest, vocab_size: int, max_model_len: int) -> list[int]:
+    """The outputs a resumed request already has, checked: token ids of the vocabulary, fewer
+    than ``max_tokens`` (one is still to come), and room for the next one in the context."""
+    outputs = list(r.resume_output_ids)
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in outputs):
+        raise InvalidRequestError("resume_output_ids", f"must be token ids in [0, {vocab_size})")
+    if len(outputs) >= r.sampling.max_tokens:
+        raise InvalidRequestError("resume_output_ids", f"{len(outputs)} is not below max_tokens")
+    if len(r.prompt_token_ids) + len(outputs) >= max_model_len:
+        raise InvalidRequestError(
+            "resume_output_ids", f"prompt and outputs fill the context of {max_model_len}"
+        )
+    return outputs
+
+
 class PrefillDispatcher(ABC):
     """Chooses a prefill rank for a job and sends it there."""
 
@@ -171,6 +186,8 @@ class DecodeWorker(RankWorker):
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
             request = Request(r.request_id, prompt, r.sampling, eos, cfg.max_position_embeddings)
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
+            if r.resume_output_ids:
+                request.output_token_ids = _resumed(r, cfg.vocab_size, cfg.max_position_embeddings)
             admitted.append((request, Routing(r.prefill_rank, r.frontend), received))
         return admitted
 
@@ -178,6 +195,9 @@ class DecodeWorker(RankWorker):
         now = time.monotonic()
         for request, routing, received in admitted:
             track = _Track(received, routing, queued_at=now, pickup_s=now - received)
+            # resumed: its client has these outputs already (known here from the moment it came)
+            track.streamed = len(request.output_token_ids)
+            track.token_at = [received] * track.streamed
             try:
                 self.scheduler.add_request(request)
             except InvalidRequestError as error:  # e.g. its id is in use here: it alone fails

@@ -74,6 +74,9 @@ class RankRequest:
     sampling: SamplingParams
     prefill_rank: RankId | None = None
     frontend: str | None = None
+    # a request that moved here from a failed decode rank: the outputs its client already has;
+    # it resumes after them (re-prefill of prompt + outputs) and streams from that index on
+    resume_output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class Bill:
     new_prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    migrations: int = 0  # set by the frontend: decode ranks it moved away from (theirs failed)
     attempts: tuple[PrefillAttempt, ...] = ()
     pickup_s: float = 0.0
     reservation_wait_s: float = 0.0

@@ -330,9 +330,12 @@ def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_s
     return math.ceil((min(prompt_tokens + max_tokens, max_model_len) - 1) / page_size)
 
 
-def admit_new_request(request: Request, max_model_len_cap: int, page_size: int, num_pages: int) -> None:
+def admit_new_request(
+    request: Request, max_model_len_cap: int, page_size: int, num_pages: int, resumed: bool = False
+) -> None:
     """Check a new request against a rank's limits (``InvalidRequestError`` naming the field) and
-    prepare it: its context capped at ``max_model_len_cap``, nothing computed yet."""
+    prepare it: its context capped at ``max_model_len_cap``, nothing computed yet. A ``resumed``
+    request (moved from a failed decode rank) may come with the outputs its client already has."""
     request.sampling.validate()
     prompt = request.prompt_token_ids
     if not prompt:
@@ -344,7 +347,11 @@ def admit_new_request(request: Request, max_model_len_cap: int, page_size: int, 
         raise InvalidRequestError(
             "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
         )
-    if request.status != RequestStatus.WAITING or request.output_token_ids or request.page_ids:
+    if (
+        request.status != RequestStatus.WAITING
+        or request.page_ids
+        or (request.output_token_ids and not resumed)
+    ):
         raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
     pages_needed = max_kv_pages(len(prompt), request.sampling.max_tokens, max_model_len, page_size)
     if pages_needed > num_pages:

@@ -81,6 +81,7 @@ class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port
     max_running_requests: int = 256
+    max_migrations: int = 3  # times one request may move to another decode rank (its own failed)
     # a token file's text: one token, or ``name:token`` lines of several clients (``grpc_auth``)
     auth_token: str | None = None
     tls_cert_file: str | None = None
@@ -150,6 +151,7 @@ class _Running:
     decode_rank: RankId
     incarnation: int  # of the decode rank it was sent to
     handle: Any  # the decode rank's actor
+    spec: GenerateSpec | None = None  # as the client sent it (a migration resumes from it)
     submitting: bool = True
     abort_requested: bool = False
 
@@ -292,7 +294,9 @@ class FrontendCore:
             queue_s=routed_at - stream.arrival_s,
             routing_s=routed_s,
         )
-        running = _Running(stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank])
+        running = _Running(
+            stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank], spec
+        )
         self.running[RequestKey(spec.client, spec.request_id)] = self._by_rank_id[rank_request_id] = running
         request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
         return running, running.handle.submit.remote([request])
@@ -361,10 +365,81 @@ class FrontendCore:
         ]
 
     def fail_rank(self, rank: RankId, why: str) -> None:
-        """End every stream a decode rank held: it is gone and will report nothing."""
+        """Every stream a decode rank held (it is gone and will report nothing) resumes on a
+        decode rank of another group, or ends with ``why`` where none is left."""
         for running in list(self.running.values()):
             if running.decode_rank == rank and not running.stream.finished:
-                running.stream.fail(why, rank)
+                self._rank_lost(running, why)
+
+    def _rank_lost(self, running: _Running, why: str) -> None:
+        if not self._resume_elsewhere(running):
+            running.stream.fail(why, running.decode_rank)
+
+    def _resume_elsewhere(self, running: _Running) -> bool:
+        """Move a request whose decode rank failed to a decode rank of another group: it resumes
+        there from its prompt and the tokens its client already has (the prefill rank recomputes
+        their KV, or finds it cached), its stream goes on from the next token, and seeded or
+        greedy sampling gives the tokens an undisturbed run would. False (nothing changed) when
+        the request may not move again, was being aborted, or no other group takes work."""
+        spec, view, stream = running.spec, self.view, running.stream
+        if spec is None or view is None or running.abort_requested or running.submitting:
+            return False
+        if stream.migrations >= self.config.max_migrations:
+            return False
+        failed = running.decode_rank.group_id
+        left = [
+            r
+            for r in self.router.decode_ranks
+            if r in self._rank_ids and self._rank_ids[r].group_id != failed
+        ]
+        tokens = stream.tokens
+        if not left or len(tokens) >= spec.sampling.max_tokens:
+            return False
+        self.router.set_ranks(self.router.prefill_ranks, left)  # until the next view drops it
+        self.router.finished(running.rank_request_id)
+        self._by_rank_id.pop(running.rank_request_id, None)
+        resumed = [*spec.prompt_token_ids, *tokens]
+        rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
+        try:
+            decision = self.router.route(
+                rank_request_id,
+                block_hashes(resumed, view.page_size),
+                len(resumed),
+                view.page_size,
+                spec.sampling.max_tokens - len(tokens),
+            )
+        except NoRankAvailable:
+            return False
+        rank, prefill_rank = self._rank_ids[decision.decode_rank], self._rank_ids[decision.prefill_rank]
+        running.rank_request_id, running.decode_rank = rank_request_id, rank
+        running.incarnation, running.handle = self._incarnations.get(rank, -1), view.decode[rank]
+        self._by_rank_id[rank_request_id] = running
+        stream.migrated()
+        if self.metrics is not None:
+            self.metrics.migrations.inc()
+        request = RankRequest(
+            rank_request_id,
+            tuple(spec.prompt_token_ids),
+            spec.sampling,
+            prefill_rank,
+            self.config.name,
+            resume_output_ids=tuple(tokens),
+        )
+        submit = running.handle.submit.remote([request])
+        self._tasks.add(task := asyncio.ensure_future(self._resumed(submit, running, rank)))
+        task.add_done_callback(self._tasks.discard)
+        log.warning("request %s moved to decode rank %s after %d tokens", spec.request_id, rank, len(tokens))
+        return True
+
+    async def _resumed(self, submit: Any, running: _Running, rank: RankId) -> None:
+        """A resumed request the new decode rank refuses ends with its error."""
+        try:
+            await submit
+        except ray.exceptions.RayError as exc:
+            if running.decode_rank == rank and not running.stream.finished:
+                running.stream.fail(
+                    f"decode rank {rank} did not take the resumed request: {last_line(exc)}", rank
+                )
 
     def on_kv_events(self, batch: KVEventBatch) -> None:
         self.kv_events.on_batch(batch)
@@ -396,7 +471,7 @@ class FrontendCore:
                 or incarnations.get(rank, incarnation) != incarnation
             )
             if gone and not running.stream.finished:
-                running.stream.fail(f"decode rank {rank} failed while serving the request", rank)
+                self._rank_lost(running, f"decode rank {rank} failed while serving the request")
         # routing to a prefill rank whose index is still loading costs cache hits, not tokens
         self.ready = (
             bool(view.prefill)

@@ -382,6 +382,7 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
             latency=latency,
             attempts=attempts,
             preemptions=bill.preemptions,
+            migrations=bill.migrations,
         ),
         placement=tandem_pb2.Placement(
             prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",

@@ -160,6 +160,7 @@ class RequestStream:
     _last_rank_s: float | None = None  # the decode rank's reading for the previous token
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
+    migrations: int = 0  # decode ranks this stream moved away from (theirs failed)
     _detokenizer: IncrementalDetokenizer | None = None
     buffer: ChunkBuffer = field(init=False)
 
@@ -181,11 +182,26 @@ class RequestStream:
             self.buffer.put(chunk)
         return chunk
 
+    @property
+    def tokens(self) -> list[int]:
+        """The output tokens streamed so far, in order."""
+        return list(self._tokens)
+
+    def migrated(self) -> None:
+        """Its decode rank failed and the request resumes on another from the tokens streamed
+        so far: what the old rank sent past them is dropped, and the next token's gap is not
+        made from two ranks' clocks (it counts as no gap, like a token no delta brought)."""
+        self._pending.clear()
+        self._last_rank_s = None
+        self.migrations += 1
+
     def on_result(self, result: RequestResult) -> StreamSummary:
         """End the stream with ``result``: any tokens not streamed yet, then the summary."""
         bill = result.bill
         if bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
             bill = replace(bill, prompt_tokens=self.prompt_tokens)
+        if self.migrations:
+            bill = replace(bill, migrations=self.migrations)
         for index in range(self._next_index, len(result.token_ids)):
             # tokens no delta brought have no reading of the decode rank: no gap is made up
             self._pending.setdefault(index, (result.token_ids[index], float("nan"), time.time()))

@@ -203,6 +203,10 @@ class FrontendMetrics:
             "tandem_router_found_cached_tokens",
             "Prompt tokens the chosen prefill rank found cached at the request's first attempt",
         ).labels(**base)
+        self.migrations = counter(
+            "tandem_request_migrations",
+            "Requests moved to another decode rank because theirs failed (each resumed there)",
+        ).labels(**base)
         if streams_open is not None:
             Gauge("tandem_streams_open", "Requests this frontend is streaming now", names, registry=r).labels(
                 **base

@@ -317,6 +317,55 @@ def test_a_crashed_controller_comes_back_and_adopts_the_running_groups(tiny: Pat
     assert rank_actors(namespace) == []
 
 
+def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_another_and_they_finish_exactly(
+    tiny: Path,
+) -> None:
+    """Two decode groups; six long streams (greedy and seeded) spread over both; one decode rank
+    is killed while they stream. Every stream ends without an error and with the colocated
+    engine's tokens: the frontend resumed the killed rank's requests on the other decode rank
+    from the tokens already streamed (their bills count one migration), and every page is free
+    at the end."""
+    import threading
+
+    t = _topology("local")
+    t = t.model_copy(
+        update={
+            "prefill": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=200),
+            "decode": PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=200),
+        }
+    )
+    server = _serve(t, tiny)
+    rng = random.Random(9)
+    requests = [
+        (
+            [rng.randrange(256) for _ in range(rng.randrange(5, 30))],
+            SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i),
+        )
+        for i in range(6)
+    ]
+    try:
+        done: list[StreamSummary] = []
+        prompts, samplings = [p for p, _ in requests], [s for _, s in requests]
+        thread = threading.Thread(target=lambda: done.extend(server.generate(prompts, samplings)))
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive(), "the streams ended before a decode rank was killed"
+        view = ray.get(server.controller.routing_view.remote())
+        ray.kill(view.decode[RankId("decode0", 0)])
+        thread.join(timeout=300)
+        assert [d.error for d in done] == [None] * len(requests)
+        assert [d.token_ids for d in done] == _expected(tiny, requests)
+        moved = [d for d in done if d.bill.migrations]
+        assert moved and all(d.bill.migrations == 1 and d.decode_rank == RankId("decode1", 0) for d in moved)
+        deadline = time.monotonic() + 120  # the killed group is rebuilt; then every page is free
+        while not all(s.startswith("ready") for s in ray.get(server.controller.status.remote()).values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        _all_pages_free(server)
+    finally:
+        server.stop()
+
+
 def test_membership_and_draining(tiny: Path) -> None:
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     cluster.start()

@@ -21,7 +21,7 @@ from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import LoopStats, PrefillAttempt, RankId, RequestResult
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import InvalidRequestError, Request, SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
@@ -582,3 +582,60 @@ def test_a_cancel_that_overtakes_its_job_is_kept_until_the_job_arrives_and_is_re
     assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
     prefill.transport.close()
     decode.transport.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_a_request_resumed_from_its_streamed_tokens_gives_the_undisturbed_tokens(
+    tiny: Path, seeded: bool
+) -> None:
+    """What a decode rank does with a request moved to it from a failed one: it gets the prompt
+    and the first 5 outputs, recomputes their KV through a prefill rank, streams from index 5 on,
+    and every token equals the colocated engine's undisturbed run (seeded draws keep their
+    output index)."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True)
+    rng = random.Random(f"resume-{seeded}")
+    prompt = [rng.randrange(256) for _ in range(21)]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9 if seeded else 0.0, seed=7)
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    want = engine.generate([prompt], [sampling])[0].token_ids
+    request = Request("moved", prompt, sampling, frozenset({257}), 512)
+    request.output_token_ids = list(want[:5])
+    decode.submit([(request, Routing(frontend="fe"), time.monotonic())])
+    deltas, results = [], []
+    deadline = time.monotonic() + 60
+    while not results and time.monotonic() < deadline:
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        if decode.has_work():
+            decode.step()
+        batch = decode.take_pushes().get("fe")
+        if batch is not None:
+            deltas += batch.deltas
+            results += batch.finished
+    (result,) = results
+    assert list(result.token_ids) == want and result.error is None, result
+    streamed = [t for d in deltas for t in d.token_ids]
+    assert deltas[0].start_index == 5 and streamed == want[5:]
+    assert decode.scheduler.num_running == 0 and decode.scheduler.num_free_pages == 32
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_a_resumed_request_is_checked_at_admission() -> None:
+    from tandem.decode.worker import _resumed
+    from tandem.engine.messages import RankRequest
+
+    def resumed(outputs: tuple[int, ...], max_tokens: int = 8, prompt: tuple[int, ...] = (1, 2)) -> list[int]:
+        sampling = SamplingParams(max_tokens=max_tokens)
+        return _resumed(RankRequest("r", prompt, sampling, resume_output_ids=outputs), 100, 16)
+
+    assert resumed((3, 4)) == [3, 4]
+    for outputs, kwargs, message in [
+        ((3, 100), {}, "token ids in"),
+        ((1,) * 8, {}, "not below max_tokens"),
+        ((1,) * 14, {"max_tokens": 100}, "fill the context"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            resumed(outputs, **kwargs)  # type: ignore[arg-type]
