@@ -51,7 +51,9 @@ PAGE, PREFILL_PAGES, DECODE_PAGES = 8, 128, 128
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
 
 
-class _Direct(PrefillDispatcher):
+class DirectDispatcher(PrefillDispatcher):
+    """Every job straight to one prefill worker in this process (no Ray, no router)."""
+
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         DecodeScheduler(DecodeSchedulerConfig(num_pages=DECODE_PAGES, page_size=PAGE, max_model_len=512)),
         ModelRunner(models[1], d_pool),
         NixlTransport(DECODE.name, 1, d_pool.layout, store),
-        _Direct(prefill),
+        DirectDispatcher(prefill),
     )
     want = cpu.generate(prompts, [sampling] * len(prompts))
     bad = 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
-from tandem.decode.types import AbortAction, DecodeFinished, Reservation
+from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
 from tandem.engine.messages import (
     Bill,
     LoopStats,
@@ -42,7 +42,7 @@ from tandem.engine.request import FinishReason, InvalidRequestError, Request, ch
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import admit_new_request
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
-from tandem.kvtransfer.types import FailureCounts, KVTransferAborted
+from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.prefill.job import PrefillJob
 
 if TYPE_CHECKING:
@@ -329,10 +329,15 @@ class DecodeWorker(RankWorker):
         if transfer is None:  # a transfer this rank no longer waits for
             return
         n = got.notification
+        try:
+            finished = self.scheduler.kv_arrived(
+                transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
+            )
+        except KVNotificationError as error:  # its writes are over: this attempt fails, not the rank
+            self._transfers[n.request_id] = transfer
+            self._kv_failed(TransferFailure(n.request_id, "recv", KVTransferError(n.request_id, str(error))))
+            return
         self.kv_bytes_received += n.kv_bytes
-        finished = self.scheduler.kv_arrived(
-            transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
-        )
         usable = time.monotonic()  # the KV is the request's: it decodes from the next step
         track = self._tracks.get(transfer.request_id)
         if track is not None:

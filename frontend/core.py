@@ -38,10 +38,10 @@ from typing import Any
 import ray
 
 from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
-from tandem.engine.messages import RankId, RankRequest, RankStats, StreamBatch
+from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult, StreamBatch
 from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.rank_loop import RankDraining
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.request import FinishReason, InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import max_kv_pages
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
@@ -82,6 +82,9 @@ class FrontendConfig:
     port: int = 50051  # 0: any free port
     max_running_requests: int = 256
     max_migrations: int = 3  # times one request may move to another decode rank (its own failed)
+    # how long a request whose decode rank failed waits for one to resume on (its own group
+    # rebuilt, where the deployment has no other) before it ends with the error
+    migration_wait_s: float = 60.0
     # a token file's text: one token, or ``name:token`` lines of several clients (``grpc_auth``)
     auth_token: str | None = None
     tls_cert_file: str | None = None
@@ -154,6 +157,10 @@ class _Running:
     spec: GenerateSpec | None = None  # as the client sent it (a migration resumes from it)
     submitting: bool = True
     abort_requested: bool = False
+    # its decode rank failed and no other took it yet: waits for one until then (monotonic)
+    parked_until: float | None = None
+    parked_why: str = ""
+    lost: tuple[str, int] = ("", -1)  # the group and incarnation it was lost with
 
     def send_abort(self) -> None:
         with contextlib.suppress(ray.exceptions.RayError):
@@ -324,7 +331,14 @@ class FrontendCore:
         if running is None:
             return False
         running.abort_requested = True
-        if not running.submitting:
+        if running.parked_until is not None:  # no rank holds it: it ends here
+            running.parked_until = None
+            running.stream.on_result(
+                RequestResult(
+                    running.rank_request_id, tuple(running.stream.tokens), FinishReason.ABORT, Bill()
+                )
+            )
+        elif not running.submitting:
             running.send_abort()
         return True
 
@@ -366,16 +380,46 @@ class FrontendCore:
 
     def fail_rank(self, rank: RankId, why: str) -> None:
         """Every stream a decode rank held (it is gone and will report nothing) resumes on a
-        decode rank of another group, or ends with ``why`` where none is left."""
+        decode rank of another group, or waits for one (its own group rebuilt) and ends with
+        ``why`` if none comes in time."""
         for running in list(self.running.values()):
             if running.decode_rank == rank and not running.stream.finished:
                 self._rank_lost(running, why)
 
     def _rank_lost(self, running: _Running, why: str) -> None:
-        if not self._resume_elsewhere(running):
+        """Resume the request on a decode rank of another group; where none takes work, it
+        waits ``migration_wait_s`` for one (its own group rebuilt) before it ends with ``why``."""
+        if running.parked_until is not None or self._resume_elsewhere(running, running.decode_rank.group_id):
+            return
+        running.lost = (running.decode_rank.group_id, running.incarnation)
+        may_wait = (
+            running.spec is not None
+            and not running.abort_requested
+            and not running.submitting
+            and running.stream.migrations < self.config.max_migrations
+            and self.config.migration_wait_s > 0
+        )
+        if not may_wait:
             running.stream.fail(why, running.decode_rank)
+            return
+        running.parked_until, running.parked_why = time.monotonic() + self.config.migration_wait_s, why
+        self.router.finished(running.rank_request_id)  # no rank holds it while it waits
 
-    def _resume_elsewhere(self, running: _Running) -> bool:
+    def _resume_parked(self) -> None:
+        """Requests waiting for a decode rank: resumed on one of the view's (a rebuilt group's
+        too), or ended once they have waited ``migration_wait_s``."""
+        now = time.monotonic()
+        for running in list(self.running.values()):
+            if running.parked_until is None or running.stream.finished:
+                continue
+            # on any rank but the failed incarnation's (the view may list it a while longer)
+            if self._resume_elsewhere(running, *running.lost):
+                running.parked_until = None
+            elif now >= running.parked_until:
+                running.parked_until = None
+                running.stream.fail(running.parked_why, running.decode_rank)
+
+    def _resume_elsewhere(self, running: _Running, failed_group: str, incarnation: int | None = None) -> bool:
         """Move a request whose decode rank failed to a decode rank of another group: it resumes
         there from its prompt and the tokens its client already has (the prefill rank recomputes
         their KV, or finds it cached), its stream goes on from the next token, and seeded or
@@ -386,12 +430,12 @@ class FrontendCore:
             return False
         if stream.migrations >= self.config.max_migrations:
             return False
-        failed = running.decode_rank.group_id
-        left = [
-            r
-            for r in self.router.decode_ranks
-            if r in self._rank_ids and self._rank_ids[r].group_id != failed
-        ]
+        ids, incarnations = self._rank_ids, self._incarnations
+
+        def excluded(rank: RankId) -> bool:  # the failed group (at that incarnation, if given)
+            return rank.group_id == failed_group and incarnation in (None, incarnations.get(rank))
+
+        left = [r for r in self.router.decode_ranks if r in ids and not excluded(ids[r])]
         tokens = stream.tokens
         if not left or len(tokens) >= spec.sampling.max_tokens:
             return False
@@ -472,6 +516,7 @@ class FrontendCore:
             )
             if gone and not running.stream.finished:
                 self._rank_lost(running, f"decode rank {rank} failed while serving the request")
+        self._resume_parked()
         # routing to a prefill rank whose index is still loading costs cache hits, not tokens
         self.ready = (
             bool(view.prefill)

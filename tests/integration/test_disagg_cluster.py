@@ -366,6 +366,50 @@ def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_another_and_they_f
         server.stop()
 
 
+def test_a_killed_frontend_leaves_no_request_running_on_the_ranks(tiny: Path) -> None:
+    """Three long streams (1500 tokens each) run when their frontend is killed: the decode ranks
+    end them long before they would have finished (the frontend is gone, or came back without
+    their streams and has them aborted), every page comes back, and the frontend serves again."""
+    import threading
+
+    server = _serve(_topology("local", decode_pages=640), tiny)  # three streams of 1500 tokens
+    long = SamplingParams(max_tokens=1500, ignore_eos=True)
+    try:
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                server.generate([[3, 1, 4], [1, 5, 9], [2, 6, 5]], [long] * 3)
+            except ray.exceptions.RayError as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive(), "the streams ended before the frontend was killed"
+        at_kill = ray.get(server.controller.stats.remote())
+        steps_at_kill = max(s.loop.steps for s in at_kill if s.role.value == "decode")
+        ray.kill(server.frontend, no_restart=False)
+        thread.join(timeout=120)
+        assert failed  # the caller's frontend died under it
+        deadline = time.monotonic() + 120
+        while True:
+            stats = ray.get(server.controller.stats.remote())
+            if all(s.running + s.queued + s.waiting_for_kv == 0 for s in stats):
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        decode_steps = max(s.loop.steps for s in stats if s.role.value == "decode") - steps_at_kill
+        assert decode_steps < 1000  # ended early: finishing would have taken ~1500 more steps
+        _all_pages_free(server)
+        assert ray.get(server.frontend.wait_ready.remote(120))
+        short = ([7, 7, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        (again,) = server.generate([short[0]], [short[1]])
+        assert again.error is None and again.token_ids == _expected(tiny, [short])[0]
+    finally:
+        server.stop()
+
+
 def test_membership_and_draining(tiny: Path) -> None:
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     cluster.start()

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.bench.gpu_transfer_check import DirectDispatcher as _Direct
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
+from tandem.decode.worker import DecodeWorker, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import LoopStats, PrefillAttempt, RankId, RequestResult
@@ -36,20 +37,6 @@ from tandem.prefill.worker import PrefillWorker
 
 PAGE = 8
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
-
-
-class _Direct(PrefillDispatcher):
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker = worker
-
-    def choose(self, request: Request, preferred: RankId | None = None) -> RankId:
-        return PREFILL
-
-    def send(self, prefill_rank: RankId, job: PrefillJob) -> None:
-        self.worker.submit([(job, time.monotonic())])
-
-    def set_ranks(self, ranks: dict[RankId, object]) -> None:
-        raise AssertionError("a direct dispatcher has one prefill rank")
 
 
 def _model(path: Path) -> DeepseekV3:
@@ -118,8 +105,10 @@ class _FaultyAgent:
     """The sender's NIXL agent, failing its first ``count`` transfers in one way:
     ``completion`` (NIXL reports the write failed), ``state-raises`` (asking NIXL about the write
     raises), ``notify`` (the DONE notification cannot be sent), ``corrupt`` (the DONE
-    notification arrives with a field of the wrong type), ``unreachable`` (the receiver's agent
-    cannot be added). Everything else is the real agent."""
+    notification arrives with a field of the wrong type), ``corrupt-count`` (it claims more
+    cached tokens than the pages hold), ``drop`` (it is lost on the way, silently),
+    ``unreachable`` (the receiver's agent cannot be added).
+    Everything else is the real agent."""
 
     def __init__(self, agent: Any, fault: str, count: int = 1) -> None:
         self._agent, self.fault, self.left = agent, fault, count
@@ -140,11 +129,17 @@ class _FaultyAgent:
         return state
 
     def send_notif(self, agent_name: str, message: bytes) -> None:
-        if self.fault in ("notify", "corrupt") and b'"kind": "done"' in message and self.left > 0:
+        corrupting = self.fault in ("notify", "corrupt", "corrupt-count", "drop")
+        if corrupting and b'"kind": "done"' in message and self.left > 0:
             self.left -= 1
             if self.fault == "notify":
                 raise RuntimeError("NIXL_ERR_NOT_FOUND")
-            message = message.replace(b'"first_token": ', b'"first_token": "x", "was": ')
+            if self.fault == "drop":
+                return
+            if self.fault == "corrupt":
+                message = message.replace(b'"first_token": ', b'"first_token": "x", "was": ')
+            else:
+                message = message.replace(b'"cached_tokens": ', b'"cached_tokens": 1000000, "was": ')
         self._agent.send_notif(agent_name, message)
 
     def add_remote_agent(self, metadata: bytes) -> Any:
@@ -445,12 +440,15 @@ def test_a_refused_write_fails_that_attempt_alone_and_the_retry_delivers(tiny: P
     decode.transport.close()
 
 
-@pytest.mark.parametrize("fault", ["completion", "state-raises", "notify", "corrupt", "unreachable"])
+@pytest.mark.parametrize(
+    "fault", ["completion", "state-raises", "notify", "corrupt", "corrupt-count", "drop", "unreachable"]
+)
 def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: Path, fault: str) -> None:
     """Each way a transfer can fail on the wire fails that request's attempt only: neither rank's
     step raises, the retry delivers the colocated engine's tokens, and every page comes back.
     (A receiver its sender cannot reach hears nothing from it: it gives up at its deadline.)"""
-    deadlines = {"kv_timeout_s": 1.0, "abort_grace_s": 0.5} if fault == "unreachable" else {}
+    # a receiver that hears nothing (unreachable sender, lost notification) gives up at its deadline
+    deadlines = {"kv_timeout_s": 1.0, "abort_grace_s": 0.5} if fault in ("unreachable", "drop") else {}
     prefill, decode = _workers(tiny, decode_pages=32, layerwise=True, fault=fault, **deadlines)
     rng = random.Random(fault)
     prompt = [rng.randrange(256) for _ in range(30)]
@@ -464,6 +462,8 @@ def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: 
     assert not failed.delivered and failed.error and delivered.delivered
     if fault == "corrupt":
         assert "malformed notification" in failed.error
+    if fault == "corrupt-count":
+        assert "cached_tokens" in failed.error
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64

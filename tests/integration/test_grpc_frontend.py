@@ -479,7 +479,10 @@ def test_a_second_frontend_serves_tls(served: Served, tmp_path: Path) -> None:
     _wait_all_pages_free(served)
 
 
-def test_a_decode_rank_dying_ends_its_streams_and_its_group_comes_back(served: Served) -> None:
+def test_a_decode_rank_dying_mid_stream_resumes_it_on_its_rebuilt_group(served: Served) -> None:
+    """The only decode group loses a rank mid-stream: the request waits for the group's rebuild
+    and resumes there from the tokens already streamed; the stream ends without an error and
+    with the colocated engine's tokens, its bill counting one migration."""
     long = PromptSpec(None, list(range(10)), SamplingParams(max_tokens=1500, ignore_eos=True))
 
     async def kill_midway() -> tuple[tandem_pb2.Summary, float]:
@@ -496,10 +499,10 @@ def test_a_decode_rank_dying_ends_its_streams_and_its_group_comes_back(served: S
                     return response.summary, time.monotonic() - killed
             raise AssertionError("no summary")
 
-    summary, waited_s = asyncio.run(kill_midway())
-    assert summary.finish_reason == "error" and "decode rank" in summary.error, summary.error
-    assert 2 <= summary.bill.output_tokens < 1500 and summary.bill.prompt_tokens == 10
-    assert waited_s < 30
+    summary, _ = asyncio.run(kill_midway())
+    assert summary.finish_reason == "length" and not summary.error, summary.error
+    assert summary.bill.migrations == 1 and summary.bill.prompt_tokens == 10
+    assert list(summary.token_ids) == _expected(served.tiny, [long])[0]
     deadline = time.monotonic() + 180  # the group is rebuilt; health follows
     while True:
         status = _status(served)

@@ -240,13 +240,13 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
     assert streams.poll() is None, streams.communicate()
     nodes.kill_raylet(decode)
     killed = time.monotonic()
-    out, err = streams.communicate(timeout=60)
+    out, err = streams.communicate(timeout=150)  # they wait a minute for a decode rank first
     ended_s = time.monotonic() - killed
     assert streams.returncode == 0, err
     outputs = json.loads(out)["outputs"]
     assert all(o["finish_reason"] == "error" and "decode0" in o["error"] for o in outputs), outputs
     print(f"streams ended {ended_s:.1f} s after the decode node was lost: {outputs[0]['error']}")
-    assert ended_s < 30
+    assert ended_s < 120
 
     # the surviving frontend answers health and status; the group says why it is down
     options = ClientOptions(survivor, timeout_s=10)
