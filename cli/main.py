@@ -55,9 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = model.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    demo = model.add_parser("train-demo", help="train the tiny model on English text (the default model)")
+    demo.add_argument("dir", type=Path, help="where to write the checkpoint (the committed one: model/demo)")
+    demo.add_argument("--corpus", type=Path, default=None, help="UTF-8 text (default: model/demo/corpus.txt)")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1400)")
+    demo.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
 
     gen = sub.add_parser("generate", help="generate with the colocated engine")
-    gen.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model directory (default: the demo model the project trains)",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
@@ -167,7 +177,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _train_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tandem.model import train_demo as td
+
+    settings = td.TrainSettings(seed=args.seed)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise CliError(f"--steps: expected a positive integer, got {args.steps}")
+        settings = replace(settings, steps=args.steps)
+    corpus = args.corpus or td.DEMO_CORPUS
+    if not corpus.is_file():
+        raise CliError(f"--corpus: {corpus} is not a file")
+    try:
+        result = td.train_demo(args.dir, corpus, settings, log=lambda line: print(line, file=sys.stderr))
+    except td.TrainingDependencyMissing as exc:
+        raise CliError(str(exc)) from exc
+    emit(
+        f"wrote the demo checkpoint to {result.out_dir}: {settings.steps} steps in {result.wall_s:.0f} s, "
+        f"held-out loss {result.initial_eval_bits:.2f} -> {result.eval_bits:.2f} bits per character"
+    )
+    return 0
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "model" and args.model_command == "train-demo":
+        return _train_demo(args)
     if args.command == "model":
         from tandem.model.make_tiny import make_tiny_checkpoint
 
@@ -175,6 +211,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         emit(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
         return 0
     if args.command == "generate":
+        if args.model is None:
+            from tandem.cluster.serve import demo_model_dir
+
+            args.model = demo_model_dir()
         return _generate(args)
     if args.command in ("serve", "client"):
         from tandem.cli.serving import run_client, run_serve

@@ -21,7 +21,12 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv = sub.add_parser("serve", help="start the cluster and the gRPC frontend; Ctrl-C stops")
     srv.add_argument("--preset", default=None, help="topology preset of deploy/presets (default: local)")
     srv.add_argument("--topology", type=Path, default=None, help="topology file (instead of --preset)")
-    srv.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    srv.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model directory (default: the demo model the project trains)",
+    )
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")

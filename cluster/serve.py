@@ -14,7 +14,6 @@ spread over the cluster, each on ``port + i`` (``metrics_port + i``).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from tandem.frontend.request_stream import StreamSummary
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
 
-TINY_SEED = 0
 DEFAULT_DEPLOYMENT = "tandem"
 log = logging.getLogger(__name__)
 
@@ -59,19 +57,12 @@ def frontend_name(index: int) -> str:
     return f"{FRONTEND_NAME}-{index}"
 
 
-def default_model_dir() -> Path:
-    """Where ``serve`` keeps the tiny model it makes when given none."""
-    cache = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-    return cache / f"tiny-seed{TINY_SEED}"
+def demo_model_dir() -> Path:
+    """The model ``serve`` runs when given none: the tiny model the project trains on English
+    text (``model/train_demo.py``), installed with the package. Read only."""
+    import tandem.model  # no torch: the package's __init__ is a docstring
 
-
-def ensure_tiny_model() -> Path:
-    from tandem.model.make_tiny import make_tiny_checkpoint
-
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        make_tiny_checkpoint(path, seed=TINY_SEED)
-    return path
+    return Path(tandem.model.__file__).parent / "demo"
 
 
 @dataclass(frozen=True)
@@ -112,7 +103,7 @@ class Server:
 
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
-        self.model_dir = options.model_dir or ensure_tiny_model()
+        self.model_dir = options.model_dir or demo_model_dir()
         self.model_name = options.model_name or self.model_dir.name
         self.controller: Any = None
         self.frontends: list[Any] = []

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tandem.cli.client import ClientOptions, status, wait_serving
+from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
@@ -90,9 +91,7 @@ def deployment() -> Iterator[Deployment]:
 
 
 def _reference(nodes: RayNodes, prompts: list[list[int]]) -> list[list[int]]:
-    engine = ColocatedEngine.from_model_dir(
-        nodes.root / "cache" / "tiny-seed0", torch.float64, EngineConfig()
-    )
+    engine = ColocatedEngine.from_model_dir(demo_model_dir(), torch.float64, EngineConfig())
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
     return [list(r.token_ids) for r in engine.generate(prompts, [sampling] * len(prompts))]
 
