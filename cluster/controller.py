@@ -27,7 +27,10 @@ from tandem.cluster.placement import RankResources, this_place
 from tandem.cluster.rank_actor import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.decode.role import DecodeRole
+from tandem.engine.colocated_role import ColocatedRole
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.messages import ProcessPlace, RankId, RankStats, Role
+from tandem.engine.role_spec import RoleSpec
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.discovery import ScrapeTarget
 from tandem.metrics.http import MetricsServer
@@ -79,6 +82,7 @@ class RoutingView:
     frontends: tuple[FrontendInfo, ...] = ()  # every frontend that registered
     controller: ProcessPlace | None = None
     deployment: str = ""  # the deployment's name (its Ray namespace)
+    colocated: bool = False  # its ranks prefill and decode: each is in `prefill` and in `decode`
 
 
 class Cluster:
@@ -100,7 +104,7 @@ class Cluster:
         resources = RankResources.detect(topology.cpus_per_rank)
         metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
-        def groups(name: str, pool: PoolSpec, role: PrefillRole | DecodeRole) -> list[RankGroup]:
+        def groups(name: str, pool: PoolSpec, role: RoleSpec) -> list[RankGroup]:
             template = GroupConfig(
                 f"{name}0",
                 model_dir,
@@ -120,6 +124,20 @@ class Cluster:
         self._templates: dict[Role, GroupConfig] = {}
         self._next_index: dict[Role, int] = {}
 
+        self._draining: set[str] = set()
+        self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
+        self.colocated = topology.colocated is not None
+        if topology.colocated is not None:  # one pool that prefills and decodes: held as `decode`
+            c = topology.colocated
+            engine = EngineConfig(
+                page_size=c.page_size,
+                num_pages=c.num_pages,
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+            )
+            self.prefill: list[RankGroup] = []
+            self.decode = groups("colocated", c, ColocatedRole(engine=engine))
+            return
         p, d = topology.prefill, topology.decode
         self.prefill = groups(
             "prefill",
@@ -140,8 +158,6 @@ class Cluster:
             kv_timeout_s=topology.kv_timeout_s,
         )
         self.decode = groups("decode", d, decode)
-        self._draining: set[str] = set()
-        self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
 
     @property
     def groups(self) -> list[RankGroup]:
@@ -164,6 +180,8 @@ class Cluster:
 
     def _send_membership(self) -> None:
         """Tell every live decode rank the prefill ranks that take jobs (ready, not draining)."""
+        if self.colocated:
+            return
         ranks: dict[RankId, Any] = {}
         for g in self.prefill:
             if self._takes_work(g):
@@ -196,14 +214,20 @@ class Cluster:
             )
             for g in self.groups
         )
+        decode = {r: a for g in live if g in self.decode for r, a in g.actors.items()}
+        p, d = self.topology.pools[0], self.topology.pools[-1]
         return RoutingView(
-            prefill={r: a for g in live if g in self.prefill for r, a in g.actors.items()},
-            decode={r: a for g in live if g in self.decode for r, a in g.actors.items()},
+            # a colocated rank is both: the router picks it for the prompt and decodes there
+            prefill=dict(decode)
+            if self.colocated
+            else {r: a for g in live if g in self.prefill for r, a in g.actors.items()},
+            decode=decode,
             groups=views,
-            page_size=self.topology.prefill.page_size,
-            prefill_capacity_tokens=self.topology.prefill.num_pages * self.topology.prefill.page_size,
-            decode_capacity_tokens=self.topology.decode.num_pages * self.topology.decode.page_size,
+            page_size=p.page_size,
+            prefill_capacity_tokens=p.num_pages * p.page_size,
+            decode_capacity_tokens=d.num_pages * d.page_size,
             metrics_targets=tuple(self._rank_targets()),
+            colocated=self.colocated,
         )
 
     def _rank_targets(self) -> list[ScrapeTarget]:

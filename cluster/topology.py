@@ -112,6 +112,11 @@ class Topology(BaseModel):
     name: str = Field("custom", description="a name for logs and metrics")
     prefill: PoolSpec = Field(default_factory=lambda: PoolSpec(), description="the prefill pool")
     decode: PoolSpec = Field(default_factory=lambda: PoolSpec(), description="the decode pool")
+    colocated: PoolSpec | None = Field(
+        None,
+        description="DEP groups that both prefill and decode, over one KV pool each, with no transfer; "
+        "when set, the deployment has this pool instead of prefill and decode",
+    )
     kv_transfer: str = Field("layerwise", pattern="^(layerwise|whole)$", description="layerwise or whole")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
@@ -123,6 +128,12 @@ class Topology(BaseModel):
     @model_validator(mode="after")
     def _autoscaling_fits(self) -> Topology:
         spec = self.autoscaling
+        if self.colocated is not None:
+            given = sorted({"prefill", "decode"} & self.model_fields_set)
+            if given:
+                raise ValueError(f"{given[0]}: a topology with a colocated pool has no {given[0]} pool")
+            if spec is not None:
+                raise ValueError("autoscaling: the autoscaler sizes prefill and decode pools, not colocated")
         if spec is None:
             return self
         for name in ("prefill", "decode"):
@@ -152,8 +163,19 @@ class Topology(BaseModel):
         )
         return spec.config(self.prefill.dep, self.decode.dep)
 
+    @property
+    def pools(self) -> tuple[PoolSpec, ...]:
+        """The pools it starts: colocated, or prefill and decode."""
+        return (self.colocated,) if self.colocated is not None else (self.prefill, self.decode)
+
+    @property
+    def ranks(self) -> int:
+        return sum(p.ranks for p in self.pools)
+
     def describe(self) -> str:
-        """E.g. ``local: 1xDEP2 prefill + 1xDEP2 decode``."""
+        """E.g. ``local: 1xDEP2 prefill + 1xDEP2 decode`` or ``colocated: 2xDEP2 colocated``."""
+        if self.colocated is not None:
+            return f"{self.name}: {self.colocated.groups}xDEP{self.colocated.dep} colocated"
         p, d = self.prefill, self.decode
         return f"{self.name}: {p.groups}xDEP{p.dep} prefill + {d.groups}xDEP{d.dep} decode"
 

@@ -40,7 +40,7 @@ from tandem.engine.messages import (
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import FinishReason, InvalidRequestError, Request, check_prompt
 from tandem.engine.runner import ModelRunner
-from tandem.engine.scheduler import admit_new_request
+from tandem.engine.scheduler import admit_new_request, resumed_outputs
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.prefill.job import PrefillJob
@@ -48,21 +48,6 @@ from tandem.prefill.job import PrefillJob
 if TYPE_CHECKING:
     from tandem.cluster.outbox import RayOutbox
     from tandem.model.config import ModelConfig
-
-
-def _resumed(r: RankRequest, vocab_size: int, max_model_len: int) -> list[int]:
-    """The outputs a resumed request already has, checked: token ids of the vocabulary, fewer
-    than ``max_tokens`` (one is still to come), and room for the next one in the context."""
-    outputs = list(r.resume_output_ids)
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in outputs):
-        raise InvalidRequestError("resume_output_ids", f"must be token ids in [0, {vocab_size})")
-    if len(outputs) >= r.sampling.max_tokens:
-        raise InvalidRequestError("resume_output_ids", f"{len(outputs)} is not below max_tokens")
-    if len(r.prompt_token_ids) + len(outputs) >= max_model_len:
-        raise InvalidRequestError(
-            "resume_output_ids", f"prompt and outputs fill the context of {max_model_len}"
-        )
-    return outputs
 
 
 class PrefillDispatcher(ABC):
@@ -187,7 +172,7 @@ class DecodeWorker(RankWorker):
             request = Request(r.request_id, prompt, r.sampling, eos, cfg.max_position_embeddings)
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
             if r.resume_output_ids:
-                request.output_token_ids = _resumed(r, cfg.vocab_size, cfg.max_position_embeddings)
+                request.output_token_ids = resumed_outputs(r, cfg.vocab_size, cfg.max_position_embeddings)
             admitted.append((request, Routing(r.prefill_rank, r.frontend), received))
         return admitted
 

@@ -97,9 +97,7 @@ class ColocatedEngine:
     ) -> str:
         sampling.validate()
         self.validate_prompt(prompt_token_ids)
-        if sampling.seed is None:
-            # every draw is keyed by a seed, so an unseeded request gets a random one
-            sampling = dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(7), "little"))
+        sampling = self.seeded(sampling)
         request_id = request_id or f"req-{next(self._ids)}"
         self.scheduler.add_request(
             Request(
@@ -112,6 +110,13 @@ class ColocatedEngine:
             )
         )
         return request_id
+
+    @staticmethod
+    def seeded(sampling: SamplingParams) -> SamplingParams:
+        """Every draw is keyed by a seed, so an unseeded request gets a random one."""
+        if sampling.seed is not None:
+            return sampling
+        return dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(7), "little"))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id)

@@ -25,4 +25,4 @@ class ColocatedRole(RoleSpec):
         from tandem.engine.colocated_worker import ColocatedWorker
 
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True)
-        return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher)
+        return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher, ctx.outbox)

@@ -1,41 +1,118 @@
-"""A colocated rank's worker: the colocated engine in the one rank loop. Requests come in as
-:class:`RankRequest` and leave, finished, as :class:`RequestResult` through ``collect``."""
+"""A colocated rank's worker: the colocated engine in the one rank loop, prefill and decode over
+one KV pool. Requests come in as :class:`RankRequest`; with ``frontend`` set, their tokens and
+results are pushed to that frontend as they come (as a decode rank does), otherwise the results
+leave through ``collect``. Its prefix cache's KV events go to the frontends that subscribed, so
+their routers send a conversation back to the rank that holds it.
+
+A request's bill has one attempt, on this rank, with no transfer: ``prefill_queue_s`` (on the
+loop -> first chunk scheduled) and ``prefill_compute_s`` (first chunk scheduled -> first token);
+``decode_s`` is first token -> finished. Each is the difference of two readings of this
+process's monotonic clock.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.dep import ExpertParallelDispatcher
-from tandem.engine.messages import Bill, LoopStats, RankId, RankRequest, RankStats, RequestResult, Role
-from tandem.engine.rank_loop import RankWorker
+from tandem.engine.messages import (
+    Bill,
+    LoopStats,
+    PrefillAttempt,
+    RankId,
+    RankRequest,
+    RankStats,
+    RequestResult,
+    Role,
+    StreamBatch,
+    TokenDelta,
+)
+from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import FinishReason, Request
+from tandem.engine.scheduler import admit_new_request, resumed_outputs
+from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
+
+if TYPE_CHECKING:
+    from tandem.cluster.outbox import RayOutbox
+
+
+@dataclass
+class _Track:
+    """What the worker measures of one request, on this process's monotonic clock."""
+
+    received: float  # the actor took it
+    frontend: str | None
+    queued_at: float = 0.0  # on the loop
+    scheduled_at: float | None = None  # its first chunk
+    streamed: int = 0  # outputs already pushed (a resumed request's are its client's already)
+    token_at: list[float] = field(default_factory=list)  # when each new output was known
 
 
 class ColocatedWorker(RankWorker):
     def __init__(
-        self, rank_id: RankId, incarnation: int, engine: ColocatedEngine, dispatcher: ExpertParallelDispatcher
+        self,
+        rank_id: RankId,
+        incarnation: int,
+        engine: ColocatedEngine,
+        dispatcher: ExpertParallelDispatcher,
+        outbox: RayOutbox | None = None,
     ) -> None:
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.engine = engine
         self.dispatcher = dispatcher
+        self.outbox = outbox
+        self.kv_events = KVEventPublisher(self.name, engine.scheduler.config.page_size, incarnation)
+        self._tracks: dict[str, _Track] = {}
         self._results: list[RequestResult] = []
+        self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
 
-    def admit(self, items: list[Any]) -> list[RankRequest]:
+    # ---- requests -------------------------------------------------------------------------
+    def admit(self, items: list[RankRequest]) -> list[tuple[Request, str | None, float]]:
+        """Requests built and checked against this rank's limits: one that could never run
+        fails here, alone, instead of on the loop."""
+        if self.draining:
+            raise RankDraining(self.name)
+        engine, config = self.engine, self.engine.scheduler.config
+        cfg = engine.model_config
+        eos = frozenset(cfg.eos_token_ids)
+        received = time.monotonic()
+        admitted = []
         for r in items:
             r.sampling.validate()
-            self.engine.validate_prompt(list(r.prompt_token_ids))
-        return list(items)
+            prompt = list(r.prompt_token_ids)
+            engine.validate_prompt(prompt, "prompt")
+            request = Request(r.request_id, prompt, engine.seeded(r.sampling), eos, engine.max_model_len)
+            admit_new_request(request, engine.max_model_len, config.page_size, config.num_pages)
+            if r.resume_output_ids:
+                request.output_token_ids = resumed_outputs(r, cfg.vocab_size, engine.max_model_len)
+            admitted.append((request, r.frontend, received))
+        return admitted
 
-    def submit(self, admitted: list[RankRequest]) -> None:
-        for r in admitted:
-            self.engine.add_request(list(r.prompt_token_ids), r.sampling, r.request_id)
+    def submit(self, admitted: list[tuple[Request, str | None, float]]) -> None:
+        now = time.monotonic()
+        for request, frontend, received in admitted:
+            request.arrival_s = now
+            resumed = bool(request.output_token_ids)
+            self.engine.scheduler.add_request(request, resumed=resumed)
+            track = _Track(received, frontend, queued_at=now, streamed=len(request.output_token_ids))
+            self._tracks[request.request_id] = track
 
     def abort(self, request_id: str) -> None:
         request = self.engine.scheduler.get_request(request_id)
         if request is not None and self.engine.abort(request_id):
-            self._report([request])
+            self._finish(request, request.finish_reason or FinishReason.ABORT)
 
+    def abort_frontend(self, frontend: str) -> int:
+        """Abort every request of a frontend that is gone; how many."""
+        ids = [rid for rid, track in self._tracks.items() if track.frontend == frontend]
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
+    # ---- the loop ---------------------------------------------------------------------------
     def tick(self) -> None:
         pass
 
@@ -43,19 +120,60 @@ class ColocatedWorker(RankWorker):
         return self.engine.scheduler.has_unfinished_requests()
 
     def step(self) -> None:
-        self._report(self.engine.step())
+        scheduler = self.engine.scheduler
+        plan = scheduler.schedule()
+        scheduled_at = time.monotonic()
+        for chunk in plan.chunks:
+            track = self._tracks.get(chunk.request_id)
+            if track is not None and track.scheduled_at is None:
+                track.scheduled_at = scheduled_at
+        requests = [r for r in (scheduler.get_request(c.request_id) for c in plan.chunks) if r is not None]
+        before = [len(r.output_token_ids) for r in requests]
+        finished = scheduler.update(plan, self.engine.runner.run(plan))
+        now, now_unix_s = time.monotonic(), time.time()
+        for request, count in zip(requests, before, strict=True):
+            track = self._tracks.get(request.request_id)
+            if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
+                track.token_at.append(now)
+                self._stream_new_tokens(request, track, now_unix_s)
+        for request in finished:
+            self._finish(request, request.finish_reason or FinishReason.ABORT)
 
     def take_results(self) -> list[RequestResult]:
         out, self._results = self._results, []
         return out
 
+    def publish(self) -> None:
+        """Push each frontend its tokens and results, and each subscriber its KV events; a
+        frontend that is gone loses its requests (aborted) and its subscription."""
+        events = self.engine.scheduler.kv_cache.take_events()
+        if self.outbox is None:
+            return
+        pushes, self._pushes = self._pushes, {}
+        for frontend, (deltas, results) in pushes.items():
+            batch = StreamBatch(self.rank_id, tuple(deltas), tuple(results))
+            if not self.outbox.send(frontend, "push_stream", batch):
+                self.abort_frontend(frontend)
+        for subscriber, events_batch in self.kv_events.publish(events).items():
+            if not self.outbox.send(subscriber, "push_kv_events", events_batch):
+                self.kv_events.unsubscribe(subscriber)
+
+    def subscribe(self, subscriber: str) -> KVEventBatch:
+        """Send this rank's KV events to the named actor from now on; the snapshot."""
+        return self.kv_events.subscribe(subscriber, self.engine.scheduler.kv_cache.cached_block_hashes())
+
+    def unsubscribe(self, subscriber: str) -> None:
+        self.kv_events.unsubscribe(subscriber)
+
+    def set_peers(self, peers: dict[Any, Any]) -> None:
+        """A colocated rank sends work to no other rank: membership changes nothing here."""
+
     def fail_all(self, reason: str) -> list[RequestResult]:
         scheduler = self.engine.scheduler
-        held = scheduler.unfinished_requests()
-        for r in held:
-            scheduler.abort_request(r.request_id)
-        self._results += [self._result(r, FinishReason.ERROR, reason) for r in held]
-        return self.take_results()
+        for request in scheduler.unfinished_requests():
+            scheduler.abort_request(request.request_id)
+            self._finish(request, FinishReason.ERROR, reason)
+        return self.take_results()  # pushed results leave with the loop's last publish
 
     def stats(self, loop: LoopStats) -> RankStats:
         scheduler, ep = self.engine.scheduler, self.dispatcher.stats
@@ -79,16 +197,57 @@ class ColocatedWorker(RankWorker):
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()
 
-    def _report(self, finished: list[Request]) -> None:
-        self._results += [self._result(r, r.finish_reason or FinishReason.ABORT) for r in finished]
+    # ---- streams and bills ------------------------------------------------------------------
+    def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
+        outputs = request.output_token_ids
+        if track.frontend is None or len(outputs) <= track.streamed:
+            return
+        new = tuple(outputs[track.streamed :])
+        times = tuple(track.token_at[-len(new) :])
+        delta = TokenDelta(request.request_id, track.streamed, new, times, (now_unix_s,) * len(new))
+        self._pushes.setdefault(track.frontend, ([], []))[0].append(delta)
+        track.streamed = len(outputs)
 
-    def _result(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestResult:
-        bill = Bill(
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        track = self._tracks.pop(request.request_id, None)
+        now = time.monotonic()
+        result = RequestResult(
+            request.request_id,
+            tuple(request.output_token_ids),
+            reason,
+            self._bill(request, track, now) if track is not None else Bill(),
+            self.rank_id,
+            self.rank_id if track is not None and track.token_at else None,
+            error=error,
+        )
+        if track is None or track.frontend is None:
+            self._results.append(result)
+        else:
+            self._pushes.setdefault(track.frontend, ([], []))[1].append(result)
+
+    def _bill(self, request: Request, track: _Track, now: float) -> Bill:
+        first = track.token_at[0] if track.token_at else None
+        scheduled = track.scheduled_at
+        attempt = PrefillAttempt(
+            attempt=1,
+            prefill_rank=self.rank_id,
+            delivered=first is not None,
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=request.num_cached_tokens,
+            prefill_queue_s=(scheduled if scheduled is not None else now) - track.queued_at,
+            prefill_compute_s=(first - scheduled) if first is not None and scheduled is not None else 0.0,
+        )
+        times = tuple(t - track.received for t in track.token_at)
+        return Bill(
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
             new_prompt_tokens=request.num_prompt_tokens - request.num_cached_tokens,
             output_tokens=len(request.output_token_ids),
-        )
-        return RequestResult(
-            request.request_id, tuple(request.output_token_ids), reason, bill, self.rank_id, error=error
+            preemptions=request.num_preemptions,
+            attempts=(attempt,),
+            pickup_s=track.queued_at - track.received,
+            decode_s=(now - first) if first is not None else 0.0,
+            rank_s=now - track.received,
+            first_token_s=times[0] if times else 0.0,
+            token_times_s=times,
         )

@@ -23,11 +23,15 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache, block_hashes
 from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.messages import RankRequest
 
 
 class StaleSchedulerOutputError(RuntimeError):
@@ -115,12 +119,14 @@ class Scheduler:
         """The unfinished request with this id, or ``None``."""
         return self._requests.get(request_id)
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raise ``InvalidRequestError`` naming the field if it can never run."""
+    def add_request(self, request: Request, resumed: bool = False) -> None:
+        """Queue a request; raise ``InvalidRequestError`` naming the field if it can never run.
+        A ``resumed`` one comes with outputs (see ``admit_new_request``): its KV is computed for
+        prompt and outputs, as after a preemption."""
         config = self.config
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages)
+        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages, resumed)
         self._requests[request.request_id] = request
         self._arrival[request.request_id] = next(self._counter)
         self._waiting.append(request)
@@ -362,3 +368,18 @@ def admit_new_request(
         )
     request.max_model_len = max_model_len
     request.num_computed_tokens = 0
+
+
+def resumed_outputs(r: RankRequest, vocab_size: int, max_model_len: int) -> list[int]:
+    """The outputs a resumed request already has, checked: token ids of the vocabulary, fewer
+    than ``max_tokens`` (one is still to come), and room for the next one in the context."""
+    outputs = list(r.resume_output_ids)
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in outputs):
+        raise InvalidRequestError("resume_output_ids", f"must be token ids in [0, {vocab_size})")
+    if len(outputs) >= r.sampling.max_tokens:
+        raise InvalidRequestError("resume_output_ids", f"{len(outputs)} is not below max_tokens")
+    if len(r.prompt_token_ids) + len(outputs) >= max_model_len:
+        raise InvalidRequestError(
+            "resume_output_ids", f"prompt and outputs fill the context of {max_model_len}"
+        )
+    return outputs

@@ -286,6 +286,7 @@ class FrontendCore:
                 len(prompt),
                 view.page_size,
                 spec.sampling.max_tokens,
+                same_rank=view.colocated,
             )
         except NoRankAvailable as exc:
             raise FrontendUnavailable(str(exc)) from None
@@ -439,7 +440,8 @@ class FrontendCore:
         tokens = stream.tokens
         if not left or len(tokens) >= spec.sampling.max_tokens:
             return False
-        self.router.set_ranks(self.router.prefill_ranks, left)  # until the next view drops it
+        # until the next view drops it (a colocated rank is a prefill rank too)
+        self.router.set_ranks(left if view.colocated else self.router.prefill_ranks, left)
         self.router.finished(running.rank_request_id)
         self._by_rank_id.pop(running.rank_request_id, None)
         resumed = [*spec.prompt_token_ids, *tokens]
@@ -451,6 +453,7 @@ class FrontendCore:
                 len(resumed),
                 view.page_size,
                 spec.sampling.max_tokens - len(tokens),
+                same_rank=view.colocated,
             )
         except NoRankAvailable:
             return False

@@ -132,12 +132,15 @@ class Router:
         num_prompt_tokens: int,
         page_size: int,
         max_new_tokens: int,
+        same_rank: bool = False,
     ) -> RouteDecision:
         """Pick both ranks for a request and count its load against them.
 
         ``block_hashes`` are the chained hashes of the prompt's full pages
-        (``engine.prefix_cache.block_hashes``). Raises ``NoRankAvailable`` when a role has no
-        rank and ``DuplicateRequestId`` when ``request_id`` is still in flight.
+        (``engine.prefix_cache.block_hashes``). With ``same_rank`` (colocated ranks, each both
+        prefill and decode rank), the decode rank is the prefill rank the policy chose. Raises
+        ``NoRankAvailable`` when a role has no rank and ``DuplicateRequestId`` when
+        ``request_id`` is still in flight.
         """
         if num_prompt_tokens < 1 or page_size < 1 or max_new_tokens < 0:
             raise ValueError(f"bad request: {num_prompt_tokens=} {page_size=} {max_new_tokens=}")
@@ -174,16 +177,20 @@ class Router:
 
         reserve = min(max_new_tokens, self.config.decode_output_reserve_tokens)
         pages = math.ceil((num_prompt_tokens + reserve) / page_size)
-        decode = choose_decode_rank([self._decode_candidate(rank) for rank in self._decode_ranks], pages)
+        if same_rank:
+            decode_rank = choice.rank
+        else:
+            candidates_d = [self._decode_candidate(rank) for rank in self._decode_ranks]
+            decode_rank = choose_decode_rank(candidates_d, pages).rank
 
-        self._load.add(request_id, choice.rank, num_prompt_tokens - cached_tokens, decode.rank, pages)
+        self._load.add(request_id, choice.rank, num_prompt_tokens - cached_tokens, decode_rank, pages)
         counters = self._counters
         counters["requests_routed"] += 1
         counters["matched_blocks"] += matched_blocks
         counters["queried_blocks"] += len(block_hashes)
         key = f"branch_{choice.branch}"
         counters[key] = counters.get(key, 0) + 1
-        return RouteDecision(choice.rank, decode.rank, matched_blocks, cached_tokens, choice.branch, pages)
+        return RouteDecision(choice.rank, decode_rank, matched_blocks, cached_tokens, choice.branch, pages)
 
     def prefill_done(self, request_id: str) -> None:
         """The request's prefill finished (or failed): its tokens leave the prefill load."""

@@ -210,3 +210,19 @@ def test_a_bad_prefill_report_is_refused() -> None:
         router.update_prefill_stats(PREFILL[0], -1)
     router.update_prefill_stats("gone-r0", 5)  # a rank that left: ignored
     router.check_integrity()
+
+
+def test_colocated_ranks_decode_where_the_policy_sends_the_prompt() -> None:
+    ranks = ["colocated0-r0", "colocated0-r1"]
+    router = Router()
+    router.set_ranks(ranks, ranks)
+    router.update_decode_stats("colocated0-r0", free_pages=100, running=0, total_pages=100)
+    router.update_decode_stats("colocated0-r1", free_pages=3, running=9, total_pages=100)
+    store(router, "colocated0-r1", list(range(16)))
+    held = router.route("a", block_hashes([*range(16), 7], PAGE), 17, PAGE, 8, same_rank=True)
+    # the decode choice alone would take r0 (room, fewer requests); the prompt's cache is on r1
+    assert held.prefill_rank == held.decode_rank == "colocated0-r1" and held.branch == "cache_hit"
+    assert router.loads().decode_promised_pages == {"colocated0-r0": 0, "colocated0-r1": held.decode_pages}
+    apart = route(router, "b", [*range(16), 7])
+    assert (apart.prefill_rank, apart.decode_rank) == ("colocated0-r1", "colocated0-r0")
+    router.check_integrity()
