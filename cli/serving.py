@@ -30,6 +30,13 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    srv.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...) here; 0: a free port",
+    )
+    srv.add_argument("--http-host", default=None, help="address the HTTP API binds (default: --host)")
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
@@ -200,6 +207,11 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _overlap(first: int, other: int, frontends: int) -> bool:
+    """Whether ports ``first + i`` and ``other + i`` of ``frontends`` frontends share one."""
+    return abs(first - other) < frontends
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.cluster.serve import ServeOptions, serve
     from tandem.cluster.topology import Topology
@@ -222,6 +234,16 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--metrics-port", f"must be in [0, 65535], got {args.metrics_port}")
     if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
         raise InvalidRequestError("--metrics-port", f"{args.metrics_port} is the gRPC port (--port) too")
+    if args.http_port is not None and not 0 <= args.http_port < 65536:
+        raise InvalidRequestError("--http-port", f"must be in [0, 65535], got {args.http_port}")
+    if args.http_host is not None and args.http_port is None:
+        raise InvalidRequestError("--http-host", "only applies with --http-port")
+    http_host = args.http_host if args.http_host is not None else args.host
+    if args.http_port and http_host == args.host:
+        taken = {"--port": args.port, "--metrics-port": args.metrics_port}
+        for flag, port in taken.items():
+            if port and _overlap(args.http_port, port, args.frontends):
+                raise InvalidRequestError("--http-port", f"{args.http_port} clashes with {flag} {port}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidRequestError(
             "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
@@ -243,9 +265,10 @@ def run_serve(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     if args.frontends < 1:
         raise InvalidRequestError("--frontends", f"must be at least 1, got {args.frontends}")
-    if args.port and args.port + args.frontends - 1 > 65535:
-        last = args.port + args.frontends - 1
-        raise InvalidRequestError("--frontends", f"ports {args.port}..{last} pass 65535")
+    for flag, first in (("--port", args.port), ("--http-port", args.http_port)):
+        if first and first + args.frontends - 1 > 65535:
+            last = first + args.frontends - 1
+            raise InvalidRequestError("--frontends", f"{flag} ports {first}..{last} pass 65535")
     if args.detach and not args.address:
         raise InvalidRequestError("--detach", "needs --address: an embedded Ray ends with this command")
     if args.detach and args.autoscale and args.prometheus_url is None:
@@ -261,10 +284,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # the ports the frontends on this machine bind: every one with an embedded Ray, frontend 0's
     # on a cluster (the others' nodes are known only once placed)
     local = 1 if args.address else args.frontends
-    for flag, first in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    binds = (("--port", args.host, args.port), ("--metrics-port", args.host, args.metrics_port))
+    for flag, host, first in (*binds, ("--http-port", http_host, args.http_port)):
         for port in range(first, first + local) if first else ():
-            if not port_is_free(args.host, port):
-                raise InvalidRequestError(flag, f"{args.host}:{port} is in use")
+            if not port_is_free(host, port):
+                raise InvalidRequestError(flag, f"{host}:{port} is in use")
     metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
     options = ServeOptions(
         limits=limits,
@@ -286,12 +310,16 @@ def run_serve(args: argparse.Namespace) -> int:
         deployment=name,
         detach=args.detach,
         frontends=args.frontends,
+        http_port=args.http_port,
+        http_host=args.http_host,
     )
     from tandem.frontend.grpc_auth import exposure_warning
 
-    warning = exposure_warning(args.host, bool(args.tls_cert), auth_token is not None)
-    if warning is not None:  # every refusal is behind: serving starts now
-        print(f"tandem: warning: {warning}", file=sys.stderr)
+    hosts = [args.host] + ([http_host] if args.http_port is not None else [])
+    for host in dict.fromkeys(hosts):
+        warning = exposure_warning(host, bool(args.tls_cert), auth_token is not None)
+        if warning is not None:  # every refusal is behind: serving starts now
+            print(f"tandem: warning: {warning}", file=sys.stderr)
     return serve(options, announce=emit)
 
 

@@ -8,7 +8,8 @@ groups, then Ray. With ``detach`` the command returns once serving and the deplo
 actors, placement groups, all detached) stays in the cluster until ``tandem stop``.
 
 Frontend 0 runs on the node where ``serve`` runs (its port is bound there); the others are
-spread over the cluster, each on ``port + i`` (``metrics_port + i``).
+spread over the cluster, each on ``port + i`` (``metrics_port + i``, ``http_port + i``). With
+``http_port`` each frontend serves the OpenAI-compatible HTTP API too (``frontend/openai_http.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
 from tandem.frontend.limits import EdgeLimits
+from tandem.frontend.openai_http import HttpConfig
 from tandem.frontend.request_stream import StreamSummary
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
@@ -88,6 +90,8 @@ class ServeOptions:
     detach: bool = False  # leave it running when the command exits (needs address)
     frontends: int = 1  # frontend actors, each with its own gRPC port
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # the gRPC edge's (frontend/limits.py)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (0: a free port); None: none
+    http_host: str | None = None  # where it binds; None: ``host``
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -109,6 +113,7 @@ class Server:
         self.frontends: list[Any] = []
         self.ports: list[int] = []
         self.metrics_address: str | None = None
+        self.http_addresses: list[str] = []  # each frontend's OpenAI-compatible API, host:port
         self.prometheus: PrometheusProcess | None = None
 
     @property
@@ -119,6 +124,11 @@ class Server:
     @property
     def port(self) -> int:
         return self.ports[0] if self.ports else 0
+
+    @property
+    def http_address(self) -> str | None:
+        """Frontend 0's OpenAI-compatible API, ``host:port`` (``None`` without ``http_port``)."""
+        return self.http_addresses[0] if self.http_addresses else None
 
     def start(self) -> int:
         o = self.options
@@ -165,6 +175,12 @@ class Server:
                     metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
                     limits=o.limits,
                 )
+                http = None
+                if o.http_port is not None:
+                    http = HttpConfig(
+                        o.http_host if o.http_host is not None else o.host,
+                        o.http_port + i if o.http_port else 0,
+                    )
                 # frontend 0 where the operator started serve; the rest spread over the nodes
                 where = here if i == 0 else "SPREAD"
                 self.frontends.append(
@@ -173,9 +189,11 @@ class Server:
                         scheduling_strategy=where,
                         lifetime=lifetime,
                         max_restarts=-1,  # a lost frontend comes back (the controller starts it)
-                    ).remote(config)
+                    ).remote(config, http)
                 )
             self.ports = list(ray.get([f.start.remote() for f in self.frontends]))
+            if o.http_port is not None:
+                self.http_addresses = list(ray.get([f.http_address.remote() for f in self.frontends]))
             self.metrics_address = ray.get(self.frontend.metrics_address.remote())
             ready = ray.get([f.wait_ready.remote(o.ready_timeout_s) for f in self.frontends])
             if not all(ready):
@@ -255,6 +273,10 @@ def serve(options: ServeOptions, announce: Callable[[str], None] = print) -> int
             f"; metrics and discovery on http://{server.metrics_address}" if server.metrics_address else ""
         )
         where = ", ".join(f"{options.host}:{port}" for port in server.ports)
+        if server.http_addresses:
+            where += "; OpenAI-compatible HTTP on " + ", ".join(
+                f"http://{a}/v1" for a in server.http_addresses
+            )
         name = options.deployment
         how = f"detached; tandem stop --name {name} stops it" if options.detach else "Ctrl-C stops"
         announce(

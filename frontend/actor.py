@@ -1,4 +1,5 @@
-"""The frontend actor: a named async Ray actor hosting the gRPC server around a
+"""The frontend actor: a named async Ray actor hosting the gRPC server, and optionally the
+OpenAI-compatible HTTP server (``openai_http``, uvicorn on this actor's event loop), around a
 :class:`FrontendCore`. Ranks push it their token streams and KV events; a refresh task keeps its
 view of the cluster and its health service current.
 """
@@ -20,6 +21,7 @@ from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
 from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
+from tandem.frontend.openai_http import HttpConfig, OpenAIServer
 from tandem.frontend.request_stream import StreamSummary
 from tandem.metrics.discovery import ScrapeTarget, sd_document
 from tandem.metrics.http import MetricsServer
@@ -33,9 +35,11 @@ EVERY_INTERFACE = ("", "0.0.0.0", "::")  # bind addresses others reach at the no
 class Frontend:
     """The gRPC server as a named async Ray actor; ranks push streams and KV events to it."""
 
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, http: HttpConfig | None = None) -> None:
         self.config = config
         self.core = FrontendCore(config)
+        self.http_config = http
+        self._http: OpenAIServer | None = None
         self._server: Any = None
         self._health: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -62,9 +66,14 @@ class Frontend:
                 advertise=ray.util.get_node_ip_address() if wildcard else None,
             )
         await self._server.start()
-        warning = exposure_warning(config.host, bool(config.tls_cert_file), bool(config.clients))
-        if warning is not None:
-            log.warning("%s: %s", config.name, warning)
+        if self.http_config is not None:
+            self._http = OpenAIServer(self.core, self.http_config)
+            await self._http.start()
+        hosts = [config.host] + ([self.http_config.host] if self.http_config is not None else [])
+        for host in dict.fromkeys(hosts):
+            warning = exposure_warning(host, bool(config.tls_cert_file), bool(config.clients))
+            if warning is not None:
+                log.warning("%s: %s", config.name, warning)
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         return self.port
@@ -82,6 +91,16 @@ class Frontend:
     def metrics_address(self) -> str | None:
         """``host:port`` of ``/metrics`` and ``/sd`` (``None`` when not served)."""
         return self._metrics.address if self._metrics is not None else None
+
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI-compatible HTTP server (``None`` when not served), the
+        node's address when bound to every interface."""
+        if self._http is None or self.http_config is None:
+            return None
+        host = self.http_config.host
+        if host in EVERY_INTERFACE:
+            host = this_place().node_address
+        return f"[{host}]:{self._http.port}" if ":" in host else f"{host}:{self._http.port}"
 
     def _metrics_target(self) -> ScrapeTarget | None:
         if self._metrics is None or self._all_metrics is None:
@@ -151,6 +170,8 @@ class Frontend:
         if self._server is not None:
             await self._set_health(False)
             await self._server.stop(grace_s)
+        if self._http is not None:
+            await self._http.stop()
         if self._metrics is not None:
             self._metrics.close()
 

@@ -182,6 +182,21 @@ def byte_level_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+# DeepSeek's chat format, cut down: BOS, the system text, then each turn behind its role marker,
+# an assistant turn closed by EOS, and the assistant's marker to generate after
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] in ['system', 'developer'] %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}<｜User｜>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<｜Assistant｜>{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
 def write_tokenizer(out_dir: Path) -> None:
     tokenizer = byte_level_tokenizer()
     (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
@@ -192,6 +207,7 @@ def write_tokenizer(out_dir: Path) -> None:
         "eos_token": EOS_TOKEN,
         "model_max_length": TINY_CONFIG["max_position_embeddings"],
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"

@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP edge: a FastAPI app served by uvicorn on the frontend actor's own
+event loop, beside the gRPC server, over the same :class:`FrontendCore`.
+
+::
+
+    POST /v1/completions, /v1/chat/completions ─▶ auth ─▶ JSON ─▶ openai_protocol (pydantic,
+        GenerateSpec) ─▶ FrontendCore.generate ─▶ chunks ─▶ stop strings ─▶ JSON or SSE
+    GET /v1/models, GET /health (200 while the frontend serves, else 503; no token needed)
+
+Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad field 400
+naming it, a missing or wrong bearer token 401, an unknown model or route 404, the frontend or
+the client at its limit of running requests 429, no pool ready 503; 500 only for a bug here, with
+no traceback in the body. Tokens are ``FrontendConfig.clients``' (``grpc_auth``), sent as
+``Authorization: Bearer``; the client they name scopes request ids and limits as on gRPC.
+
+Invariant: a request's generator is closed when its response ends, however it ends. A stop
+string aborts the request on its decode rank (its pages and the prefill rank's are freed) and the
+stream ends at once; a client that goes away mid-stream or while waiting for a whole response
+closes the generator, and ``FrontendCore`` aborts the request on the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from tandem.engine.messages import Bill
+from tandem.engine.request import FinishReason, InvalidRequestError
+from tandem.frontend.chat_template import ChatTemplate
+from tandem.frontend.core import (
+    DuplicateRequest,
+    FrontendCore,
+    FrontendOverloaded,
+    FrontendUnavailable,
+)
+from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth
+from tandem.frontend.grpc_service import INLINE_TOKENIZE_CHARS
+from tandem.frontend.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    Prepared,
+    ResponseShape,
+    ServedModel,
+    StopMatcher,
+    finish_reason,
+    parse_request,
+    prepare_chat,
+    prepare_completion,
+    usage,
+)
+from tandem.frontend.request_stream import StreamChunk, StreamSummary
+
+log = logging.getLogger(__name__)
+STOP_ABORT_WAIT_S = 30.0  # for the rank's report of a request a stop string ended
+DISCONNECT_POLL_S = 0.5  # how often a whole-response request looks for its client
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    grace_s: float = 2.0  # running responses get this long at shutdown
+
+
+def build_app(core: FrontendCore) -> FastAPI:
+    """The app over ``core``: its model, its clients' tokens, its limits."""
+    config = core.config
+    model = ServedModel(
+        config.model_name,
+        core.tokenizer,
+        core.model_config.vocab_size,
+        core.model_config.max_position_embeddings,
+        ChatTemplate.from_dir(config.model_dir),
+    )
+    edge = _Edge(core, BearerAuth(config.clients) if config.clients else None, model)
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_api_route("/health", edge.health, methods=["GET"])
+    app.add_api_route("/v1/models", edge.models, methods=["GET"])
+    app.add_api_route("/v1/completions", edge.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", edge.chat_completions, methods=["POST"])
+    return app
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+    if exc.status_code == 404:
+        message, kind = f"no route {request.method} {request.url.path}", "invalid_request_error"
+    else:
+        message, kind = str(exc.detail), "invalid_request_error"
+    body = OpenAIError(exc.status_code, message, kind).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    body = OpenAIError(500, "internal server error", "server_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+class _Edge:
+    """The routes' handlers over one core."""
+
+    def __init__(self, core: FrontendCore, auth: BearerAuth | None, model: ServedModel) -> None:
+        self.core = core
+        self.auth = auth
+        self.model = model
+
+    async def health(self) -> JSONResponse:
+        ready = self.core.ready
+        return JSONResponse(
+            {"status": "serving" if ready else "not serving"}, status_code=200 if ready else 503
+        )
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._client(request)
+        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "tandem"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        arrival_s, client = time.monotonic(), self._client(request)
+        parsed = parse_request(CompletionRequest, await self._json(request))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def prepare() -> Prepared:
+            return prepare_completion(parsed, self.model, request_id, client, arrival_s)
+
+        prepared = await self._prepare(prepare, request)
+        return await self._run(request, prepared, ResponseShape.of(False, request_id, self.model.name))
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival_s, client = time.monotonic(), self._client(request)
+        parsed = parse_request(ChatRequest, await self._json(request))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        view = self.core.view
+        room = view.decode_capacity_tokens if view is not None else None
+
+        def prepare() -> Prepared:
+            return prepare_chat(parsed, self.model, request_id, client, arrival_s, room)
+
+        prepared = await self._prepare(prepare, request)
+        return await self._run(request, prepared, ResponseShape.of(True, request_id, self.model.name))
+
+    # ---- the edge ---------------------------------------------------------------------------
+    def _client(self, request: Request) -> str:
+        if self.auth is None:
+            return ANONYMOUS
+        given = request.headers.get("authorization")
+        client = self.auth.client_of([("authorization", given)] if given is not None else [])
+        if client is None:
+            why = "invalid bearer token" if given else "missing bearer token (Authorization: Bearer ...)"
+            raise OpenAIError(401, why, "invalid_request_error", None, "invalid_api_key")
+        return client
+
+    async def _json(self, request: Request) -> Any:
+        limit = self.core.config.limits.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
+        body = await request.body()
+        if len(body) > limit:
+            raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._refused(OpenAIError.invalid(None, f"the body is not JSON: {exc}")) from None
+
+    async def _prepare(self, prepare: Callable[[], Prepared], request: Request) -> Prepared:
+        """Validate and tokenise (a long body on a thread: the loop keeps the streams going)."""
+        try:
+            size = int(request.headers.get("content-length") or 0)
+            return await asyncio.to_thread(prepare) if size > INLINE_TOKENIZE_CHARS else prepare()
+        except OpenAIError as exc:
+            raise self._refused(exc) from None
+
+    def _refused(self, exc: OpenAIError) -> OpenAIError:
+        """Count a request refused before it ran, by the code gRPC would give it."""
+        code = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 409: "ALREADY_EXISTS", 413: "RESOURCE_EXHAUSTED"}
+        code |= {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+        if self.core.metrics is not None and exc.status in code:
+            self.core.metrics.rejected(code[exc.status])
+        return exc
+
+    async def _admitted(
+        self, prepared: Prepared
+    ) -> tuple[AsyncGenerator[StreamChunk | StreamSummary, None], Any]:
+        """The request's items and its first one: the frontend's refusals come before it."""
+        items = self.core.generate(prepared.spec)
+        try:
+            first = await anext(items)
+        except FrontendOverloaded as exc:
+            raise self._refused(
+                OpenAIError(429, str(exc), "rate_limit_exceeded", None, "rate_limit_exceeded")
+            ) from None
+        except FrontendUnavailable as exc:
+            raise self._refused(
+                OpenAIError(503, str(exc), "service_unavailable", None, "service_unavailable")
+            ) from None
+        except DuplicateRequest as exc:
+            raise self._refused(OpenAIError.invalid(None, str(exc), 409)) from None
+        except InvalidRequestError as exc:  # limits of the running pools
+            field = {"prompt": "prompt", "sampling.max_tokens": "max_tokens"}.get(exc.field, exc.field)
+            raise self._refused(OpenAIError.invalid(field, exc.message)) from None
+        except BaseException:
+            await items.aclose()
+            raise
+        return items, first
+
+    async def _run(self, request: Request, prepared: Prepared, shape: ResponseShape) -> Response:
+        items, first = await self._admitted(prepared)
+        if prepared.stream:
+            return _ClosingStreamingResponse(
+                _sse(self.core, prepared, shape, items, first),
+                items,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        whole = asyncio.ensure_future(_whole(self.core, prepared, shape, items, first))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():  # the client went away: the request ends on the ranks too
+                whole.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await whole
+            await items.aclose()
+        if whole.cancelled():  # nobody is there to read a response
+            return Response(status_code=499)
+        return JSONResponse(whole.result())
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A stream that closes the request's items however the response ends (a client that went
+    away cancels the response before its body iterator may have run)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], items: AsyncGenerator[Any, None], **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._items = items
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._items.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stopped(core: FrontendCore, prepared: Prepared, items: AsyncIterator[Any]) -> StreamSummary | None:
+    """A stop string ended the request: abort it on its decode rank (its pages are freed) and
+    wait for the rank's report, whose bill the usage reads; ``None`` if none comes in time."""
+    spec = prepared.spec
+    core.abort(spec.request_id, spec.client)
+
+    async def summary() -> StreamSummary | None:
+        async for item in items:
+            if isinstance(item, StreamSummary):
+                return item
+        return None
+
+    try:
+        return await asyncio.wait_for(summary(), STOP_ABORT_WAIT_S)
+    except TimeoutError:
+        return None
+
+
+def _error_body(summary: StreamSummary) -> dict[str, Any]:
+    message = summary.error or "the request failed on the ranks"
+    return OpenAIError(503, message, "service_unavailable", None, "request_failed").body()
+
+
+async def _sse(
+    core: FrontendCore, prepared: Prepared, shape: ResponseShape, items: AsyncIterator[Any], first: Any
+) -> AsyncIterator[bytes]:
+    """The response's server-sent events: a chunk per piece of text, the last with the finish
+    reason, the usage when asked for, then ``[DONE]``."""
+    stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
+    prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
+    if shape.chat:
+        yield _event(shape.chunk(shape.choice("", None, [] if ids else None, first=True)))
+    item, summary = first, None
+    while True:
+        if isinstance(item, StreamChunk):
+            completion_tokens += len(item.token_ids)
+            text = stopper.feed(item.text)
+            if text or (ids and item.token_ids):
+                yield _event(shape.chunk(shape.choice(text, None, item.token_ids if ids else None)))
+            if stopper.stopped:
+                summary = await _stopped(core, prepared, items)
+                yield _event(shape.chunk(shape.choice("", "stop", [] if ids else None)))
+                break
+        else:
+            summary = item
+            if summary.finish_reason == FinishReason.ERROR:
+                yield _event(_error_body(summary))
+                yield b"data: [DONE]\n\n"
+                return
+            finish = finish_reason(summary.finish_reason, False)
+            yield _event(shape.chunk(shape.choice(stopper.flush(), finish, [] if ids else None)))
+            break
+        item = await anext(items)
+    if prepared.include_usage:
+        bill = summary.bill if summary is not None else Bill()
+        yield _event(shape.usage_chunk(usage(prompt_tokens, completion_tokens, bill)))
+    yield b"data: [DONE]\n\n"
+
+
+async def _whole(
+    core: FrontendCore, prepared: Prepared, shape: ResponseShape, items: AsyncIterator[Any], first: Any
+) -> dict[str, Any]:
+    """The whole response, once the request has ended."""
+    stopper = StopMatcher(prepared.stop)
+    text: list[str] = []
+    token_ids: list[int] = []
+    item: Any = first
+    while isinstance(item, StreamChunk):
+        token_ids += item.token_ids
+        text.append(stopper.feed(item.text))
+        if stopper.stopped:
+            break
+        item = await anext(items)
+    if stopper.stopped:
+        summary = await _stopped(core, prepared, items)
+        finish = "stop"
+    else:
+        summary = item
+        if summary.finish_reason == FinishReason.ERROR:
+            body = _error_body(summary)["error"]
+            raise OpenAIError(503, body["message"], body["type"], None, body["code"])
+        text.append(stopper.flush())
+        finish = finish_reason(summary.finish_reason, False)
+    bill = summary.bill if summary is not None else Bill()
+    used = usage(len(prepared.spec.prompt_token_ids), len(token_ids), bill)
+    return shape.response("".join(text), finish, token_ids if prepared.return_token_ids else None, used)
+
+
+# ---- the server -----------------------------------------------------------------------------
+class _InLoopServer(uvicorn.Server):
+    """uvicorn on a loop it does not own: the actor's process keeps its own signal handling."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class OpenAIServer:
+    """The app, served by uvicorn as a task of the running event loop."""
+
+    def __init__(self, core: FrontendCore, config: HttpConfig) -> None:
+        self.core = core
+        self.config = config
+        self.port = 0
+        self._server: _InLoopServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+
+    async def start(self) -> int:
+        """Bind the port (an error names it) and serve; the bound port."""
+        host, config = self.config.host, self.core.config
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, self.config.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot bind the HTTP port {host}:{self.config.port}: {exc.strerror}") from None
+        sock.setblocking(False)
+        self._socket, self.port = sock, sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            build_app(self.core),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=max(1, round(self.config.grace_s)),
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
+        )
+        self._server = _InLoopServer(uv_config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise OSError(f"the HTTP server on {host}:{self.port} stopped at start-up")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop taking connections; running responses get ``grace_s``, then the task ends."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self.config.grace_s + 5.0)
+        except TimeoutError:
+            self._task.cancel()
+        except Exception:
+            log.exception("the HTTP server ended with an error")
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._task = self._socket = None

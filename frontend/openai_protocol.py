@@ -1,0 +1,512 @@
+"""OpenAI's completions and chat completions, as pydantic models, and their conversion to the
+:class:`GenerateSpec` the gRPC edge builds: the same tokenisation (``Tokenizer.encode`` of the
+text, or the token ids as given), the same :class:`SamplingParams` and the same checks, so a
+seeded request gives the same tokens on either edge.
+
+Fields this server implements: ``model``, ``prompt`` (one string or one list of token ids),
+``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
+``n`` (1 only), ``stop`` (stop strings, matched here on the detokenised text: :class:`StopMatcher`),
+``stream``, ``stream_options.include_usage``, and vLLM's extensions ``top_k``, ``stop_token_ids``,
+``ignore_eos`` and ``return_token_ids``. ``user`` is accepted and ignored. A field OpenAI defines
+that would change the output but is not implemented (``logprobs``, ``best_of``, ``tools``, ...)
+is refused when set, and so is any field OpenAI does not define: :class:`OpenAIError` 400 naming
+it in ``param``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tandem.engine.messages import Bill
+from tandem.engine.request import MAX_SEED, FinishReason, InvalidRequestError, SamplingParams, check_prompt
+from tandem.frontend.chat_template import ChatTemplate
+from tandem.frontend.core import GenerateSpec
+from tandem.frontend.grpc_auth import ANONYMOUS
+from tandem.frontend.grpc_service import MAX_STOP_TOKEN_IDS, TEXT_CHARS_PER_TOKEN
+from tandem.model.tokenizer import Tokenizer
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the room left
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# OpenAI's fields that change what the client gets and are not implemented here: refused when
+# set to anything but the value that means "off"
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+
+class OpenAIError(Exception):
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self, status: int, message: str, type: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @staticmethod
+    def invalid(param: str | None, message: str, status: int = 400) -> OpenAIError:
+        shown = f"{param}: {message}" if param else message
+        return OpenAIError(status, shown, "invalid_request_error", param)
+
+    @staticmethod
+    def from_invalid(exc: InvalidRequestError, field_names: dict[str, str] | None = None) -> OpenAIError:
+        """An engine check's error (``sampling.max_tokens``) on this API's field (``max_tokens``)."""
+        field = exc.field.removeprefix("sampling.")
+        field = (field_names or {}).get(field, field)
+        return OpenAIError.invalid(field, exc.message)
+
+
+# ---- requests -------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerateRequest(_Strict):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's; -1 or 0 disables
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's
+    return_token_ids: bool = False  # vLLM's: each choice carries its token ids
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_GenerateRequest):
+    messages: list[ChatMessage]
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatRequest)
+
+
+def parse_request(model: type[RequestT], body: Any) -> RequestT:
+    """The request ``body`` (parsed JSON) as ``model``; a field it gets wrong -> 400 naming it."""
+    if not isinstance(body, dict):
+        raise OpenAIError.invalid(None, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> OpenAIError:
+    error = exc.errors()[0]
+    loc = list(error["loc"])
+    param = str(loc[0]) if loc else None
+    # messages.2.content: the message and its field; a union's member tags ("str", ...) are left out
+    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param += f".{loc[1]}"
+        if len(loc) > 2 and loc[2] in ChatMessage.model_fields:
+            param += f".{loc[2]}"
+    if error["type"] == "extra_forbidden":
+        return OpenAIError.invalid(param, "unknown field: this server does not know it")
+    if error["type"] == "missing":
+        return OpenAIError.invalid(param, "is required")
+    return OpenAIError.invalid(param, error["msg"])
+
+
+# ---- conversion -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServedModel:
+    """What the conversion needs to know of the served model."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    context_tokens: int
+    chat_template: ChatTemplate | None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request converted: what the frontend runs, and what only this edge does with it."""
+
+    spec: GenerateSpec
+    stop: tuple[str, ...]  # stop strings, matched on the text here
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def prepare_completion(
+    request: CompletionRequest,
+    model: ServedModel,
+    request_id: str,
+    client: str = ANONYMOUS,
+    arrival_s: float | None = None,
+) -> Prepared:
+    _check_common(request, model)
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise OpenAIError.invalid(
+                "prompt", f"holds {len(prompt)} prompts; this server takes one a request (send each alone)"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        context = model.context_tokens
+        if not prompt:
+            raise OpenAIError.invalid("prompt", "is empty")
+        if len(prompt) > TEXT_CHARS_PER_TOKEN * context:
+            raise OpenAIError.invalid(
+                "prompt",
+                f"{len(prompt)} characters cannot fit the context of {context} tokens "
+                f"(at most {TEXT_CHARS_PER_TOKEN * context} characters)",
+            )
+        token_ids = model.tokenizer.encode(prompt)
+    else:
+        if len(prompt) >= model.context_tokens:  # before any scan of the ids
+            raise OpenAIError.invalid("prompt", _too_long(len(prompt), model.context_tokens))
+        token_ids = list(prompt)  # type: ignore[arg-type]  # one prompt of token ids, by now
+    return _prepared(
+        request, model, token_ids, "prompt", COMPLETION_MAX_TOKENS, request_id, client, arrival_s
+    )
+
+
+def prepare_chat(
+    request: ChatRequest,
+    model: ServedModel,
+    request_id: str,
+    client: str = ANONYMOUS,
+    arrival_s: float | None = None,
+    room_tokens: int | None = None,
+) -> Prepared:
+    """``room_tokens``: what one request may hold at most (the context, or less where a decode
+    rank holds less); without ``max_tokens`` a chat request may generate up to it."""
+    _check_common(request, model)
+    if model.chat_template is None:
+        raise OpenAIError.invalid(
+            "messages",
+            f"model {model.name!r} has no chat template (tokenizer_config.json chat_template); "
+            "use /v1/completions",
+        )
+    if not request.messages:
+        raise OpenAIError.invalid("messages", "is empty")
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        for m in request.messages
+    ]
+    total_chars = sum(len(m["content"]) for m in messages)
+    if total_chars > TEXT_CHARS_PER_TOKEN * model.context_tokens:
+        raise OpenAIError.invalid(
+            "messages", f"{total_chars} characters cannot fit the context of {model.context_tokens} tokens"
+        )
+    try:
+        token_ids = model.chat_template.prompt_token_ids(messages, model.tokenizer)
+    except InvalidRequestError as exc:
+        raise OpenAIError.from_invalid(exc) from None
+    room = min(model.context_tokens, room_tokens or model.context_tokens)
+    default = max(1, room - len(token_ids))
+    return _prepared(request, model, token_ids, "messages", default, request_id, client, arrival_s)
+
+
+def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
+    if request.model != model.name:
+        raise OpenAIError(
+            404,
+            f"The model {request.model[:64]!r} does not exist; this server serves {model.name!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    for name, off in UNSUPPORTED.items():
+        value = getattr(request, name)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise OpenAIError.invalid(name, "is not supported by this server; leave it out")
+    if request.n is not None and request.n != 1:
+        raise OpenAIError.invalid("n", f"must be 1 (one choice a request), got {request.n}")
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError.invalid("stream_options", "only applies with stream: true")
+
+
+def _prepared(
+    request: _GenerateRequest,
+    model: ServedModel,
+    token_ids: list[int],
+    prompt_field: str,
+    default_max_tokens: int,
+    request_id: str,
+    client: str,
+    arrival_s: float | None,
+) -> Prepared:
+    max_tokens, max_field = _max_tokens(request, default_max_tokens)
+    sampling = _sampling(request, model.vocab_size, max_tokens, max_field)
+    context = model.context_tokens
+    if not token_ids:
+        raise OpenAIError.invalid(prompt_field, "is empty")
+    try:
+        check_prompt(token_ids, model.vocab_size, context, field=prompt_field)
+    except InvalidRequestError as exc:
+        raise OpenAIError.invalid(prompt_field, exc.message) from None
+    if sampling.max_tokens > context - len(token_ids):
+        raise OpenAIError.invalid(
+            max_field,
+            f"{sampling.max_tokens} with a prompt of {len(token_ids)} tokens passes the context of "
+            f"{context} tokens: at most {context - len(token_ids)}",
+        )
+    spec = GenerateSpec(request_id, token_ids, sampling, client=client)
+    if arrival_s is not None:
+        spec = GenerateSpec(request_id, token_ids, sampling, arrival_s, client)
+    options = request.stream_options
+    return Prepared(
+        spec,
+        _stop_strings(request.stop),
+        bool(request.stream),
+        options is not None and options.include_usage,
+        request.return_token_ids,
+    )
+
+
+def _max_tokens(request: _GenerateRequest, default: int) -> tuple[int, str]:
+    """The output cap and the field it came from."""
+    given, completion = request.max_tokens, request.max_completion_tokens
+    if given is not None and completion is not None and given != completion:
+        raise OpenAIError.invalid(
+            "max_completion_tokens", f"{completion} differs from max_tokens {given}; give one of them"
+        )
+    if completion is not None:
+        return completion, "max_completion_tokens"
+    return (given, "max_tokens") if given is not None else (default, "max_tokens")
+
+
+def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_field: str) -> SamplingParams:
+    stop_ids = request.stop_token_ids or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise OpenAIError.invalid("stop_token_ids", f"{len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+    stops = tuple(dict.fromkeys(stop_ids))
+    bad = [t for t in stops if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenAIError.invalid(
+            "stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise OpenAIError.invalid("seed", f"must be an integer in [0, {MAX_SEED}], got {request.seed}")
+    top_k = request.top_k if request.top_k is not None else 0
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else float(request.temperature),
+        top_p=1.0 if request.top_p is None else float(request.top_p),
+        top_k=0 if top_k == -1 else top_k,
+        seed=request.seed,
+        stop_token_ids=stops,
+        ignore_eos=request.ignore_eos,
+    )
+    try:
+        sampling.validate()
+    except InvalidRequestError as exc:
+        raise OpenAIError.from_invalid(exc, {"max_tokens": max_field}) from None
+    return sampling
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise OpenAIError.invalid("stop", f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS}")
+    for s in stops:
+        if not s:
+            raise OpenAIError.invalid("stop", "holds an empty string")
+        if len(s) > MAX_STOP_CHARS:
+            raise OpenAIError.invalid(
+                "stop", f"a stop string of {len(s)} characters; at most {MAX_STOP_CHARS}"
+            )
+    return tuple(dict.fromkeys(stops))
+
+
+def _too_long(prompt_tokens: int, context: int) -> str:
+    return (
+        f"{prompt_tokens} tokens do not fit the context of {context} tokens "
+        "(the prompt plus at least one generated token)"
+    )
+
+
+# ---- stop strings ---------------------------------------------------------------------------
+class StopMatcher:
+    """Stop strings on streamed text: :meth:`feed` gives the text that is safe to send (text that
+    could be the start of a stop string is held back until the next piece tells), and whether a
+    stop string was found; the text is cut before it. :meth:`flush` gives what is held back once
+    the stream ended without one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        text = self._held + text
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[: min(found)]
+        keep = max((_overlap(text, s) for s in self.stops), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (and is shorter than it)."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+# ---- responses ------------------------------------------------------------------------------
+def finish_reason(reason: FinishReason, stopped_by_string: bool) -> str:
+    """OpenAI's ``finish_reason``: a stop string, EOS or a stop token is ``stop``."""
+    return "stop" if stopped_by_string else str(reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, bill: Bill) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": min(bill.cached_tokens, prompt_tokens)},
+    }
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """How one endpoint's responses look: ids, object names, where the text goes."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+
+    @staticmethod
+    def of(chat: bool, request_id: str, model: str) -> ResponseShape:
+        return ResponseShape(chat, request_id, model, int(time.time()))
+
+    def _envelope(self, stream: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def choice(
+        self, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False
+    ) -> dict[str, Any]:
+        """A streamed choice (a chunk); ``first`` carries the assistant's role on chat."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope(True, [choice])
+
+    def usage_chunk(self, used: dict[str, Any]) -> dict[str, Any]:
+        return {**self._envelope(True, []), "usage": used}
+
+    def response(
+        self, text: str, finish: str, token_ids: list[int] | None, used: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {**self._envelope(False, [choice]), "usage": used}

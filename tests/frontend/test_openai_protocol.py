@@ -1,0 +1,278 @@
+"""The OpenAI edge without Ray: requests to GenerateSpec (the gRPC edge's tokenisation and
+sampling), refusals in OpenAI's error shape naming the field, stop strings on streamed text, the
+chat template against Hugging Face's rendering, and the app's errors over HTTP (no cluster: the
+frontend is not ready)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.engine.messages import Bill
+from tandem.engine.request import SamplingParams
+from tandem.frontend.chat_template import ChatTemplate, ChatTemplateError
+from tandem.frontend.core import FrontendConfig, FrontendCore
+from tandem.frontend.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    ResponseShape,
+    ServedModel,
+    StopMatcher,
+    parse_request,
+    prepare_chat,
+    prepare_completion,
+    usage,
+)
+from tandem.model.make_tiny import BOS_ID, write_tokenizer
+from tandem.model.tokenizer import Tokenizer
+
+CONTEXT = 2048
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer_dir: Path) -> ServedModel:
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    return ServedModel("tiny", tokenizer, 258, CONTEXT, ChatTemplate.from_dir(tokenizer_dir))
+
+
+def _completion(served: ServedModel, **body: Any) -> Any:
+    request = parse_request(CompletionRequest, {"model": "tiny", "prompt": "Hello", **body})
+    return prepare_completion(request, served, "cmpl-1", "alice", 5.0)
+
+
+def _refused(call: Any) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        call()
+    return info.value
+
+
+def test_a_text_prompt_is_tokenised_as_the_grpc_edge_does_with_its_sampling(model: ServedModel) -> None:
+    prepared = _completion(
+        model,
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        seed=11,
+        stop_token_ids=[10, 10, 12],
+        ignore_eos=True,
+        top_k=5,
+        user="someone",
+    )
+    spec = prepared.spec
+    assert spec.prompt_token_ids == model.tokenizer.encode("Hello") == [BOS_ID, *b"Hello"]
+    assert spec.sampling == SamplingParams(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=11, stop_token_ids=(10, 12), ignore_eos=True
+    )
+    assert (spec.request_id, spec.client, spec.arrival_s) == ("cmpl-1", "alice", 5.0)
+    assert not prepared.stream and prepared.stop == ()
+
+
+def test_openai_defaults_token_id_prompts_and_one_prompt_in_a_list(model: ServedModel) -> None:
+    spec = _completion(model).spec
+    assert spec.sampling == SamplingParams(max_tokens=16, temperature=1.0)  # OpenAI's defaults
+    assert _completion(model, prompt=[5, 6, 7]).spec.prompt_token_ids == [5, 6, 7]
+    assert _completion(model, prompt=[[5, 6]]).spec.prompt_token_ids == [5, 6]
+    assert _completion(model, prompt=["Hi"]).spec.prompt_token_ids == [BOS_ID, *b"Hi"]
+    assert _completion(model, max_completion_tokens=3).spec.sampling.max_tokens == 3
+    prepared = _completion(model, stream=True, stream_options={"include_usage": True}, stop=["a", "bc", "a"])
+    assert prepared.stream and prepared.include_usage and prepared.stop == ("a", "bc")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"n": 2}, "n", 400),
+        ({"model": "gpt-4"}, "model", 404),
+        ({"max_tokens": 0}, "max_tokens", 400),
+        ({"max_tokens": "5"}, "max_tokens", 400),
+        ({"max_completion_tokens": -1}, "max_completion_tokens", 400),
+        ({"max_tokens": 3000}, "max_tokens", 400),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", 400),
+        ({"temperature": -1}, "temperature", 400),
+        ({"top_p": 0}, "top_p", 400),
+        ({"seed": -1}, "seed", 400),
+        ({"logprobs": 2}, "logprobs", 400),
+        ({"best_of": 3}, "best_of", 400),
+        ({"echo": True}, "echo", 400),
+        ({"logit_bias": {"5": 10}}, "logit_bias", 400),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
+        ({"tools": [{"type": "function"}]}, "tools", 400),
+        ({"made_up": 1}, "made_up", 400),
+        ({"prompt": ["a", "b"]}, "prompt", 400),
+        ({"prompt": ""}, "prompt", 400),
+        ({"prompt": []}, "prompt", 400),
+        ({"prompt": [300]}, "prompt", 400),
+        ({"prompt": [1] * CONTEXT}, "prompt", 400),
+        ({"stop": [""]}, "stop", 400),
+        ({"stop_token_ids": [999]}, "stop_token_ids", 400),
+        ({"stream_options": {"include_usage": True}}, "stream_options", 400),
+    ],
+)
+def test_bad_fields_are_refused_naming_them(
+    model: ServedModel, body: dict[str, Any], param: str, status: int
+) -> None:
+    error = _refused(lambda: _completion(model, **body))
+    assert (error.status, error.param) == (status, param)
+    shape = error.body()["error"]
+    assert set(shape) == {"message", "type", "param", "code"} and shape["param"] == param
+    assert shape["type"] == "invalid_request_error" and shape["message"]
+    if status == 404:
+        assert shape["code"] == "model_not_found"
+
+
+def test_off_values_of_unsupported_fields_pass(model: ServedModel) -> None:
+    prepared = _completion(model, logprobs=None, echo=False, best_of=1, frequency_penalty=0, logit_bias={})
+    assert prepared.spec.sampling.max_tokens == 16
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    error = _refused(lambda: parse_request(CompletionRequest, [1, 2]))
+    assert error.status == 400 and error.param is None
+
+
+def test_chat_renders_the_template_and_defaults_to_the_room_left(model: ServedModel) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    request = parse_request(ChatRequest, {"model": "tiny", "messages": messages, "seed": 3})
+    prepared = prepare_chat(request, model, "chat-1", room_tokens=1000)
+    text = "Be brief.<｜User｜>Hi<｜Assistant｜>"
+    assert prepared.spec.prompt_token_ids == [BOS_ID, *text.encode()]  # one BOS, the template's
+    assert prepared.spec.sampling.max_tokens == 1000 - len(prepared.spec.prompt_token_ids)
+    assert prepared.spec.sampling.seed == 3
+
+
+def test_chat_refusals_name_the_message(model: ServedModel, tokenizer_dir: Path) -> None:
+    def chat(messages: Any, served: ServedModel = model) -> Any:
+        request = parse_request(ChatRequest, {"model": "tiny", "messages": messages})
+        return prepare_chat(request, served, "chat-1")
+
+    assert _refused(lambda: chat([])).param == "messages"
+    assert _refused(lambda: chat([{"role": "wizard", "content": "x"}])).param == "messages.0.role"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert _refused(lambda: chat(image)).param == "messages.0.content"
+    no_template = ServedModel("tiny", model.tokenizer, 258, CONTEXT, None)
+    error = _refused(lambda: chat([{"role": "user", "content": "x"}], no_template))
+    assert error.param == "messages" and "no chat template" in error.message
+
+
+def test_the_chat_template_renders_as_hugging_face_does(model: ServedModel, tokenizer_dir: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    assert model.chat_template is not None
+    ours = model.chat_template.prompt_token_ids(messages, model.tokenizer)
+    theirs = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours == list(theirs)
+    assert model.chat_template.render(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_a_template_is_sandboxed_and_a_broken_one_fails_at_load(tmp_path: Path, tokenizer_dir: Path) -> None:
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages.__class__.__mro__ }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.from_dir(tmp_path)
+    assert template is not None
+    with pytest.raises(Exception, match=r"unsafe|access"):  # the sandbox refuses attribute games
+        template.render([{"role": "user", "content": "x"}])
+    config["chat_template"] = "{% for %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate.from_dir(tmp_path)
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.from_dir(tmp_path) is None
+
+
+def test_stop_strings_cut_the_text_before_them_across_chunks() -> None:
+    matcher = StopMatcher(("STOP", "\n\n"))
+    sent = [matcher.feed(piece) for piece in ["Hello S", "T", "nothing", " more ST", "OP and after"]]
+    assert "".join(sent) == "Hello STnothing more "
+    assert sent[0] == "Hello " and sent[1] == ""  # "ST" could begin STOP: held back
+    assert matcher.stopped and matcher.feed("later") == ""
+    open_end = StopMatcher(("STOP",))
+    assert open_end.feed("a ST") == "a " and not open_end.stopped
+    assert open_end.flush() == "ST"  # the stream ended without the stop string: nothing is lost
+    assert StopMatcher(()).feed("x") == "x"
+
+
+def test_usage_and_response_shapes() -> None:
+    used = usage(10, 4, Bill(cached_tokens=8))
+    assert used == {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    chat = ResponseShape.of(True, "chatcmpl-1", "tiny")
+    whole = chat.response("hi", "stop", None, used)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == "hi"
+    first = chat.chunk(chat.choice("", None, None, first=True))
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    text = ResponseShape.of(False, "cmpl-1", "tiny")
+    assert text.usage_chunk(used)["choices"] == [] and text.usage_chunk(used)["usage"] == used
+    assert text.chunk(text.choice("x", "length", [5]))["choices"][0] == {
+        "index": 0,
+        "text": "x",
+        "logprobs": None,
+        "finish_reason": "length",
+        "token_ids": [5],
+    }
+
+
+def test_the_apps_errors_over_http_before_any_cluster(tiny_dir: Path) -> None:
+    """The app on a core that is not ready: health 503, auth 401, a body that is not JSON 400,
+    a route that does not exist 404, a request that reaches the core 503, all in OpenAI's shape."""
+    import httpx2 as httpx
+
+    from tandem.frontend.openai_http import build_app
+
+    core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", auth_token="alice:tok-a\nbob:tok-b"))
+    app = build_app(core)
+
+    async def calls() -> list[tuple[int, Any]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            ok = {"Authorization": "Bearer tok-b"}
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+            replies = [
+                await client.get("/health"),
+                await client.post("/v1/completions", json=body),
+                await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}),
+                await client.post("/v1/completions", content=b"{not json", headers=ok),
+                await client.get("/v1/nothing", headers=ok),
+                await client.post("/v1/completions", json=body, headers=ok),
+                await client.get("/v1/models", headers=ok),
+            ]
+            return [(r.status_code, r.json()) for r in replies]
+
+    replies = asyncio.run(calls())
+    assert [status for status, _ in replies] == [503, 401, 401, 400, 404, 503, 200]
+    for _, body in replies[1:6]:
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert replies[1][1]["error"]["message"].startswith("missing bearer token")
+    assert replies[2][1]["error"]["code"] == "invalid_api_key"
+    assert "not JSON" in replies[3][1]["error"]["message"]
+    assert replies[4][1]["error"]["message"] == "no route GET /v1/nothing"
+    assert replies[6][1]["data"][0]["id"] == "tiny"
