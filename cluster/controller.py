@@ -104,7 +104,11 @@ class Cluster:
         resources = RankResources.detect(topology.cpus_per_rank)
         metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
 
+        per_rank = topology.pin_cores_per_rank
+
         def groups(name: str, pool: PoolSpec, role: RoleSpec) -> list[RankGroup]:
+            first = self._next_ordinal
+            self._next_ordinal += pool.ranks
             template = GroupConfig(
                 f"{name}0",
                 model_dir,
@@ -119,10 +123,17 @@ class Cluster:
             )
             self._templates[role.role] = template
             self._next_index[role.role] = pool.groups
-            return [RankGroup(replace(template, group_id=f"{name}{i}")) for i in range(pool.groups)]
+            return [
+                RankGroup(replace(template, group_id=f"{name}{i}", cores=cores(first + i * pool.dep)))
+                for i in range(pool.groups)
+            ]
+
+        def cores(ordinal: int) -> tuple[int, int] | None:
+            return None if per_rank is None else (ordinal, per_rank)
 
         self._templates: dict[Role, GroupConfig] = {}
         self._next_index: dict[Role, int] = {}
+        self._next_ordinal = 0  # of the next group's first rank, for core pinning
 
         self._draining: set[str] = set()
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
@@ -319,7 +330,10 @@ class Cluster:
         index = self._next_index[role]
         self._next_index[role] = index + 1
         template = self._templates[role]
-        group = RankGroup(replace(template, group_id=f"{role.value}{index}"))
+        per_rank, ordinal = self.topology.pin_cores_per_rank, self._next_ordinal
+        self._next_ordinal += template.size
+        cores = None if per_rank is None else (ordinal, per_rank)
+        group = RankGroup(replace(template, group_id=f"{role.value}{index}", cores=cores))
         group.state = GroupState.STARTING  # shown as starting (a pending action) until it is ready
         (self.prefill if role is Role.PREFILL else self.decode).append(group)
         return group

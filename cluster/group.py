@@ -76,6 +76,8 @@ class GroupConfig:
     # that started them: a controller that restarts adopts them, see ``adopt``)
     detached: bool = False
     deployment: str = ""  # the deployment's name, in its placement groups' names
+    # pin rank r's process to cores: (the ordinal of rank 0 in the deployment, cores per rank)
+    cores: tuple[int, int] | None = None
 
 
 class RankGroup:
@@ -205,6 +207,7 @@ class RankGroup:
             cfg.role,
             cfg.collective_timeout_s,
             cfg.metrics,
+            None if cfg.cores is None else (cfg.cores[0] + rank_id.rank, cfg.cores[1]),
         )
 
     def submit(self, rank: int, requests: list[RankRequest]) -> None:

@@ -50,6 +50,7 @@ class RankSpec:
     role: RoleSpec
     collective_timeout_s: float = 60.0
     metrics: MetricsSpec | None = None
+    cores: tuple[int, int] | None = None  # (its ordinal in the deployment, cores per rank): pinned
 
 
 class ModelFilesMissing(FileNotFoundError):
@@ -99,6 +100,8 @@ class RankActor:
 
     def setup(self, master: str) -> RankId:
         spec = self.spec
+        if spec.cores is not None:  # before the loop, NIXL and torch start their threads
+            self._setup.pin_cores(*spec.cores)
         self._loop = loop = self._setup.start_rank(spec, self._rendezvous, self.device, master, self._outbox)
         if spec.metrics is not None:
             labels = RankLabels(

@@ -4,6 +4,7 @@ import this module (it loads torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,6 +54,19 @@ class RankContext:
     def transport(self, pool: KVPool) -> NixlTransport:
         """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""
         return NixlTransport(self.rank_id.name, self.incarnation, pool.layout, RayMetadataStore())
+
+
+def pin_cores(ordinal: int, cores_per_rank: int) -> tuple[int, ...]:
+    """Pin this process (every thread it has, and so every thread they start) to the
+    ``ordinal``-th run of ``cores_per_rank`` of the node's cores, wrapping around; torch gets a
+    thread a core. The cores it pinned to."""
+    total = os.cpu_count() or 1
+    cores = tuple(sorted({(ordinal * cores_per_rank + j) % total for j in range(cores_per_rank)}))
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+    torch.set_num_threads(len(cores))
+    return cores
 
 
 def rank_device() -> torch.device:

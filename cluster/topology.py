@@ -119,6 +119,13 @@ class Topology(BaseModel):
     )
     kv_transfer: str = Field("layerwise", pattern="^(layerwise|whole)$", description="layerwise or whole")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
+    pin_cores_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="pin each rank's process to this many of its node's cores, ranks in deployment "
+        "order (group by group) wrapping around the cores; configurations compared on one machine then "
+        "run on the same cores",
+    )
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
     placement: PlacementSpec = Field(

@@ -6,6 +6,7 @@ events to a held prefix, and a cancelled stream frees its pages."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ PAGE = 8
 class Served:
     addr: str
     tiny: Path
+    controller: Any
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +50,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     controller = None
     try:
         addr = f"127.0.0.1:{ray.get(frontend.start.remote())}"
-        topology = Topology(name="colocated", colocated=PoolSpec(dep=2, page_size=PAGE, num_pages=200))
+        pool = PoolSpec(dep=2, page_size=PAGE, num_pages=200)
+        topology = Topology(name="colocated", colocated=pool, pin_cores_per_rank=1)
         controller = Controller.options(name=CONTROLLER_NAME).remote(topology, str(tiny), "float64")  # type: ignore[attr-defined]
         ray.get(controller.start.remote())
         assert ray.get(frontend.wait_ready.remote(60.0))
-        yield Served(addr, tiny)
+        yield Served(addr, tiny, controller)
     finally:
         ray.get(frontend.stop.remote())
         ray.kill(frontend)
@@ -183,3 +186,11 @@ def test_a_cancelled_stream_frees_its_pages(served: Served) -> None:
 
     asyncio.run(cancel_midway())
     _wait_all_pages_free(served)
+
+
+def test_each_rank_runs_pinned_to_its_own_core(served: Served) -> None:
+    view = ray.get(served.controller.routing_view.remote())
+    (group,) = view.groups
+    cores = os.cpu_count() or 1
+    pinned = {r.rank: os.sched_getaffinity(p.pid) for r, p in zip(group.ranks, group.places, strict=True)}
+    assert pinned == {0: {0}, 1: {1 % cores}}
