@@ -220,6 +220,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
+    if args.autoscale and topology.colocated is not None:
+        raise InvalidRequestError(
+            "--autoscale",
+            f"{topology.name} has a colocated pool; the autoscaler sizes prefill and decode pools",
+        )
     if args.model is not None and not (args.model / "config.json").is_file():
         raise InvalidRequestError("--model", f"{args.model} holds no config.json")
     if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out

@@ -108,6 +108,15 @@ def test_serve_checks_the_model_files_and_ports_before_starting_anything(
             assert result.stdout == ""  # nothing was served or announced
 
 
+def test_autoscale_of_a_colocated_preset_is_refused_in_one_line() -> None:
+    result = _tandem("serve", "--preset", "colocated", "--autoscale", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: --autoscale: colocated has a colocated pool; the autoscaler sizes prefill and "
+        "decode pools"
+    ]
+
+
 def test_autoscale_without_a_prometheus_says_so_in_one_line() -> None:
     result = _tandem("serve", "--autoscale", env=os.environ | {"PATH": "/nonexistent"}, timeout=60)
     assert result.returncode == 2, result.stderr
