@@ -1,0 +1,126 @@
+"""``bench/serve_stats.py`` on hand-made requests whose figures are known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.bench.serve_stats import (
+    Pools,
+    RequestRecord,
+    composition_ms,
+    meets_slo,
+    percentile,
+    point_stats,
+)
+
+
+def record(
+    sent: float,
+    arrivals: list[tuple[float, int]],
+    done: float,
+    cached: int = 0,
+    new: int = 10,
+    **latency: float,
+) -> RequestRecord:
+    output = sum(n for _, n in arrivals)
+    return RequestRecord(
+        sent_s=sent,
+        chunks=arrivals,
+        done_s=done,
+        prompt_tokens=cached + new,
+        cached_tokens=cached,
+        new_prompt_tokens=new,
+        output_tokens=output,
+        latency_s=latency,
+    )
+
+
+def test_percentiles_interpolate_between_closest_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0, 5.0]  # unsorted on purpose
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)  # position 3.6: 4 + 0.6 * (5 - 4)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="q: must be in"):
+        percentile([1.0], 101)
+
+
+def test_a_requests_ttft_itl_tpot_and_e2e_come_from_its_chunk_arrivals() -> None:
+    # sent at 10; token 0 at 10.5; tokens 1-2 together at 10.9 (a merged chunk); token 3 at 11.0
+    r = record(10.0, [(10.5, 1), (10.9, 2), (11.0, 1)], done=11.1)
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.e2e_s == pytest.approx(1.1)
+    assert r.itls_s == pytest.approx([0.2, 0.2, 0.1])  # the merged chunk's 0.4 s over its 2 tokens
+    assert r.tpot_s == pytest.approx(0.5 / 3)  # last - first over output - 1 = the mean ITL
+    assert sum(r.itls_s) / len(r.itls_s) == pytest.approx(r.tpot_s)
+    single = record(0.0, [(0.3, 1)], done=0.4)
+    assert single.itls_s == [] and single.tpot_s is None
+
+
+def test_goodput_counts_only_requests_within_both_slos() -> None:
+    fast = record(0.0, [(0.1, 1), (0.15, 1), (0.2, 1)], done=0.2)  # ttft 100 ms, mean ITL 50 ms
+    slow_first = record(0.0, [(0.6, 1), (0.65, 1)], done=0.7)  # ttft 600 ms
+    slow_gaps = record(0.0, [(0.1, 1), (0.4, 1)], done=0.4)  # ITL 300 ms
+    one_token = record(0.0, [(0.2, 1)], done=0.2)  # no gap: meets ITL
+    failed = RequestRecord(sent_s=0.0, error="UNAVAILABLE: no prefill rank")
+    assert [meets_slo(r, 500, 100) for r in (fast, slow_first, slow_gaps, one_token, failed)] == [
+        True, False, False, True, False,
+    ]  # fmt: skip
+    stats = point_stats([fast, slow_first, slow_gaps, one_token, failed], 2.0, Pools(2, 2), 500, 100, 4)
+    assert stats["goodput_rps"] == pytest.approx(2 / 2.0)
+    assert stats["request_throughput"] == pytest.approx(4 / 2.0)
+    assert stats["completed"] == 4 and stats["failed"] == 1
+    assert stats["errors"] == ["UNAVAILABLE: no prefill rank"]
+    assert stats["concurrency"] == 4
+
+
+def test_token_throughput_splits_cached_and_new_input_per_rank_and_pool() -> None:
+    a = record(0.0, [(0.1, 1), (0.2, 3)], done=0.2, cached=64, new=36)  # 4 output tokens
+    b = record(0.0, [(0.1, 2)], done=0.3, cached=0, new=100)  # 2 output tokens
+    failed = record(0.0, [(0.1, 50)], done=0.2, cached=1000, new=1000)
+    failed.error = "finished with error"  # its tokens are not counted
+    stats = point_stats([a, b, failed], 2.0, Pools(prefill_ranks=2, decode_ranks=1), 1e9, 1e9)
+    assert stats["input_tokens_per_s"] == {"cached": 32.0, "new": 68.0}
+    assert stats["output_tokens_per_s"] == 3.0 and stats["output_tokens"] == 6
+    assert stats["per_rank"] == {"input_tokens_per_s": 200 / 3 / 2.0, "output_tokens_per_s": 1.0}
+    assert stats["per_prefill_rank"] == {"cached": 16.0, "new": 34.0}
+    assert stats["per_decode_rank"] == {"output_tokens_per_s": 3.0}
+    assert stats["cache_hit_share"] == pytest.approx(64 / 200)
+    assert stats["cached_tokens"] == 64 and stats["prompt_tokens"] == 200
+
+
+def test_percentiles_of_a_point_pool_requests_and_gaps() -> None:
+    records = [
+        record(0.0, [(t, 1), (t + 0.01 * (i + 1), 1)], done=1.0) for i, t in enumerate([0.1, 0.2, 0.3])
+    ]
+    stats = point_stats(records, 1.0, Pools(1, 1), 1e9, 1e9)
+    assert stats["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert stats["ttft_ms"]["p90"] == pytest.approx(280.0)
+    assert stats["itl_ms"]["p50"] == pytest.approx(20.0)
+    assert stats["tpot_ms"]["p99"] == pytest.approx(29.8)
+    assert stats["e2e_ms"] == {"p50": 1000.0, "p90": 1000.0, "p99": 1000.0}
+    assert stats["interactivity_tokens_per_s"] == pytest.approx(50.0)  # 1000 / 20 ms
+
+
+def test_composition_is_the_mean_of_each_bill_field_in_ms() -> None:
+    a = record(0.0, [(0.1, 1)], done=0.1, queue_s=0.010, prefill_compute_s=0.100, decode_s=0.5)
+    b = record(0.0, [(0.1, 1)], done=0.1, queue_s=0.030, prefill_compute_s=0.300, decode_s=0.1)
+    means = composition_ms([a, b])
+    assert means["queue"] == pytest.approx(20.0)
+    assert means["prefill_compute"] == pytest.approx(200.0)
+    assert means["decode"] == pytest.approx(300.0)
+    assert means["routing"] == 0.0  # absent from both bills
+    assert math.isnan(composition_ms([])["queue"])
+
+
+def test_predicted_against_found_cached_tokens_are_summed() -> None:
+    a = record(0.0, [(0.1, 1)], done=0.1, cached=64, new=0)
+    a.predicted_cached_tokens = 128
+    b = record(0.0, [(0.1, 1)], done=0.1, cached=0, new=64)
+    b.predicted_cached_tokens = 64
+    stats = point_stats([a, b], 1.0, Pools(1, 1), 1e9, 1e9)
+    assert (stats["predicted_cached_tokens"], stats["cached_tokens"]) == (192, 64)
