@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP API on a real deployment (Ray, NIXL, uvicorn and gRPC on loopback),
+spoken to with the official ``openai`` client: one prefill and one decode rank, float64, pages of
+8 tokens, two clients' bearer tokens, metrics on. One server for the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.cli.client import ClientOptions, generate_all
+from tandem.cli.prompts import PromptSpec
+from tandem.cluster.serve import ServeOptions, Server
+from tandem.cluster.topology import PoolSpec, Topology
+from tandem.engine.request import SamplingParams
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
+
+PAGE = 8
+TOKEN = "tok-alice"
+TOKENS = f"alice:{TOKEN}\nbob:tok-bob\n"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@dataclass
+class Served:
+    server: Server
+    base_url: str
+    grpc_addr: str
+    metrics_url: str
+
+    def client(self, token: str = TOKEN) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=token, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path) -> Iterator[Served]:
+    pool = PoolSpec(dep=1, page_size=PAGE, num_pages=200)
+    topology = Topology.preset("local").model_copy(update={"prefill": pool, "decode": pool})
+    options = ServeOptions(
+        topology, tiny_dir, port=0, dtype="float64", auth_token=TOKENS, http_port=0, metrics_port=0
+    )
+    server = Server(options)
+    try:
+        server.start()
+        assert server.http_address is not None and server.metrics_address is not None
+        yield Served(
+            server,
+            f"http://{server.http_address}/v1",
+            f"127.0.0.1:{server.port}",
+            f"http://{server.metrics_address}/metrics",
+        )
+    finally:
+        server.stop()
+        ray.shutdown()
+
+
+def _status(served: Served) -> tandem_pb2.ClusterStatusResponse:
+    with grpc.insecure_channel(served.grpc_addr) as channel:
+        request = tandem_pb2.ClusterStatusRequest(check_integrity=True)
+        reply: tandem_pb2.ClusterStatusResponse = tandem_pb2_grpc.TandemStub(channel).ClusterStatus(
+            request, metadata=AUTH, timeout=30
+        )
+        return reply
+
+
+def _wait_all_pages_free(served: Served, timeout_s: float = 60.0) -> None:
+    """Every rank's pages free (a prefill rank's cached prefixes count: they are evictable), no
+    transfer open, page accounting intact, nothing running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = _status(served)
+        ranks = [r for g in status.groups for r in g.ranks]
+        settled = status.running_requests == 0 and all(
+            r.free_pages == r.total_pages and r.transfers_in_flight == 0 and r.running == 0 and r.queued == 0
+            for r in ranks
+        )
+        if settled or time.monotonic() > deadline:
+            assert all(r.integrity == "ok" for r in ranks), [(r.name, r.integrity) for r in ranks]
+            assert settled, status
+            return
+        time.sleep(0.1)
+
+
+def _requests_counted(served: Served, finish_reason: str, code: str) -> float:
+    text = httpx.get(served.metrics_url, timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem_requests_total"
+        and sample.labels.get("finish_reason") == finish_reason
+        and sample.labels.get("code") == code
+    )
+
+
+def test_health_and_models(served: Served) -> None:
+    assert httpx.get(served.base_url.removesuffix("/v1") + "/health", timeout=30).status_code == 200
+    assert [m.id for m in served.client().models.list()] == [served.server.model_name]
+
+
+def test_completions_whole_and_streamed_give_the_same_tokens(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    args: dict[str, Any] = {"model": model, "prompt": "Once upon a time", "max_tokens": 10, "seed": 3}
+    whole = client.completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.object == "text_completion"
+    assert len(choice.model_extra["token_ids"]) == 10  # type: ignore[index]
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        17,
+        10,
+        27,
+    )
+    stream = client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == choice.text
+
+
+def test_chat_whole_and_streamed(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    whole = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=8, seed=5, extra_body={"ignore_eos": True}
+    )
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    # BOS + "Be brief." + "<｜User｜>" + "Hello?" + "<｜Assistant｜>", byte by byte
+    assert whole.usage.prompt_tokens == 1 + len("Be brief.<｜User｜>Hello?<｜Assistant｜>".encode())
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        seed=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_a_stop_string_cuts_the_text_and_frees_the_pages(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    args: dict[str, Any] = {"model": model, "prompt": "The stop test", "max_tokens": 40, "seed": 9}
+    full = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    # a stop string from the middle of the text (one without replacement characters)
+    at = next(i for i in range(4, len(full) - 1) if "\ufffd" not in full[i : i + 2])
+    stop = full[at : at + 2]
+    aborted = _requests_counted(served, "abort", "OK")
+    cut = client.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(**args, stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # each was aborted on its decode rank, which reported the abort
+    assert _requests_counted(served, "abort", "OK") == aborted + 2
+    _wait_all_pages_free(served)
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    prompt = "A long shared prefix, repeated to fill many pages of KV. " * 4  # 1 + 228 tokens
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert first.usage is not None and first.usage.prompt_tokens == 1 + len(prompt)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the prefill rank's KV events reach the router
+        if any(r.indexed_blocks >= 20 for g in _status(served).groups for r in g.ranks):
+            break
+        time.sleep(0.05)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 20 * PAGE <= cached < second.usage.prompt_tokens
+
+
+def test_errors_in_openais_shape(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    with pytest.raises(openai.BadRequestError) as bad_n:
+        client.completions.create(model=model, prompt="x", n=2)
+    assert bad_n.value.status_code == 400 and bad_n.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as bad_max:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert bad_max.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.completions.create(model=model, prompt="x", logprobs=2)
+    assert unsupported.value.param == "logprobs"
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    not_json = httpx.post(f"{served.base_url}/completions", content=b"{oops", headers=headers, timeout=30)
+    assert not_json.status_code == 400
+    assert not_json.json()["error"]["type"] == "invalid_request_error"
+    no_route = httpx.post(f"{served.base_url}/embeddings", json={}, headers=headers, timeout=30)
+    assert no_route.status_code == 404 and set(no_route.json()["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+
+
+def test_a_wrong_or_missing_token_is_refused(served: Served) -> None:
+    model = served.server.model_name
+    with pytest.raises(openai.AuthenticationError):
+        served.client("not-a-token").completions.create(model=model, prompt="x", max_tokens=1)
+    missing = httpx.post(f"{served.base_url}/completions", json={"model": model, "prompt": "x"}, timeout=30)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    # bob's token is as good as alice's
+    reply = served.client("tok-bob").completions.create(model=model, prompt="x", max_tokens=1)
+    assert reply.usage is not None and reply.usage.completion_tokens == 1
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_pages(served: Served) -> None:
+    client, model = served.client(), served.server.model_name
+    cancelled = _requests_counted(served, "abort", "CANCELLED")
+    stream = client.completions.create(
+        model=model, prompt="Keep going", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    stream.close()
+    # the frontend saw the client go and aborted the request on its decode rank
+    deadline = time.monotonic() + 60
+    while _requests_counted(served, "abort", "CANCELLED") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_counted(served, "abort", "CANCELLED") == cancelled + 1
+    _wait_all_pages_free(served)
+
+
+def test_the_same_seed_gives_the_grpc_paths_tokens(served: Served) -> None:
+    model, prompt = served.server.model_name, "Same tokens on both edges"
+    sampling = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    options = ClientOptions(served.grpc_addr, TOKEN, timeout_s=120)
+    (outcome,) = asyncio.run(generate_all(options, [PromptSpec(prompt, None, sampling)], 1))
+    assert outcome.summary is not None
+    grpc_tokens = list(outcome.summary.token_ids)
+    reply = served.client().completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0.8,
+        top_p=0.95,
+        seed=1234,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert reply.choices[0].model_extra["token_ids"] == grpc_tokens  # type: ignore[index]
+    other_seed = served.client().completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.95, seed=1235,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert other_seed.choices[0].model_extra["token_ids"] != grpc_tokens  # type: ignore[index]
