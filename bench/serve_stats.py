@@ -57,6 +57,7 @@ TTFT_PARTS = (
     "prefill_queue_s",
     "prefill_compute_s",
     "kv_transfer_exposed_s",
+    "kv_accept_s",
 )
 
 
