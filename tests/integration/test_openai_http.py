@@ -6,6 +6,8 @@ spoken to with the official ``openai`` client: one prefill and one decode rank, 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -270,3 +272,27 @@ def test_the_same_seed_gives_the_grpc_paths_tokens(served: Served) -> None:
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )  # fmt: skip
     assert other_seed.choices[0].model_extra["token_ids"] != grpc_tokens  # type: ignore[index]
+
+
+def test_a_client_that_goes_away_before_a_whole_response_frees_the_pages(served: Served) -> None:
+    model = served.server.model_name
+    cancelled = _requests_counted(served, "abort", "CANCELLED")
+    body = json.dumps(
+        {"model": model, "prompt": "Wait for all of it", "max_tokens": 1500, "ignore_eos": True}
+    )
+    host, port = served.server.http_address.rsplit(":", 1)  # type: ignore[union-attr]
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        )
+        sock.sendall(request.encode())
+        deadline = time.monotonic() + 60
+        while _status(served).running_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _status(served).running_requests == 1  # it runs on the ranks; its client now leaves
+    deadline = time.monotonic() + 60
+    while _requests_counted(served, "abort", "CANCELLED") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_counted(served, "abort", "CANCELLED") == cancelled + 1
+    _wait_all_pages_free(served)
