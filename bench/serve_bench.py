@@ -300,8 +300,9 @@ async def open_loop(send: Send, requests: list[BenchRequest]) -> tuple[list[Requ
 def pools_of(reply: tandem_pb2.ClusterStatusResponse) -> Pools:
     """Ranks per pool of the groups that take work (every group's, if none is ready yet)."""
     ready = [g for g in reply.groups if g.state == "ready"] or list(reply.groups)
-    count = {role: sum(len(g.ranks) for g in ready if g.role == role) for role in ("prefill", "decode")}
-    return Pools(count["prefill"], count["decode"])
+    roles = ("prefill", "decode", "colocated")
+    count = {role: sum(len(g.ranks) for g in ready if g.role == role) for role in roles}
+    return Pools(count["prefill"], count["decode"], count["colocated"])
 
 
 async def run_plan(options: ClientOptions, plan: Plan) -> dict[str, Any]:
@@ -350,6 +351,7 @@ async def run_plan(options: ClientOptions, plan: Plan) -> dict[str, Any]:
             "model": reply.model,
             "prefill_ranks": pools.prefill_ranks,
             "decode_ranks": pools.decode_ranks,
+            "colocated_ranks": pools.colocated_ranks,
         },
         "workload": workload,
         "points": points,

@@ -101,9 +101,10 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
 
 def _preamble(result: dict[str, Any]) -> list[str]:
     d, w = result["deployment"], result["workload"]
-    lines = [
-        f"{d['addr']}: model {d['model']}, {d['prefill_ranks']} prefill + {d['decode_ranks']} decode ranks"
-    ]
+    shape = f"{d['prefill_ranks']} prefill + {d['decode_ranks']} decode ranks"
+    if d.get("colocated_ranks"):
+        shape = f"{d['colocated_ranks']} colocated ranks"
+    lines = [f"{d['addr']}: model {d['model']}, {shape}"]
     if w["kind"] == "trace":
         lines.append(f"trace replay: {w['requests']} requests, {w['clipped']} clipped to the context")
     else:

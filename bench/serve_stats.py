@@ -113,14 +113,24 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class Pools:
-    """The deployment's rank counts, from ``ClusterStatus``."""
+    """The deployment's rank counts, from ``ClusterStatus``. A colocated rank both prefills and
+    decodes: it counts once in ``ranks`` and in each role's per-rank figures."""
 
     prefill_ranks: int
     decode_ranks: int
+    colocated_ranks: int = 0
 
     @property
     def ranks(self) -> int:
-        return self.prefill_ranks + self.decode_ranks
+        return self.prefill_ranks + self.decode_ranks + self.colocated_ranks
+
+    @property
+    def prefilling(self) -> int:
+        return self.prefill_ranks + self.colocated_ranks
+
+    @property
+    def decoding(self) -> int:
+        return self.decode_ranks + self.colocated_ranks
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -201,8 +211,8 @@ def point_stats(
             "input_tokens_per_s": _per(cached + new, pools.ranks * wall_s),
             "output_tokens_per_s": _per(output, pools.ranks * wall_s),
         },
-        "per_prefill_rank": {k: _per(v, pools.prefill_ranks) for k, v in input_per_s.items()},
-        "per_decode_rank": {"output_tokens_per_s": _per(output_per_s, pools.decode_ranks)},
+        "per_prefill_rank": {k: _per(v, pools.prefilling) for k, v in input_per_s.items()},
+        "per_decode_rank": {"output_tokens_per_s": _per(output_per_s, pools.decoding)},
         "ttft_ms": spread_ms([r.ttft_s for r in done]),
         "itl_ms": spread_ms([gap for r in done for gap in r.itls_s]),
         "tpot_ms": tpot,

@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench.serve_bench import add_arguments as add_serve_bench_arguments
 
     add_serve_bench_arguments(bench.add_parser("serve", help="benchmark a running deployment over gRPC"))
+    from tandem.bench.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(
+        bench.add_parser("compare", help="goodput of a colocated and a disaggregated preset, same cores")
+    )
     return parser
 
 
@@ -314,6 +319,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.bench.serve_bench import run_serve_bench
 
         return run_serve_bench(args)
+    if args.command == "bench" and args.bench_command == "compare":
+        from tandem.bench.compare import run_compare_command
+
+        return run_compare_command(args)
     if args.command == "bench" and args.bench_command == "router":
         from tandem.bench import router_bench
 

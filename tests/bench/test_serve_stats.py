@@ -124,3 +124,11 @@ def test_predicted_against_found_cached_tokens_are_summed() -> None:
     b.predicted_cached_tokens = 64
     stats = point_stats([a, b], 1.0, Pools(1, 1), 1e9, 1e9)
     assert (stats["predicted_cached_tokens"], stats["cached_tokens"]) == (192, 64)
+
+
+def test_a_colocated_rank_counts_once_per_rank_and_in_each_role() -> None:
+    a = RequestRecord(sent_s=0.0, chunks=[(0.1, 1), (0.2, 1)], done_s=0.2)
+    a.prompt_tokens, a.new_prompt_tokens, a.output_tokens = 40, 40, 2
+    stats = point_stats([a], 1.0, Pools(0, 0, colocated_ranks=4), 1e9, 1e9)
+    assert stats["per_rank"]["input_tokens_per_s"] == 10.0
+    assert stats["per_prefill_rank"]["new"] == 10.0 and stats["per_decode_rank"]["output_tokens_per_s"] == 0.5
