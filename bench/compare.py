@@ -148,10 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_compare_command(args: argparse.Namespace) -> int:
     """``tandem bench compare``: 0 once every preset ran (whatever the ratio), 2 for a bad option."""
+    topologies = check_presets(args.presets.split(","))
     plan = plan_from_args(args)
-    result = run_compare(
-        args.presets.split(","), args.cores_per_rank, plan, args.model, args.dtype, args.warmup
-    )
+    result = run_compare(topologies, args.cores_per_rank, plan, args.model, args.dtype, args.warmup)
     emit(to_json(result) if args.json else format_compare(result))
     return 0
 

@@ -4,6 +4,8 @@ whole workload, the goodput figures are those of the runs' points, and the ratio
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,20 @@ def test_presets_are_checked_before_anything_starts() -> None:
         check_presets(["local", "local"])
     with pytest.raises(InvalidRequestError, match="--presets: no preset 'nope'"):
         check_presets(["colocated", "nope"])
+
+
+def test_the_command_refuses_a_bad_preset_list_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "bench", "compare", "--presets", "local,dep16-dep2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: --presets: expected one colocated preset and one or more disaggregated ones "
+        "(e.g. colocated,local)"
+    ]
 
 
 def test_both_deployments_serve_the_workload_and_the_ratio_is_their_goodputs(tmp_path: Path) -> None:
