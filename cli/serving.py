@@ -273,7 +273,9 @@ def run_serve(args: argparse.Namespace) -> int:
     for flag, first in (("--port", args.port), ("--http-port", args.http_port)):
         if first and first + args.frontends - 1 > 65535:
             last = first + args.frontends - 1
-            raise InvalidRequestError("--frontends", f"{flag} ports {first}..{last} pass 65535")
+            raise InvalidRequestError(
+                "--frontends", f"ports {first}..{last} pass 65535 (from {flag} {first})"
+            )
     if args.detach and not args.address:
         raise InvalidRequestError("--detach", "needs --address: an embedded Ray ends with this command")
     if args.detach and args.autoscale and args.prometheus_url is None:

@@ -14,11 +14,21 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def _package_folders() -> list[Path]:
     """Every folder of the repository that is a Python package, tests and the ``tandem/`` links
-    aside."""
+    aside, and what git ignores (virtual environments, builds) too."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*__init__.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode == 0:
+        inits = [ROOT / line for line in listed.stdout.splitlines() if "/" in line]
+    else:  # not a git checkout: the folders a checkout would hold
+        inits = list(ROOT.glob("*/**/__init__.py"))
     return sorted(
         p.parent.relative_to(ROOT)
-        for p in ROOT.glob("*/**/__init__.py")
-        if p.parts[len(ROOT.parts)] not in ("tests", "tandem", ".venv", "build")
+        for p in inits
+        if p.exists() and p.parts[len(ROOT.parts)] not in ("tests", "tandem", ".venv", "build")
     )
 
 

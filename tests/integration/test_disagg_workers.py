@@ -624,12 +624,12 @@ def test_a_request_resumed_from_its_streamed_tokens_gives_the_undisturbed_tokens
 
 
 def test_a_resumed_request_is_checked_at_admission() -> None:
-    from tandem.decode.worker import _resumed
     from tandem.engine.messages import RankRequest
+    from tandem.engine.scheduler import resumed_outputs
 
     def resumed(outputs: tuple[int, ...], max_tokens: int = 8, prompt: tuple[int, ...] = (1, 2)) -> list[int]:
         sampling = SamplingParams(max_tokens=max_tokens)
-        return _resumed(RankRequest("r", prompt, sampling, resume_output_ids=outputs), 100, 16)
+        return resumed_outputs(RankRequest("r", prompt, sampling, resume_output_ids=outputs), 100, 16)
 
     assert resumed((3, 4)) == [3, 4]
     for outputs, kwargs, message in [
