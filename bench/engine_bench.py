@@ -17,7 +17,7 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import SamplingParams
 
 
-def _run_batch(
+def run_batch(
     engine: ColocatedEngine, batch: int, prompt_tokens: int, output_tokens: int, seed: int, temperature: float
 ) -> dict[str, Any]:
     rng = random.Random(seed)
@@ -56,6 +56,7 @@ def _run_batch(
         "total_tokens_per_s": round(batch * (prompt_tokens + output_tokens) / elapsed, 1),
         "decode_steps": decode_steps,
         "decode_step_ms": round(1000 * decode_step_s / max(decode_steps, 1), 3),
+        "decode_forward_ms": round(1000 * decode_forward_s / max(decode_steps, 1), 3),
         "decode_outside_forward_share": round(1 - decode_forward_s / decode_step_s, 4)
         if decode_step_s
         else None,
@@ -81,8 +82,8 @@ def run_engine_bench(
             enable_prefix_caching=False,
         ),
     )
-    _run_batch(engine, 2, prompt_tokens, 4, seed=99, temperature=temperature)  # warm-up
-    results = [_run_batch(engine, b, prompt_tokens, output_tokens, b, temperature) for b in sizes]
+    run_batch(engine, 2, prompt_tokens, 4, seed=99, temperature=temperature)  # warm-up
+    results = [run_batch(engine, b, prompt_tokens, output_tokens, b, temperature) for b in sizes]
     return {
         "model": str(model_dir),
         "dtype": dtype,

@@ -19,6 +19,7 @@ from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, exper
 from tandem.engine.messages import RankId
 from tandem.engine.rank_loop import RankLoop
 from tandem.engine.runner import ModelRunner
+from tandem.engine.static_decode import StaticDecode, static_decode_enabled
 from tandem.kvtransfer.metadata import RayMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
 from tandem.model.checkpoint import load_checkpoint
@@ -47,9 +48,15 @@ class RankContext:
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool(self.model_config, num_pages, page_size, self.dtype, self.device)
 
-    def runner(self, pool: KVPool) -> ModelRunner:
-        """The model over ``pool``, stepping in lockstep with the group."""
-        return ModelRunner(self.model, pool, lockstep=True)
+    def runner(self, pool: KVPool, max_batch: int | None = None) -> ModelRunner:
+        """The model over ``pool``, stepping in lockstep with the group; a role that decodes
+        gives its ``max_batch``, and its decode batches run at static shapes where that is on
+        (``static_decode_enabled``: CUDA graphs on a GPU)."""
+        static = None
+        if max_batch is not None and static_decode_enabled(self.device.type, self.dispatcher.world_size):
+            cfg = self.model_config
+            static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
+        return ModelRunner(self.model, pool, lockstep=True, static=static)
 
     def transport(self, pool: KVPool) -> NixlTransport:
         """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""

@@ -35,6 +35,6 @@ class DecodeRole(PooledRole):
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
         return DecodeWorker(
-            ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.runner(pool), ctx.transport(pool),
-            dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
+            ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.runner(pool, self.max_num_seqs),
+            ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
         )  # fmt: skip

@@ -151,6 +151,7 @@ class DecodeWorker(RankWorker):
         self.kv_bytes_received = 0
         self.preemptions = 0
         self.failure_counts = FailureCounts()
+        self._schedule_s = self._update_s = 0.0
 
     # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing, float]]:
@@ -233,7 +234,9 @@ class DecodeWorker(RankWorker):
             self._send_prefill_job(reservation)
 
     def step(self) -> None:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._schedule_s += time.perf_counter() - t0
         preempted_at = time.monotonic()
         for request_id in plan.preempted_request_ids:  # back in the queue, to be recomputed
             self.preemptions += 1
@@ -244,6 +247,7 @@ class DecodeWorker(RankWorker):
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         sampled = self.runner.run(plan)
+        t1 = time.perf_counter()
         now, now_unix_s = time.monotonic(), time.time()
         requests = [r for r in (self.scheduler.get(c.request_id) for c in plan.chunks) if r is not None]
         before = [len(r.output_token_ids) for r in requests]
@@ -255,6 +259,7 @@ class DecodeWorker(RankWorker):
                 self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
+        self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:
         out, self._results = self._results, []
@@ -303,6 +308,8 @@ class DecodeWorker(RankWorker):
             receives_in_flight=receives,
             preemptions=self.preemptions,
             transfer_failures=self.failure_counts.as_tuple(),
+            forward_s=self.runner.stats.forward_s,
+            split=self.runner.split(self._schedule_s, self._update_s),
         )
 
     def check_integrity(self) -> None:

@@ -65,6 +65,7 @@ class ColocatedWorker(RankWorker):
         self.dispatcher = dispatcher
         self.outbox = outbox
         self.kv_events = KVEventPublisher(self.name, engine.scheduler.config.page_size, incarnation)
+        self._schedule_s = self._update_s = 0.0
         self._tracks: dict[str, _Track] = {}
         self._results: list[RequestResult] = []
         self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
@@ -121,7 +122,9 @@ class ColocatedWorker(RankWorker):
 
     def step(self) -> None:
         scheduler = self.engine.scheduler
+        t0 = time.perf_counter()
         plan = scheduler.schedule()
+        self._schedule_s += time.perf_counter() - t0
         scheduled_at = time.monotonic()
         for chunk in plan.chunks:
             track = self._tracks.get(chunk.request_id)
@@ -129,7 +132,9 @@ class ColocatedWorker(RankWorker):
                 track.scheduled_at = scheduled_at
         requests = [r for r in (scheduler.get_request(c.request_id) for c in plan.chunks) if r is not None]
         before = [len(r.output_token_ids) for r in requests]
-        finished = scheduler.update(plan, self.engine.runner.run(plan))
+        sampled = self.engine.runner.run(plan)
+        t1 = time.perf_counter()
+        finished = scheduler.update(plan, sampled)
         now, now_unix_s = time.monotonic(), time.time()
         for request, count in zip(requests, before, strict=True):
             track = self._tracks.get(request.request_id)
@@ -138,6 +143,7 @@ class ColocatedWorker(RankWorker):
                 self._stream_new_tokens(request, track, now_unix_s)
         for request in finished:
             self._finish(request, request.finish_reason or FinishReason.ABORT)
+        self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:
         out, self._results = self._results, []
@@ -189,6 +195,7 @@ class ColocatedWorker(RankWorker):
             cached_pages=scheduler.kv_cache.num_cached_pages,
             local_experts=len(self.dispatcher.local),
             forward_s=self.engine.runner.stats.forward_s,
+            split=self.engine.runner.split(self._schedule_s, self._update_s),
             all_to_all_s=ep.all_to_all_s,
             moe_rows_sent=ep.rows_sent,
             moe_rows_received=ep.rows_received,

@@ -75,6 +75,8 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
     ) -> torch.Tensor:
         n, per_rank, top_k = self.world_size, len(self.local), ids.shape[1]
+        if n == 1:  # a group of one holds every expert: nothing to exchange, no host sync
+            return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by owner rank
         token_of_pair = order // top_k
@@ -113,7 +115,10 @@ class ExpertParallelDispatcher(ExpertDispatcher):
 def any_rank_has_work(
     has_work: bool, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
 ) -> bool:
-    """The once-per-step agreement: True on every rank if any rank has work."""
+    """The once-per-step agreement: True on every rank if any rank has work (a group of one
+    agrees with itself, without a collective)."""
+    if dist.get_world_size(group) == 1:
+        return has_work
     flag = torch.tensor([1 if has_work else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -227,6 +227,23 @@ class LoopStats:
     idle_waits: int = 0
     agree_s: float = 0.0  # in the one-integer all-reduce that decides whether to step
     step_s: float = 0.0
+    idle_s: float = 0.0  # waiting for a call with nothing to compute
+    tick_s: float = 0.0  # the queued calls and ``tick`` (transport poll, deadlines, reservations)
+    publish_s: float = 0.0  # results handed over and pushes sent (tokens to frontends, events)
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Where a rank's steps went since start, each piece timed around itself on the rank's
+    ``perf_counter``: ``schedule`` (the plan), ``prepare`` (input and attention-metadata tensors),
+    ``forward`` (the model), ``sample`` (logits and sampling), ``update`` (sampled tokens into
+    their requests, stream deltas built)."""
+
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -262,3 +279,4 @@ class RankStats:
     all_to_all_s: float = 0.0
     moe_rows_sent: int = 0
     moe_rows_received: int = 0
+    split: StepSplit = field(default_factory=StepSplit)

@@ -22,6 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tandem.engine.messages import LoopStats, RankStats, RequestResult
@@ -137,7 +138,7 @@ class RankLoop:
         self._calls: list[Callable[[RankWorker], None]] = []
         self._results: list[RequestResult] = []
         self._steps = self._idle_waits = 0
-        self._agree_s = self._step_s = 0.0
+        self._agree_s = self._step_s = self._idle_s = self._tick_s = self._publish_s = 0.0
         self.failure: str | None = None
 
     def post(self, call: Callable[[RankWorker], None]) -> None:
@@ -179,33 +180,44 @@ class RankLoop:
 
     def stats(self) -> RankStats:
         """Read off the loop thread, without stopping it: counts may be an iteration old."""
-        return self.worker.stats(LoopStats(self._steps, self._idle_waits, self._agree_s, self._step_s))
+        loop = LoopStats(self._steps, self._idle_waits, self._agree_s, self._step_s)
+        loop = replace(loop, idle_s=self._idle_s, tick_s=self._tick_s, publish_s=self._publish_s)
+        return self.worker.stats(loop)
 
     def run(self, stop: threading.Event) -> None:
         worker = self.worker
         try:
             while not stop.is_set():
+                t0 = time.perf_counter()
                 self._run_calls()
                 worker.tick()
                 has_work = worker.has_work()
+                t1 = time.perf_counter()
+                self._tick_s += t1 - t0
                 if not has_work:
                     self._idle_waits += 1
-                    if self._ready.wait(self.idle_wait_s):
+                    woken = self._ready.wait(self.idle_wait_s)
+                    t2 = time.perf_counter()
+                    self._idle_s += t2 - t1
+                    if woken:
                         self._run_calls()
                         has_work = worker.has_work()
-                t0 = time.perf_counter()
+                    t1 = time.perf_counter()
+                    self._tick_s += t1 - t2
                 anyone = self._agree(has_work)
-                t1 = time.perf_counter()
-                self._agree_s += t1 - t0
+                t2 = time.perf_counter()
+                self._agree_s += t2 - t1
                 if anyone:
                     worker.step()
                     self._steps += 1
-                    step_s = time.perf_counter() - t1
-                    self._step_s += step_s
+                    t3 = time.perf_counter()
+                    self._step_s += t3 - t2
                     if worker.metrics is not None:
-                        worker.metrics.step_seconds.observe(step_s)
+                        worker.metrics.step_seconds.observe(t3 - t2)
+                    t2 = t3
                 self._publish(worker.take_results())
                 worker.publish()
+                self._publish_s += time.perf_counter() - t2
         except Exception as exc:
             reason = f"rank {self.name} failed: {type(exc).__name__}: {exc}"
             with self._lock:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.messages import StepSplit
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
@@ -19,6 +21,7 @@ from tandem.model.sampler import sample
 @dataclass
 class RunnerStats:
     steps: int = 0
+    prepare_s: float = 0.0  # input and attention-metadata tensors
     forward_s: float = 0.0
     sample_s: float = 0.0
 
@@ -27,11 +30,20 @@ class ModelRunner:
     """``lockstep``: this rank is one of a DEP group, whose MoE layers exchange rows with the other
     ranks, so it runs the model even on an empty plan (an empty batch) to take part."""
 
-    def __init__(self, model: DeepseekV3, pool: KVPool, lockstep: bool = False) -> None:
+    def __init__(
+        self, model: DeepseekV3, pool: KVPool, lockstep: bool = False, static: StaticDecode | None = None
+    ) -> None:
+        """``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU)."""
         self.model = model
         self.pool = pool
         self.lockstep = lockstep
+        self.static = static
         self.stats = RunnerStats()
+
+    def split(self, schedule_s: float = 0.0, update_s: float = 0.0) -> StepSplit:
+        """This runner's share of a rank's step split, with the worker's own pieces."""
+        s = self.stats
+        return StepSplit(schedule_s, s.prepare_s, s.forward_s, s.sample_s, update_s)
 
     def kv_event(self) -> ReadyEvent:
         """An event that completes once the KV queued so far is in the pool. On a GPU the kernels
@@ -49,6 +61,9 @@ class ModelRunner:
         ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model)."""
         if not plan.chunks and not self.lockstep:
             return {}
+        start = time.perf_counter()
+        if self.static is not None and on_layer_kv is None and self.static.applies(plan):
+            return self._sample(plan, self.static.run, start)
         device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -65,19 +80,26 @@ class ModelRunner:
             [list(c.page_ids) for c in plan.chunks],
             device,
         )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+
+        def forward(_: SchedulerOutput) -> torch.Tensor:
+            hidden = self.model.forward(ids, pos, meta, self.pool, on_layer_kv)
+            return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
+
+        return self._sample(plan, forward, start)
+
+    def _sample(
+        self, plan: SchedulerOutput, forward: Callable[[SchedulerOutput], torch.Tensor], start: float
+    ) -> dict[str, int]:
+        """``forward(plan)`` gives the hidden rows of the chunks that sample, in plan order."""
         t0 = time.perf_counter()
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            self.pool,
-            on_layer_kv,
-        )
+        rows = forward(plan)
         t1 = time.perf_counter()
         sampled: dict[str, int] = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-            chunks = [c for c in plan.chunks if c.sample]
+        chunks = [c for c in plan.chunks if c.sample]
+        if chunks:
+            logits = self.model.compute_logits(rows)
             tokens = sample(
                 logits,
                 [c.sampling for c in chunks],
@@ -86,6 +108,7 @@ class ModelRunner:
             )
             sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
         self.stats.steps += 1
+        self.stats.prepare_s += t0 - start
         self.stats.forward_s += t1 - t0
         self.stats.sample_s += time.perf_counter() - t1
         return sampled

@@ -129,7 +129,14 @@ class NixlTransport(KVTransport):
         self.abort_grace_s = abort_grace_s
         self.agent_name = f"{rank}#{incarnation}"
         threads = int(os.environ.get("TANDEM_NIXL_THREADS", "0"))  # UCX worker threads; 0: NIXL's default
-        config = nixl_agent_config(backends=["UCX"], capture_telemetry=True, num_threads=threads)
+        # NIXL's own progress thread polls its UCX worker without sleeping: a whole core per rank
+        # even when idle (0.8-1.0 of a core measured here). Off by default: the rank's loop drives
+        # progress at every ``poll`` (each iteration), which one-sided writes over shared memory
+        # or RDMA need no more of; TANDEM_NIXL_PROGRESS_THREAD=1 turns it back on.
+        progress_thread = os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "0") == "1"
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=["UCX"], capture_telemetry=True, num_threads=threads
+        )
         self.agent = nixl_agent(self.agent_name, config)
         total = (
             layout.num_layers - 1

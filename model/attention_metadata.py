@@ -31,6 +31,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, pool slot of each new token
     decode_rows: list[int]  # requests with one new token
     extend_rows: list[int]  # requests with several new tokens
+    # a bound on seq_lens known before the step (a static-shape step's max_model_len): kernels
+    # size their grids by it instead of by this batch, so one captured graph fits every step
+    max_seq_len: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -178,6 +178,8 @@ class PrefillWorker(RankWorker):
             prefix_queried_tokens=s.num_queried_tokens,
             prefix_hit_tokens=s.num_hit_tokens,
             transfer_failures=self.failure_counts.as_tuple(),
+            forward_s=self.runner.stats.forward_s,
+            split=self.runner.split(),
         )
 
     def check_integrity(self) -> None:

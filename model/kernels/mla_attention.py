@@ -21,7 +21,9 @@ def kv_store_torch(
     kv_layer: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
 ) -> None:
     flat = kv_layer.view(-1, kv_layer.shape[-1])
-    flat[slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(kv_layer.dtype)
+    rows = torch.cat([latent, k_pe], dim=-1).to(kv_layer.dtype)
+    keep = slot_mapping >= 0  # a negative slot is a padding row: it writes nothing
+    flat[slot_mapping[keep]] = rows[keep]
 
 
 def gather_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, row: int) -> torch.Tensor:

@@ -239,7 +239,7 @@ def decode_attention_triton(
     """Absorbed MLA for single-token rows: ``q_latent [B, H, L]``, ``q_pe [B, H, R]`` -> ``[B, H, L]``."""
     batch_size, num_heads, _ = q_latent.shape
     splits = choose_num_kv_splits(
-        max(meta.seq_lens, default=0), batch_size, num_heads, _num_sms(q_latent.device)
+        meta.max_seq_len or max(meta.seq_lens, default=0), batch_size, num_heads, _num_sms(q_latent.device)
     )
     return decode_attention_splits(q_latent, q_pe, kv_layer, meta, scale, splits)
 

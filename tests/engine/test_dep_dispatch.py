@@ -109,3 +109,27 @@ def test_expert_slices_cover_every_expert_once_and_differ_by_at_most_one() -> No
     assert [len(expert_slice(256, r, 144)) for r in (0, 111, 112, 143)] == [2, 2, 1, 1]
     with pytest.raises(ValueError, match="rank 4"):
         expert_slice(16, 4, 4)
+
+
+def _one_rank(rank: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=0, world_size=1)
+    cfg = _config(16)
+    moe = _moe(cfg, range(cfg.n_routed_experts), _weights(cfg))
+    dispatcher = ExpertParallelDispatcher(0, 1, cfg.n_routed_experts)
+    x = _inputs(cfg, [7])[0]
+    out = moe(x, get_backend("cpu", "torch"), dispatcher)
+    flags = [any_rank_has_work(True), any_rank_has_work(False)]
+    torch.save({"out": out, "flags": flags, "exchanged": dispatcher.stats.layers}, f"{out_dir}/0.pt")
+    dist.destroy_process_group()
+
+
+def test_a_group_of_one_computes_its_experts_in_place_without_a_collective(tmp_path: Path) -> None:
+    """The same arithmetic as one process without a group (bit for bit), no all-to-all, and the
+    step agreement answers the rank's own flag."""
+    mp.spawn(_one_rank, args=(str(tmp_path),), nprocs=1)
+    cfg = _config(16)
+    moe = _moe(cfg, range(cfg.n_routed_experts), _weights(cfg))
+    expected = moe(_inputs(cfg, [7])[0], get_backend("cpu", "torch"), LocalExperts())
+    result = torch.load(tmp_path / "0.pt")
+    assert torch.equal(result["out"], expected)
+    assert result["flags"] == [True, False] and result["exchanged"] == 0

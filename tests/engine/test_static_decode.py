@@ -1,0 +1,87 @@
+"""Decode batches at static bucket shapes (the path CUDA graphs capture) give the eager path's
+tokens and leave the KV pool as it does: padding rows write nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.cluster.serve import demo_model_dir
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.request import SamplingParams
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tandem.engine.static_decode import StaticDecode, default_buckets, static_decode_enabled
+
+SEEDS = (1, 2, 3)
+PROMPTS = [[5, 9, 13, 40, 41, 42, 7], [100, 101], [3] * 70]  # the last one spans two pages
+
+
+def _engine(static: bool) -> ColocatedEngine:
+    config = EngineConfig(num_pages=16, page_size=64, max_num_seqs=4, enable_prefix_caching=False)
+    engine = ColocatedEngine.from_model_dir(demo_model_dir(), config=config)
+    if static:
+        decode = StaticDecode(engine.model, engine.pool, 4, engine.max_model_len, buckets=(1, 2, 4))
+        engine.runner = ModelRunner(engine.model, engine.pool, static=decode)
+    return engine
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9)],  # batches of 3, 2, 1
+        [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s) for s in SEEDS],
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_static_decode_gives_the_eager_tokens_and_pool(sampling: list[SamplingParams]) -> None:
+    eager, static = _engine(False), _engine(True)
+    want = eager.generate(PROMPTS, sampling)
+    got = static.generate(PROMPTS, sampling)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # the same slots written (padding rows wrote none), values equal up to the rounding of
+    # matrix products of another batch shape
+    assert torch.equal(static.pool.kv != 0, eager.pool.kv != 0)
+    torch.testing.assert_close(static.pool.kv, eager.pool.kv, rtol=1e-5, atol=1e-5)
+    decode = static.runner.static
+    assert decode is not None and decode.padded_rows > 0  # 3 rows ran as a bucket of 4
+
+
+def _plan(chunks: list[ScheduledChunk]) -> SchedulerOutput:
+    return SchedulerOutput(tuple(chunks), len(chunks), ())
+
+
+def test_inputs_have_their_buckets_shape_and_padding_writes_nowhere() -> None:
+    engine = _engine(True)
+    decode = engine.runner.static
+    assert decode is not None
+    sampling = SamplingParams(max_tokens=2)
+    chunks = [
+        ScheduledChunk("a", (7,), 64, (2, 5), True, sampling, 0),  # position 64: page 5, slot 0
+        ScheduledChunk("b", (8,), 3, (1,), True, sampling, 0),
+        ScheduledChunk("c", (9,), 0, (4,), True, sampling, 0),
+    ]
+    ids, positions, meta = decode.inputs(_plan(chunks))
+    max_pages = engine.max_model_len // 64
+    assert ids.tolist() == [7, 8, 9, 0] and positions.tolist() == [64, 3, 0, 0]
+    assert meta.page_table.shape == (4, max_pages) and meta.max_seq_len == engine.max_model_len
+    assert meta.slot_mapping.tolist() == [5 * 64, 64 + 3, 4 * 64, -1]
+    assert meta.seq_lens == [65, 4, 1, 1] and meta.query_start.tolist() == [0, 1, 2, 3, 4]
+    assert decode.bucket(5) is None and not decode.applies(_plan(chunks * 2))
+
+
+def test_buckets_and_the_switch() -> None:
+    assert default_buckets(1) == (1,)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_buckets(100)[-2:] == (96, 100)
+    assert static_decode_enabled("cuda", 1) and not static_decode_enabled("cuda", 2)
+    assert not static_decode_enabled("cpu", 1)
+
+
+def test_the_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_STATIC_DECODE", "1")
+    assert static_decode_enabled("cpu", 4)
+    monkeypatch.setenv("TANDEM_STATIC_DECODE", "yes")
+    with pytest.raises(ValueError, match="TANDEM_STATIC_DECODE: expected 0 or 1"):
+        static_decode_enabled("cpu", 1)
