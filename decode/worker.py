@@ -290,6 +290,10 @@ class DecodeWorker(RankWorker):
         self._tracks.clear()
         return self.take_results()
 
+    def transfers_in_flight(self) -> bool:
+        sends, receives = self.transport.in_flight()
+        return bool(sends or receives)
+
     def stats(self, loop: LoopStats) -> RankStats:
         d = self.scheduler
         sends, receives = self.transport.in_flight()

@@ -5,7 +5,8 @@ threads (submits, aborts, questions) are queued as functions that the loop runs 
 iteration (``post``, or ``call`` to wait for the answer). Per iteration every rank:
 
   1. runs the queued calls, then ``worker.tick()`` (polls its transport),
-  2. with nothing to compute, waits a little for a call (an idle group does not spin),
+  2. with nothing to compute, waits a little for a call (an idle group does not spin; a rank
+     with a KV transfer in flight waits less, as its transport progresses when polled),
   3. joins the one-integer all-reduce that tells whether any rank of the group has work,
   4. if so, steps: its own batch, or an empty one, so that every MoE all-to-all has all ranks,
   5. hands the worker's finished results to ``collect`` and lets it ``publish`` (pushes to
@@ -84,6 +85,11 @@ class RankWorker(ABC):
     def check_integrity(self) -> None:
         """Raise ``PageAccountingError`` unless the rank's pages and requests agree."""
 
+    def transfers_in_flight(self) -> bool:
+        """KV transfers this rank sends or awaits: the loop then polls its transport often (a
+        transfer progresses, and is noticed complete, only when the transport is polled)."""
+        return False
+
     def publish(self) -> None:  # noqa: B027  (a role with nothing to push keeps this)
         """End of an iteration: push streams and events to the actors that asked for them."""
 
@@ -126,12 +132,16 @@ class RankLoop:
         name: str,
         agree: Callable[[bool], bool],
         idle_wait_s: float = 0.005,
+        transfer_poll_s: float = 0.0005,
     ) -> None:
-        """``agree(has_work)`` is the group's all-reduce: whether any rank has work."""
+        """``agree(has_work)`` is the group's all-reduce: whether any rank has work. With nothing
+        to compute the loop waits ``idle_wait_s`` for a call, ``transfer_poll_s`` while a KV
+        transfer is in flight."""
         self.worker = worker
         self.name = name
         self._agree = agree
         self.idle_wait_s = idle_wait_s
+        self.transfer_poll_s = min(transfer_poll_s, idle_wait_s)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._results_ready = threading.Condition(self._lock)
@@ -196,7 +206,8 @@ class RankLoop:
                 self._tick_s += t1 - t0
                 if not has_work:
                     self._idle_waits += 1
-                    woken = self._ready.wait(self.idle_wait_s)
+                    wait_s = self.transfer_poll_s if worker.transfers_in_flight() else self.idle_wait_s
+                    woken = self._ready.wait(wait_s)
                     t2 = time.perf_counter()
                     self._idle_s += t2 - t1
                     if woken:

@@ -157,6 +157,10 @@ class PrefillWorker(RankWorker):
             if not self.outbox.send(subscriber, "push_kv_events", batch):
                 self.kv_events.unsubscribe(subscriber)
 
+    def transfers_in_flight(self) -> bool:
+        sends, receives = self.transport.in_flight()
+        return bool(sends or receives)
+
     def stats(self, loop: LoopStats) -> RankStats:
         s = self.scheduler
         sends, receives = self.transport.in_flight()
