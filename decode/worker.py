@@ -281,6 +281,8 @@ class DecodeWorker(RankWorker):
         for frontend, batch in self.take_pushes().items():
             if not self.outbox.send(frontend, "push_stream", batch):
                 self.abort_frontend(frontend)
+        for frontend in self.outbox.flush():
+            self.abort_frontend(frontend)
 
     def fail_all(self, reason: str) -> list[RequestResult]:
         """End every request this rank holds with ``reason`` (its group is going down)."""

@@ -160,6 +160,8 @@ class ColocatedWorker(RankWorker):
             batch = StreamBatch(self.rank_id, tuple(deltas), tuple(results))
             if not self.outbox.send(frontend, "push_stream", batch):
                 self.abort_frontend(frontend)
+        for frontend in self.outbox.flush():
+            self.abort_frontend(frontend)
         for subscriber, events_batch in self.kv_events.publish(events).items():
             if not self.outbox.send(subscriber, "push_kv_events", events_batch):
                 self.kv_events.unsubscribe(subscriber)
