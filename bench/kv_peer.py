@@ -4,6 +4,7 @@ transport reports a request over, as the prefill and decode ranks do."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,27 @@ class KVPeer:
             self.send_whole(request_id)
         self.finish_send(request_id, 7, 0)
 
+    def send_timed(
+        self, request_id: str, dest: KVDestination, src: list[int], layerwise: bool, timeout_s: float
+    ) -> TransferStats:
+        """A whole send, then this process polls until the transport reports it over: no Ray call
+        falls between the first post and the completion the figures are stamped at. The source
+        pages stay with the caller. Raises the transfer's error if it failed. The receiver must
+        poll meanwhile (its worker progresses only then, and the send completes only after)."""
+        self.send(request_id, dest, src, layerwise, timeout_s, release=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = self.transport.poll()
+            for failure in events.failed:
+                self._held.pop(failure.request_id, None)
+                if failure.request_id == request_id:
+                    raise failure.error
+            for stats in events.sent:
+                self._held.pop(stats.request_id, None)
+                if stats.request_id == request_id:
+                    return stats
+        raise TimeoutError(f"send {request_id}: not over within {timeout_s}s")
+
     def expect(self, request_id: str, peer: str, pages: list[int], timeout_s: float) -> None:
         self.transport.expect(request_id, peer, pages, timeout_s)
         self._held[request_id] = pages
@@ -166,6 +188,9 @@ class KVPeer:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return num_bytes / sorted(times)[len(times) // 2] / 1e9
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def close(self) -> None:
         self.transport.close()
