@@ -120,10 +120,15 @@ def test_abort_after_the_data_landed_drops_the_late_notification(peers: tuple[An
     src, dst = _prepare(prefill, decode, "late-done", 2, seed=13)
     ray.get(prefill.send.remote("late-done", KVDestination("decode-0", 1, tuple(dst)), src, False, 10.0))
     deadline = time.monotonic() + 20
-    while (
-        "late-done" not in ray.get(prefill.poll.remote(0.05)).sent
-    ):  # the send completed: DONE is on its way
+    # the receiver's polls make its worker progress (the writes complete only then, with no
+    # progress thread); DONE is sent by the sender's poll that sees them complete, after which
+    # the receiver polls no more
+    while True:
         assert time.monotonic() < deadline
+        early = ray.get(decode.poll.remote(0.0))
+        assert not early.received and not early.failed
+        if "late-done" in ray.get(prefill.poll.remote(0.05)).sent:  # DONE is on its way
+            break
     dropped = ray.get(decode.late_messages_dropped.remote())
     ray.get(decode.abort_receive.remote("late-done"))  # the decode rank gives up before it polled
     receiver = PeerEvents()
