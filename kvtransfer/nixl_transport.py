@@ -113,6 +113,20 @@ class _Recv:
 
 
 @register_transport
+def progress_thread_enabled(mem_type: str) -> bool:
+    """Whether the agent runs NIXL's progress thread. It polls its UCX worker without sleeping:
+    a whole core per rank even when idle (0.8-1.0 of a core measured on CPU ranks). Without it a
+    write completes when both sides' transports are polled (the sender's flush needs the
+    receiver's answer), i.e. at the ranks' loop iterations: up to one decode step late. So: on
+    for pools in GPU memory (GPU nodes have cores to spare, and a step can be long), off for
+    pools in host memory (a CPU rank would give the thread a core its model needs);
+    ``TANDEM_NIXL_PROGRESS_THREAD=1`` or ``0`` decides instead."""
+    choice = os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"TANDEM_NIXL_PROGRESS_THREAD: expected 0 or 1, got {choice!r}")
+    return choice == "1" if choice else mem_type == "VRAM"
+
+
 class NixlTransport(KVTransport):
     name = "nixl"
     layerwise = True
@@ -129,11 +143,7 @@ class NixlTransport(KVTransport):
         self.abort_grace_s = abort_grace_s
         self.agent_name = f"{rank}#{incarnation}"
         threads = int(os.environ.get("TANDEM_NIXL_THREADS", "0"))  # UCX worker threads; 0: NIXL's default
-        # NIXL's own progress thread polls its UCX worker without sleeping: a whole core per rank
-        # even when idle (0.8-1.0 of a core measured here). Off by default: the rank's loop drives
-        # progress at every ``poll`` (each iteration), which one-sided writes over shared memory
-        # or RDMA need no more of; TANDEM_NIXL_PROGRESS_THREAD=1 turns it back on.
-        progress_thread = os.environ.get("TANDEM_NIXL_PROGRESS_THREAD", "0") == "1"
+        progress_thread = progress_thread_enabled(layout.mem_type)
         config = nixl_agent_config(
             enable_prog_thread=progress_thread, backends=["UCX"], capture_telemetry=True, num_threads=threads
         )
