@@ -112,7 +112,6 @@ class _Recv:
     ack_deadline: float = 0.0
 
 
-@register_transport
 def progress_thread_enabled(mem_type: str) -> bool:
     """Whether the agent runs NIXL's progress thread. It polls its UCX worker without sleeping:
     a whole core per rank even when idle (0.8-1.0 of a core measured on CPU ranks). Without it a
@@ -127,6 +126,7 @@ def progress_thread_enabled(mem_type: str) -> bool:
     return choice == "1" if choice else mem_type == "VRAM"
 
 
+@register_transport
 class NixlTransport(KVTransport):
     name = "nixl"
     layerwise = True
