@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--prefill-tokens-per-s", type=float, default=None, help="uncached tokens/s per rank")
     rb.add_argument("--policy", default=None, help="prefill policy (default cache_aware)")
     rb.add_argument("--json", action="store_true")
+    from tandem.bench.host_bench import add_arguments as add_host_arguments
+
+    add_host_arguments(bench.add_parser("host", help="host-path costs: decode overhead, frontend, transfer"))
     from tandem.bench.serve_bench import add_arguments as add_serve_bench_arguments
 
     add_serve_bench_arguments(bench.add_parser("serve", help="benchmark a running deployment over gRPC"))
@@ -315,6 +318,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         soak_result = run_soak(soak_config, args.model)
         emit(json.dumps(soak_result))
         return 0 if soak_result["ok"] else 1
+    if args.command == "bench" and args.bench_command == "host":
+        from tandem.bench.host_bench import run_host_command
+
+        return run_host_command(args, emit)
     if args.command == "bench" and args.bench_command == "serve":
         from tandem.bench.serve_bench import run_serve_bench
 
