@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import replace
@@ -19,6 +20,7 @@ from tandem.cluster.controller import FrontendInfo
 from tandem.cluster.placement import this_place
 from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
+from tandem.frontend.diagnostics import LoopProfiler, ProcessClock, ProfileRow, read_clock
 from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.openai_http import HttpConfig, OpenAIServer
@@ -47,6 +49,7 @@ class Frontend:
         self.port = 0
         self._metrics: MetricsServer | None = None
         self._all_metrics = self.core.metrics
+        self._profiler = LoopProfiler()
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
@@ -76,6 +79,10 @@ class Frontend:
                 log.warning("%s: %s", config.name, warning)
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
+        # what start-up made (Ray, gRPC, the tokenizer, the HTTP app) lives as long as the process:
+        # moved out of the collector's generations, no collection walks it again, and the young
+        # objects of each stream's chunks are collected without a walk over the whole heap
+        gc.freeze()
         return self.port
 
     async def ensure_started(self) -> FrontendInfo:
@@ -150,6 +157,18 @@ class Frontend:
     def stream_buffers(self) -> list[StreamBuffer]:
         """What each running request's stream holds for its client now."""
         return self.core.stream_buffers()
+
+    async def clock(self) -> ProcessClock:
+        """This process's wall and CPU clocks, and the event loop thread's CPU clock, now."""
+        return read_clock()
+
+    async def start_profile(self) -> None:
+        """Profile the event loop's thread (gRPC, pushes, streams) until ``stop_profile``."""
+        self._profiler.start()
+
+    async def stop_profile(self) -> list[ProfileRow]:
+        """The profile since ``start_profile``: each function's own time, largest first."""
+        return self._profiler.stop()
 
     async def push_stream(self, batch: StreamBatch) -> None:
         self.core.on_stream(batch)

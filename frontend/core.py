@@ -43,6 +43,7 @@ from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import FinishReason, InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import max_kv_pages
+from tandem.frontend.detokenizer import PairCache
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.limits import EdgeLimits
@@ -174,6 +175,7 @@ class FrontendCore:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
         self.router = Router(RouterConfig(tie_break_salt=config.name))
         self.view: RoutingView | None = None
         self.running: dict[RequestKey, _Running] = {}  # by the client's request id
@@ -220,6 +222,7 @@ class FrontendCore:
             self.tokenizer,
             spec.arrival_s,
             buffer_chunks=self.config.limits.stream_buffer_chunks,
+            detokenizer_cache=self.detokenizer_cache,
         )
         running, submit = self._route_and_submit(spec, stream, view)
         self._per_client[spec.client] = self._per_client.get(spec.client, 0) + 1
@@ -247,7 +250,7 @@ class FrontendCore:
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
             while True:
-                item = await stream.buffer.get()
+                item = await stream.buffer.get_merged()  # all the tokens that came: one message
                 if isinstance(item, StreamSummary) and self.metrics is not None:
                     self.metrics.ended(item)
                 yield item

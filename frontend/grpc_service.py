@@ -323,16 +323,15 @@ def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> Sam
 
 # ---- protobuf out ---------------------------------------------------------------------------
 def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.GenerateResponse:
-    if isinstance(item, StreamChunk):
-        chunk = tandem_pb2.Chunk(
-            token_ids=item.token_ids,
-            text=item.text,
-            timings=[
-                tandem_pb2.TokenTiming(index=t.index, server_time_s=t.server_time_s, gap_s=t.gap_s)
-                for t in item.timings
-            ],
-        )
-        return tandem_pb2.GenerateResponse(request_id=request_id, chunk=chunk)
+    if isinstance(item, StreamChunk):  # filled in place: half the cost of building sub-messages
+        response = tandem_pb2.GenerateResponse(request_id=request_id)
+        chunk = response.chunk
+        chunk.token_ids.extend(item.token_ids)
+        chunk.text = item.text
+        add = chunk.timings.add
+        for t in item.timings:
+            add(index=t.index, server_time_s=t.server_time_s, gap_s=t.gap_s)
+        return response
     bill, route = item.bill, item.route
     latency = tandem_pb2.Latency(
         queue_s=route.queue_s if route else 0.0,

@@ -28,22 +28,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.messages import Bill, RankId, RequestResult, TokenDelta
 from tandem.engine.request import FinishReason
-from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.frontend.detokenizer import PairCache, StreamDetokenizer
+from tandem.model.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per streamed token: not frozen, which makes it cheaper to make
 class TokenTiming:
     index: int
     server_time_s: float  # Unix seconds, the decode rank's wall clock (for display)
     gap_s: float  # since the previous token on the decode rank; token 0: time to first token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one or more a step per stream: not frozen, which makes it cheaper to make
 class StreamChunk:
     token_ids: list[int]
     text: str
@@ -57,19 +58,32 @@ def merged(first: StreamChunk, second: StreamChunk) -> StreamChunk:
     )
 
 
+def merged_all(chunks: list[StreamChunk]) -> StreamChunk:
+    """One chunk with the tokens, text and timings of ``chunks`` in order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    tokens: list[int] = []
+    timings: list[TokenTiming] = []
+    for chunk in chunks:
+        tokens += chunk.token_ids
+        timings += chunk.timings
+    return StreamChunk(tokens, "".join(c.text for c in chunks), timings)
+
+
 class ChunkBuffer:
     """A stream's items waiting for its client: at most ``limit`` chunks, then the summary.
 
     A chunk that would pass the limit is merged into the last chunk held; the summary always
     goes in (it ends the stream, and nothing follows it). One producer (the frontend's event
-    loop, on each ``push_stream``), one consumer (the request's generator)."""
+    loop, on each ``push_stream``), one consumer (the request's generator), which waits on a
+    future of its own while the buffer is empty."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError(f"limit: must be at least 1, got {limit}")
         self.limit = limit
         self._items: deque[StreamChunk | StreamSummary] = deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self.tokens = 0  # token ids held
 
     def __len__(self) -> int:
@@ -79,26 +93,51 @@ class ChunkBuffer:
         return not self._items
 
     def put(self, item: StreamChunk | StreamSummary) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(item, StreamChunk) and len(self._items) >= self.limit and isinstance(last, StreamChunk):
-            self._items[-1] = merged(last, item)
-        else:
-            self._items.append(item)
-        if isinstance(item, StreamChunk):
+        items = self._items
+        if type(item) is StreamChunk:
             self.tokens += len(item.token_ids)
-        self._ready.set()
+            if len(items) >= self.limit and type(items[-1]) is StreamChunk:
+                items[-1] = merged(items[-1], item)
+            else:
+                items.append(item)
+        else:
+            items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def get_nowait(self) -> StreamChunk | StreamSummary:
         item = self._items.popleft()  # IndexError when empty
-        if isinstance(item, StreamChunk):
+        if type(item) is StreamChunk:
             self.tokens -= len(item.token_ids)
         return item
 
-    async def get(self) -> StreamChunk | StreamSummary:
+    async def _wait(self) -> None:
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    async def get(self) -> StreamChunk | StreamSummary:
+        if not self._items:
+            await self._wait()
         return self.get_nowait()
+
+    async def get_merged(self) -> StreamChunk | StreamSummary:
+        """Every chunk held, merged into one (the client gets one message for all the tokens
+        that came since it last read), or the summary when nothing else is left."""
+        items = self._items
+        if not items:
+            await self._wait()
+        if type(items[0]) is not StreamChunk:
+            return items.popleft()
+        chunks: list[StreamChunk] = []
+        while items and type(items[0]) is StreamChunk:
+            chunks.append(items.popleft())  # type: ignore[arg-type]
+        chunk = merged_all(chunks)
+        self.tokens -= len(chunk.token_ids)
+        return chunk
 
 
 @dataclass(frozen=True)
@@ -161,26 +200,41 @@ class RequestStream:
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
     migrations: int = 0  # decode ranks this stream moved away from (theirs failed)
-    _detokenizer: IncrementalDetokenizer | None = None
+    # texts of token pairs, shared by the streams of one tokenizer (``detokenizer``)
+    detokenizer_cache: PairCache | None = None
+    _detokenizer: StreamDetokenizer = field(init=False)
     buffer: ChunkBuffer = field(init=False)
 
     def __post_init__(self) -> None:
-        self._detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if self.detokenizer_cache is None:
+            self.detokenizer_cache = PairCache(self.tokenizer)
+        self._detokenizer = StreamDetokenizer(self.detokenizer_cache)
         self.buffer = ChunkBuffer(self.buffer_chunks)
 
     def on_delta(self, delta: TokenDelta) -> StreamChunk | None:
         """Queue the chunk ``delta`` completes (``None`` when it completes nothing)."""
         if self.finished:
             return None
+        index = self._next_index
+        if delta.start_index == index and not self._pending:  # in order: the usual case
+            tokens = delta.token_ids
+            if len(tokens) == 1 and index:  # one token a step: no list to walk
+                chunk = self._emit_one(index, tokens[0], delta.times_s[0], delta.times_unix_s[0])
+            elif tokens:
+                chunk = self._emit(tokens, delta.times_s, delta.times_unix_s)
+            else:
+                return None
+            self.buffer.put(chunk)
+            return chunk
         for offset, token in enumerate(delta.token_ids):
             index = delta.start_index + offset
             if index >= self._next_index:
                 times = (delta.times_s[offset], delta.times_unix_s[offset])
                 self._pending.setdefault(index, (token, *times))
-        chunk = self._drain()
-        if chunk is not None:
-            self.buffer.put(chunk)
-        return chunk
+        drained = self._drain()
+        if drained is not None:
+            self.buffer.put(drained)
+        return drained
 
     @property
     def tokens(self) -> list[int]:
@@ -208,7 +262,6 @@ class RequestStream:
         chunk = self._drain()
         if chunk is not None:
             self.buffer.put(chunk)
-        assert self._detokenizer is not None
         tail = self._detokenizer.finish()
         if tail:
             self.buffer.put(StreamChunk([], tail, []))
@@ -238,25 +291,53 @@ class RequestStream:
         )
 
     def _drain(self) -> StreamChunk | None:
-        assert self._detokenizer is not None
+        """The chunk of the pending tokens from the next expected index on, if any."""
+        pending = self._pending
         tokens: list[int] = []
+        rank_times: list[float] = []
+        unix_times: list[float] = []
+        while (index := self._next_index + len(tokens)) in pending:
+            token, rank_s, unix_s = pending.pop(index)
+            tokens.append(token)
+            rank_times.append(rank_s)
+            unix_times.append(unix_s)
+        return self._emit(tokens, rank_times, unix_times) if tokens else None
+
+    def _emit_one(self, index: int, token: int, rank_s: float, unix_s: float) -> StreamChunk:
+        """:meth:`_emit` of one token that is not the first."""
+        last_rank_s = self._last_rank_s
+        if last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
+            gap = rank_s - last_rank_s
+            self._gaps.append(gap)
+            self._last_rank_s = rank_s
+        else:
+            gap = 0.0
+            self._last_rank_s = rank_s if rank_s == rank_s else None
+        self._next_index = index + 1
+        self._tokens.append(token)
+        return StreamChunk([token], self._detokenizer.add(token), [TokenTiming(index, unix_s, gap)])
+
+    def _emit(
+        self, tokens: Sequence[int], rank_times: Sequence[float], unix_times: Sequence[float]
+    ) -> StreamChunk:
+        """The chunk of ``tokens``, the next ones in order, with their rank's clock readings
+        (NaN: none) and wall times: their text and timings."""
+        index, last_rank_s, add = self._next_index, self._last_rank_s, self._detokenizer.add
         timings: list[TokenTiming] = []
-        text = []
-        while self._next_index in self._pending:
-            token, rank_s, unix_s = self._pending.pop(self._next_index)
-            if self._next_index == 0:
+        texts: list[str] = []
+        for token, rank_s, unix_s in zip(tokens, rank_times, unix_times, strict=True):
+            if index == 0:
                 self._ttft_s = gap = self.clock() - self.arrival_s  # the first token is here now
-            elif self._last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
-                gap = rank_s - self._last_rank_s
+            elif last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
+                gap = rank_s - last_rank_s
                 self._gaps.append(gap)
             else:
                 gap = 0.0
-            self._last_rank_s = rank_s if rank_s == rank_s else None
-            timings.append(TokenTiming(self._next_index, unix_s, gap))
-            tokens.append(token)
-            text.append(self._detokenizer.add(token))
-            self._next_index += 1
-        if not tokens:
-            return None
-        self._tokens.extend(tokens)
-        return StreamChunk(tokens, "".join(text), timings)
+            last_rank_s = rank_s if rank_s == rank_s else None
+            timings.append(TokenTiming(index, unix_s, gap))
+            texts.append(add(token))
+            index += 1
+        self._next_index, self._last_rank_s = index, last_rank_s
+        token_list = list(tokens)
+        self._tokens += token_list
+        return StreamChunk(token_list, "".join(texts), timings)

@@ -1,0 +1,96 @@
+"""Incremental detokenisation for many streams at once, with the text of a token after its
+predecessor remembered across streams.
+
+:class:`StreamDetokenizer` follows ``model/tokenizer.py``'s :class:`IncrementalDetokenizer`
+step for step (a token's text is ``decode(ids[prefix:])`` past ``decode(ids[prefix:read])``,
+held back while it ends in an incomplete character), so both give the same text. In the steady
+state, where every token so far completed its text, the window is just ``[previous, token]``:
+the text added is then a pure function of that pair, which :class:`PairCache` keeps for every
+stream of one tokenizer. A token then costs a dictionary lookup instead of two calls into the
+tokenizer; any other window (held-back bytes, the first token) takes the tokenizer's path.
+
+::
+
+    ids:  [ ... previous | token ]      steady state: text = cache[(previous, token)]
+          [ ... prefix ... read | new ] otherwise: decode(prefix:) minus decode(prefix:read)
+"""
+
+from __future__ import annotations
+
+from tandem.model.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+_FIRST = -1  # the "previous token" of a stream's first token
+
+
+class PairCache:
+    """Text a token adds after a given previous token, for one tokenizer (shared by streams).
+
+    Holds at most ``max_pairs`` pairs; when full it starts again (the pairs a model's output
+    uses come back within a few tokens)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, max_pairs: int = 1 << 18
+    ) -> None:
+        if max_pairs < 1:
+            raise ValueError(f"max_pairs: must be at least 1, got {max_pairs}")
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.max_pairs = max_pairs
+        # (previous, token) -> the text added, or None: the token leaves its text incomplete
+        self._texts: dict[tuple[int, int], str | None] = {}
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def text(self, previous: int, token: int) -> str | None:
+        """The text ``token`` adds right after ``previous`` (``_FIRST``: at the start), both
+        complete before it; ``None`` when ``token`` leaves an incomplete character."""
+        key = (previous, token)
+        try:
+            return self._texts[key]
+        except KeyError:
+            pass
+        prefix = self.decode([previous]) if previous != _FIRST else ""
+        full = self.decode([previous, token]) if previous != _FIRST else self.decode([token])
+        added = None if len(full) <= len(prefix) or full.endswith(_REPLACEMENT) else full[len(prefix) :]
+        if len(self._texts) >= self.max_pairs:
+            self._texts.clear()
+        self._texts[key] = added
+        return added
+
+
+class StreamDetokenizer:
+    """One stream's token ids in, text deltas out, never splitting a UTF-8 character."""
+
+    def __init__(self, cache: PairCache) -> None:
+        self._cache = cache
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        """Feed one token id; the text it completes (possibly empty)."""
+        ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
+        ids.append(token_id)
+        if read == len(ids) - 1 and read - 1 <= prefix:  # the window is [previous, token] or [token]
+            text = self._cache.text(ids[prefix] if prefix < read else _FIRST, token_id)
+            if text is None:  # held back: the next tokens decode from the same window
+                return ""
+            self._prefix_offset, self._read_offset = read, read + 1
+            return text
+        decode = self._cache.decode
+        prefix_text = decode(ids[prefix:read])
+        new_text = decode(ids[prefix:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset, self._read_offset = read, len(ids)
+        return new_text[len(prefix_text) :]
+
+    def finish(self) -> str:
+        """Text still held back at the end (an incomplete character decodes as U+FFFD)."""
+        decode = self._cache.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
