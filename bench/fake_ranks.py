@@ -1,0 +1,231 @@
+"""Stand-ins for a deployment's controller and ranks that make tokens without a model, so that a
+real frontend can be driven as hard as it can go (``bench/host_frontend.py``).
+
+A :class:`FakeDecodeRank` takes the frontend's ``submit`` calls, and after each of its steps
+pushes the frontend one :class:`StreamBatch` with one new token for every running request and
+the :class:`RequestResult` (with its :class:`Bill`) of each request that reached its
+``max_tokens``: the message, the actor method (``Frontend.push_stream``) and the one batch a
+step per frontend are those of ``decode/worker.py``'s ``publish``. Its steps are paced by the
+frontend alone: at most ``window`` pushes are in flight (a step waits for the oldest to be
+handled), so the rank is never what limits the tokens per second.
+
+::
+
+    frontend ──submit([RankRequest])──▶ FakeDecodeRank ─┐ step: one token per running request
+        ▲                                               │
+        └──── push_stream(StreamBatch) (≤ window) ◀─────┘
+    frontend ──routing_view──▶ FakeController    frontend ──subscribe──▶ FakePrefillRank
+
+The fake prefill rank only answers the frontend's KV event subscription (an empty snapshot) and
+its stats: no prompt is computed, and the router sees an empty cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from tandem.cluster.controller import FrontendInfo, GroupView, RoutingView
+from tandem.engine.messages import (
+    Bill,
+    PrefillAttempt,
+    RankId,
+    RankRequest,
+    RankStats,
+    RequestResult,
+    Role,
+    StreamBatch,
+    TokenDelta,
+)
+from tandem.engine.request import FinishReason
+from tandem.prefill.kv_events import AllBlocksCleared, KVEventBatch
+
+FAKE_TOTAL_PAGES = 1 << 20  # a decode rank that never runs out of pages
+
+
+@dataclass
+class _Stream:
+    """One request on a fake decode rank: its tokens so far and when each was made."""
+
+    request: RankRequest
+    arrival_s: float
+    times_s: list[float] = field(default_factory=list)
+    aborted: bool = False
+
+    @property
+    def produced(self) -> int:
+        return len(self.times_s)
+
+
+@dataclass(frozen=True)
+class FakeRankCounts:
+    """What a fake decode rank did: steps, pushes sent, tokens and results in them."""
+
+    steps: int
+    pushes: int
+    tokens: int
+    results: int
+
+
+@ray.remote(num_cpus=0)
+class FakeDecodeRank:
+    """A decode rank without a model: token ``i`` of every request is ``token_ids[i % len]``."""
+
+    def __init__(
+        self, rank: RankId, prefill_rank: RankId, token_ids: tuple[int, ...], window: int = 2
+    ) -> None:
+        if not token_ids:
+            raise ValueError("token_ids: expected at least one token id")
+        if window < 1:
+            raise ValueError(f"window: must be at least 1, got {window}")
+        self.rank, self.prefill_rank = rank, prefill_rank
+        self.token_ids, self.window = token_ids, window
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._handles: dict[str, Any] = {}  # frontend name -> its actor
+        self._in_flight: deque[Any] = deque()
+        self._steps = self._pushes = self._tokens = self._results = 0
+        self._loop: asyncio.Task[None] | None = None
+
+    async def submit(self, items: list[RankRequest]) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop().create_task(self._run())
+        now = time.monotonic()
+        for request in items:
+            if request.frontend is None:
+                raise ValueError(f"request {request.request_id}: frontend: expected the frontend's name")
+            self._streams[request.request_id] = _Stream(request, now)
+        self._wake.set()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.aborted = True
+        self._wake.set()
+
+    async def stats(self) -> RankStats:
+        return RankStats(
+            self.rank,
+            Role.DECODE,
+            incarnation=1,
+            running=len(self._streams),
+            free_pages=FAKE_TOTAL_PAGES,
+            total_pages=FAKE_TOTAL_PAGES,
+        )
+
+    async def counts(self) -> FakeRankCounts:
+        return FakeRankCounts(self._steps, self._pushes, self._tokens, self._results)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._streams:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for frontend, batch in self._step().items():
+                await self._push(frontend, batch)
+
+    def _step(self) -> dict[str, StreamBatch]:
+        """One token for every running request; the batch of each frontend."""
+        now, now_unix_s = time.monotonic(), time.time()
+        deltas: dict[str, list[TokenDelta]] = {}
+        results: dict[str, list[RequestResult]] = {}
+        tokens = self.token_ids
+        for request_id, stream in list(self._streams.items()):
+            frontend = stream.request.frontend
+            assert frontend is not None
+            if not stream.aborted:
+                index = stream.produced
+                stream.times_s.append(now)
+                delta = TokenDelta(request_id, index, (tokens[index % len(tokens)],), (now,), (now_unix_s,))
+                deltas.setdefault(frontend, []).append(delta)
+                self._tokens += 1
+            if stream.aborted or stream.produced >= stream.request.sampling.max_tokens:
+                del self._streams[request_id]
+                results.setdefault(frontend, []).append(self._result(stream, now))
+                self._results += 1
+        self._steps += 1
+        return {
+            frontend: StreamBatch(
+                self.rank, tuple(deltas.get(frontend, ())), tuple(results.get(frontend, ()))
+            )
+            for frontend in deltas.keys() | results.keys()
+        }
+
+    def _result(self, stream: _Stream, now: float) -> RequestResult:
+        """The result and bill a decode rank reports, with the figures it would fill in."""
+        request, produced = stream.request, stream.produced
+        tokens = tuple(self.token_ids[i % len(self.token_ids)] for i in range(produced))
+        prompt = len(request.prompt_token_ids)
+        times = tuple(t - stream.arrival_s for t in stream.times_s)
+        attempt = PrefillAttempt(1, self.prefill_rank, delivered=True, prompt_tokens=prompt)
+        bill = Bill(
+            prompt_tokens=prompt,
+            new_prompt_tokens=prompt,
+            output_tokens=produced,
+            attempts=(attempt,),
+            decode_s=now - stream.arrival_s,
+            rank_s=now - stream.arrival_s,
+            first_token_s=times[0] if times else 0.0,
+            token_times_s=times,
+        )
+        reason = FinishReason.ABORT if stream.aborted else FinishReason.LENGTH
+        return RequestResult(request.request_id, tokens, reason, bill, self.rank, self.prefill_rank)
+
+    async def _push(self, frontend: str, batch: StreamBatch) -> None:
+        """``Frontend.push_stream(batch)``, as a decode rank's outbox sends it; waits while
+        ``window`` pushes are unhandled."""
+        handle = self._handles.get(frontend)
+        if handle is None:
+            handle = self._handles[frontend] = ray.get_actor(frontend)
+        self._in_flight.append(handle.push_stream.remote(batch))
+        self._pushes += 1
+        while len(self._in_flight) >= self.window:
+            await self._in_flight.popleft()
+        await asyncio.sleep(0)  # let submits and aborts in between steps
+
+
+@ray.remote(num_cpus=0)
+class FakePrefillRank:
+    """A prefill rank that computes nothing: an empty KV event snapshot and idle stats."""
+
+    def __init__(self, rank: RankId) -> None:
+        self.rank = rank
+
+    async def subscribe(self, subscriber: str) -> KVEventBatch:
+        return KVEventBatch(self.rank.name, 1, 0, True, [AllBlocksCleared()])
+
+    async def unsubscribe(self, subscriber: str) -> None:
+        return None
+
+    async def stats(self) -> RankStats:
+        return RankStats(self.rank, Role.PREFILL, incarnation=1)
+
+
+@ray.remote(num_cpus=0)
+class FakeController:
+    """The controller's side of a frontend's life: the routing view, and its registration."""
+
+    def __init__(self, prefill: dict[RankId, Any], decode: dict[RankId, Any], page_size: int = 64) -> None:
+        groups = (
+            GroupView("prefill0", Role.PREFILL, "ready", 1, tuple(sorted(prefill))),
+            GroupView("decode0", Role.DECODE, "ready", 1, tuple(sorted(decode))),
+        )
+        capacity = FAKE_TOTAL_PAGES * page_size
+        self._view = RoutingView(prefill, decode, groups, page_size, capacity, capacity)
+        self.frontends: dict[str, FrontendInfo] = {}
+
+    async def routing_view(self) -> RoutingView:
+        return self._view
+
+    async def register_frontend(self, info: FrontendInfo) -> None:
+        self.frontends[info.name] = info
+
+    async def unregister_frontend(self, name: str) -> None:
+        self.frontends.pop(name, None)

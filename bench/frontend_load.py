@@ -1,0 +1,130 @@
+"""gRPC streaming clients for the frontend benchmark, run in a process of their own (no Ray, no
+torch) so that their CPU is not the frontend's.
+
+:func:`run_round` opens ``streams`` ``Generate`` calls at once over open connections
+(``grpc.aio``), each asking for ``output_tokens`` tokens, and checks every stream as it ends: its
+tokens are ``expected_token_ids`` in order (token ``i`` is ``expected[i % len]``), every chunk's
+timings are the next indices, and the chunks' text joined is the summary's text. Wall time is
+read on this process's monotonic clock, from the first call sent to the last summary received.
+
+:func:`client_process` is the process's entry: it connects once, then waits for each round's
+orders on a pipe (``None`` ends it) and answers with :class:`LoadResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """One round: ``streams`` concurrent requests of ``output_tokens`` tokens each."""
+
+    streams: int
+    output_tokens: int
+    prompt_token_ids: tuple[int, ...]
+    round_id: str
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What the clients saw in one round."""
+
+    streams: int
+    completed: int  # streams whose tokens, order and text were all right
+    tokens: int  # output tokens received over all streams
+    messages: int  # GenerateResponse messages with a chunk
+    wall_s: float  # first call sent -> last summary received
+    cpu_s: float  # this process's CPU over the same interval
+    errors: tuple[str, ...] = ()  # the first few streams that went wrong, and why
+
+
+async def _one_stream(
+    stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...]
+) -> tuple[int, int, str | None]:
+    """One ``Generate`` call; (tokens, chunk messages, what went wrong or ``None``)."""
+    sampling = tandem_pb2.SamplingParams(max_tokens=order.output_tokens, ignore_eos=True)
+    request = tandem_pb2.GenerateRequest(request_id=f"{order.round_id}-{index}", sampling=sampling)
+    request.token_ids.ids.extend(order.prompt_token_ids)
+    tokens: list[int] = []
+    texts: list[str] = []
+    messages, timing_index = 0, 0
+    summary: Any = None
+    async for response in stub.Generate(request):
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            messages += 1
+            tokens.extend(chunk.token_ids)
+            texts.append(chunk.text)
+            for timing in chunk.timings:
+                if timing.index != timing_index:
+                    return len(tokens), messages, f"timing index {timing.index}, expected {timing_index}"
+                timing_index += 1
+        else:
+            summary = response.summary
+    if summary is None:
+        return len(tokens), messages, "no summary"
+    if summary.error:
+        return len(tokens), messages, f"error: {summary.error}"
+    want = [expected[i % len(expected)] for i in range(order.output_tokens)]
+    if tokens != want:
+        wrong = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), len(tokens))
+        return len(tokens), messages, f"{len(tokens)} tokens, first wrong at {wrong}"
+    if list(summary.token_ids) != tokens:
+        return len(tokens), messages, "summary tokens differ from the streamed ones"
+    if "".join(texts) != summary.text:
+        return len(tokens), messages, "streamed text differs from the summary's"
+    return len(tokens), messages, None
+
+
+async def run_round(stubs: list[Any], order: LoadOrder, expected_token_ids: tuple[int, ...]) -> LoadResult:
+    """One round over open channels' stubs (stream ``i`` on stub ``i % len(stubs)``)."""
+    start, cpu_start = time.monotonic(), time.process_time()
+    outcomes = await asyncio.gather(
+        *(_one_stream(stubs[i % len(stubs)], order, i, expected_token_ids) for i in range(order.streams)),
+        return_exceptions=True,
+    )
+    wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
+    tokens = messages = completed = 0
+    errors: list[str] = []
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, BaseException):
+            errors.append(f"stream {i}: {type(outcome).__name__}: {outcome}")
+            continue
+        got, sent, error = outcome
+        tokens, messages = tokens + got, messages + sent
+        if error is None:
+            completed += 1
+        else:
+            errors.append(f"stream {i}: {error}")
+    return LoadResult(order.streams, completed, tokens, messages, wall_s, cpu_s, tuple(errors[:5]))
+
+
+async def _serve_orders(address: str, expected_token_ids: tuple[int, ...], channels: int, pipe: Any) -> None:
+    chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+    try:
+        for chan in chans:
+            await asyncio.wait_for(chan.channel_ready(), timeout=30)
+        stubs = [tandem_pb2_grpc.TandemStub(chan) for chan in chans]
+        pipe.send("ready")
+        while True:
+            order = await asyncio.to_thread(pipe.recv)
+            if order is None:
+                return
+            pipe.send(await run_round(stubs, order, expected_token_ids))
+    finally:
+        for chan in chans:
+            await chan.close()
+
+
+def client_process(address: str, expected_token_ids: tuple[int, ...], channels: int, pipe: Any) -> None:
+    """The clients' process: connects ``channels`` channels, says ``"ready"``, then answers each
+    :class:`LoadOrder` read from ``pipe`` with a :class:`LoadResult`, until ``None``."""
+    asyncio.run(_serve_orders(address, expected_token_ids, channels, pipe))
