@@ -25,6 +25,7 @@ from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.openai_http import HttpConfig, OpenAIServer
 from tandem.frontend.request_stream import StreamSummary
+from tandem.frontend.stream_listener import StreamListener
 from tandem.metrics.discovery import ScrapeTarget, sd_document
 from tandem.metrics.http import MetricsServer
 from tandem.prefill.kv_events import KVEventBatch
@@ -50,6 +51,8 @@ class Frontend:
         self._metrics: MetricsServer | None = None
         self._all_metrics = self.core.metrics
         self._profiler = LoopProfiler()
+        # the decode ranks' token streams, once they connect (before, their actor calls)
+        self._streams = StreamListener(self.core.on_stream)
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
@@ -69,6 +72,7 @@ class Frontend:
                 advertise=ray.util.get_node_ip_address() if wildcard else None,
             )
         await self._server.start()
+        await self._streams.start(ray.util.get_node_ip_address())
         if self.http_config is not None:
             self._http = OpenAIServer(self.core, self.http_config)
             await self._http.start()
@@ -173,6 +177,11 @@ class Frontend:
     async def push_stream(self, batch: StreamBatch) -> None:
         self.core.on_stream(batch)
 
+    def stream_endpoint(self) -> tuple[str, int, bytes] | None:
+        """Where a decode rank streams this frontend its batches (``frontend/stream_listener.py``):
+        host, port and the secret a connection opens with."""
+        return self._streams.endpoint()
+
     async def push_kv_events(self, batch: KVEventBatch) -> None:
         self.core.on_kv_events(batch)
 
@@ -191,6 +200,7 @@ class Frontend:
             await self._server.stop(grace_s)
         if self._http is not None:
             await self._http.stop()
+        await self._streams.stop()
         if self._metrics is not None:
             self._metrics.close()
 
