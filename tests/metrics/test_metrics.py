@@ -182,3 +182,31 @@ def test_prometheus_config_refuses_bad_arguments(
 ) -> None:
     assert main(["metrics", "prometheus-config", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_observe_many_equals_one_observe_a_value() -> None:
+    """A request's gaps go into the histogram in one call: the exposition is the same as from
+    one ``observe`` a value, on the bucket bounds themselves too."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from tandem.metrics.frontend import observe_many
+
+    values = [0.0, 0.001, 0.0025, 0.0025000001, 0.04, 0.5, 3.0, 1e9]
+    registries = (CollectorRegistry(), CollectorRegistry())
+    one, many = (
+        Histogram("h", "d", ["a"], buckets=(0.0025, 0.04, 1.0), registry=r).labels(a="x") for r in registries
+    )
+    for value in values:
+        one.observe(value)
+    many.observe = lambda *_: pytest.fail("observed one value at a time")  # type: ignore[method-assign]
+    observe_many(many, values)
+
+    def samples(registry: CollectorRegistry) -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        pairs = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, value in pairs if "_created" not in name}
+
+    want, got = samples(registries[0]), samples(registries[1])
+    assert want.keys() == got.keys() and len(want) == 6  # 4 buckets, count, sum
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
