@@ -4,16 +4,16 @@ real frontend can be driven as hard as it can go (``bench/host_frontend.py``).
 A :class:`FakeDecodeRank` takes the frontend's ``submit`` calls, and after each of its steps
 pushes the frontend one :class:`StreamBatch` with one new token for every running request and
 the :class:`RequestResult` (with its :class:`Bill`) of each request that reached its
-``max_tokens``: the message, the actor method (``Frontend.push_stream``) and the one batch a
-step per frontend are those of ``decode/worker.py``'s ``publish``. Its steps are paced by the
-frontend alone: at most ``window`` pushes are in flight (a step waits for the oldest to be
-handled), so the rank is never what limits the tokens per second.
+``max_tokens``: the message, the path (the frontend's stream socket, as a decode rank's outbox
+uses once connected) and the one batch a step per frontend are those of ``decode/worker.py``'s
+``publish``. Its steps are paced by the frontend alone: a step waits while the socket holds back
+bytes the frontend has not read, so the rank is never what limits the tokens per second.
 
 ::
 
     frontend ──submit([RankRequest])──▶ FakeDecodeRank ─┐ step: one token per running request
         ▲                                               │
-        └──── push_stream(StreamBatch) (≤ window) ◀─────┘
+        └──── StreamBatch on the stream socket ◀────────┘
     frontend ──routing_view──▶ FakeController    frontend ──subscribe──▶ FakePrefillRank
 
 The fake prefill rank only answers the frontend's KV event subscription (an empty snapshot) and
@@ -31,6 +31,7 @@ from typing import Any
 import ray
 
 from tandem.cluster.controller import FrontendInfo, GroupView, RoutingView
+from tandem.cluster.stream_socket import SocketStream
 from tandem.engine.messages import (
     Bill,
     PrefillAttempt,
@@ -88,6 +89,7 @@ class FakeDecodeRank:
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._handles: dict[str, Any] = {}  # frontend name -> its actor
+        self._sockets: dict[str, SocketStream] = {}  # frontend name -> its stream socket
         self._in_flight: deque[Any] = deque()
         self._steps = self._pushes = self._tokens = self._results = 0
         self._loop: asyncio.Task[None] | None = None
@@ -179,15 +181,27 @@ class FakeDecodeRank:
         return RequestResult(request.request_id, tokens, reason, bill, self.rank, self.prefill_rank)
 
     async def _push(self, frontend: str, batch: StreamBatch) -> None:
-        """``Frontend.push_stream(batch)``, as a decode rank's outbox sends it; waits while
-        ``window`` pushes are unhandled."""
+        """The batch on the frontend's stream socket, as a decode rank's outbox sends it once
+        connected (``cluster/stream_socket.py``); waits while the socket holds back bytes, so the
+        frontend's reading paces the steps. A frontend without a socket gets
+        ``Frontend.push_stream(batch)`` calls, ``window`` of them unhandled at most."""
         handle = self._handles.get(frontend)
         if handle is None:
             handle = self._handles[frontend] = ray.get_actor(frontend)
-        self._in_flight.append(handle.push_stream.remote(batch))
+            endpoint = await handle.stream_endpoint.remote()
+            if endpoint is not None:
+                self._sockets[frontend] = SocketStream(*endpoint)
         self._pushes += 1
-        while len(self._in_flight) >= self.window:
-            await self._in_flight.popleft()
+        stream = self._sockets.get(frontend)
+        if stream is not None:
+            stream.send(batch)
+            while stream.buffered_bytes:
+                await asyncio.sleep(0.0002)
+                stream.flush()
+        else:
+            self._in_flight.append(handle.push_stream.remote(batch))
+            while len(self._in_flight) >= self.window:
+                await self._in_flight.popleft()
         await asyncio.sleep(0)  # let submits and aborts in between steps
 
 
