@@ -9,8 +9,10 @@ older reference, so a failure is found within one interval.
 Streams (``push_stream`` to a frontend) move to a socket when the actor offers one
 (``stream_endpoint``; see ``cluster/stream_socket.py``): the endpoint is asked for without
 waiting, and the switch happens once it has come and every push made as an actor call has run
-there, so the frontend sees one stream's batches in order. A socket that fails means the
-frontend is gone (False, as for a dead actor); the next contact starts over with actor calls.
+there, so the frontend sees one stream's batches in order. A socket found closed before a batch
+is written sends that batch as an actor call instead (a restarted frontend is reached again by
+name; a dead one answers False) and the stream starts over; one that fails with bytes still
+buffered ends that frontend's requests (``flush``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,9 @@ class RayOutbox:
                 try:
                     stream.send(payload)
                     return True
-                except OSError as exc:
+                except OSError as exc:  # closed before this batch: an actor call decides
                     log.warning("rank %s: the stream to %s failed: %s", self.owner, actor, exc)
                     self._forget(actor)
-                    return False
         ok = self._call(actor, method, payload)
         if ok and method == STREAM_METHOD and actor not in self._no_socket and actor not in self._endpoints:
             handle = self._handles.get(actor)

@@ -40,7 +40,9 @@ class SocketStream:
 
     def send(self, payload: Any) -> None:
         """Frame ``payload`` and send what the socket takes now; ``ConnectionError`` when the
-        frontend is gone or has stopped reading."""
+        frontend is gone (checked before anything is written: a frontend never writes back, so
+        a readable socket is one its peer closed) or has stopped reading."""
+        self._check_open()
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         self._pending += len(data).to_bytes(LENGTH_BYTES, "big")
         self._pending += data
@@ -55,6 +57,14 @@ class SocketStream:
             del self._pending[:sent]
         if len(self._pending) > self.max_buffered_bytes:
             raise StreamBackedUp(f"{len(self._pending)} bytes wait for the frontend to read them")
+
+    def _check_open(self) -> None:
+        try:
+            if self._sock.recv(1, socket.MSG_PEEK) == b"":
+                raise ConnectionResetError("the frontend closed its stream socket")
+        except BlockingIOError:
+            return  # nothing to read: open
+        raise ConnectionResetError("the frontend wrote on its stream socket")
 
     def close(self) -> None:
         self._sock.close()

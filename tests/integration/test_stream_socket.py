@@ -120,3 +120,22 @@ def test_a_frontend_that_stops_reading_is_found_backed_up() -> None:
         stream.close()
         peer.close()
         server.close()
+
+
+def test_a_closed_frontend_socket_is_found_before_a_batch_is_written() -> None:
+    """A restarted frontend must not lose its first batch into its dead predecessor's socket."""
+    server = socket.create_server(("127.0.0.1", 0))
+    host, port = server.getsockname()
+    stream = SocketStream(host, port, b"s" * 16)
+    peer, _ = server.accept()
+    assert peer.recv(16) == b"s" * 16  # read what came: the close is a clean FIN
+    peer.close()
+    try:
+        deadline = time.monotonic() + 10
+        with pytest.raises(ConnectionResetError, match="closed its stream socket"):
+            while time.monotonic() < deadline:  # the FIN is seen as soon as it arrives
+                stream._check_open()
+                time.sleep(0.01)
+    finally:
+        stream.close()
+        server.close()
