@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import ray
 
 from tandem.kvtransfer.ucx_config import TRANSFER_ENV_KEYS, single_host_transfer_env
+
+logger = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, namespace: str | None = None) -> None:
@@ -38,14 +41,47 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, namespace:
             log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1",
         )
     else:
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count() or 1,
-            include_dashboard=False,
-            namespace=namespace,
-            runtime_env=runtime_env,
-            logging_level=logging.WARNING,
-            log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1",
-        )
+        _start_embedded(num_cpus or os.cpu_count() or 1, namespace, runtime_env)
+
+
+# Ray gives a starting raylet a fixed 30 s to register with its GCS; on a loaded host (the
+# processes of a Ray just shut down still exiting) that can pass. The half-started node is
+# killed and the start tried once more.
+_STARTUP_TIMEOUT = "timed out during startup"
+_EMBEDDED_ATTEMPTS = 2
+
+
+def _start_embedded(num_cpus: int, namespace: str | None, runtime_env: dict[str, Any] | None) -> None:
+    for attempt in range(1, _EMBEDDED_ATTEMPTS + 1):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                namespace=namespace,
+                runtime_env=runtime_env,
+                logging_level=logging.WARNING,
+                log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1",
+            )
+            return
+        except Exception as e:
+            if _STARTUP_TIMEOUT not in str(e) or attempt == _EMBEDDED_ATTEMPTS:
+                raise
+            _kill_half_started_node(e)
+            logger.warning("embedded Ray did not start in time (attempt %d); starting it again", attempt)
+
+
+def _kill_half_started_node(error: BaseException) -> None:
+    """Kill the GCS and raylet of the node whose start raised ``error``: ``ray.init`` drops the
+    node object when its constructor raises, so it is found in the traceback."""
+    from ray._private.node import Node
+
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            return
+        tb = tb.tb_next
 
 
 def shutdown_ray() -> None:
