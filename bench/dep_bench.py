@@ -38,13 +38,14 @@ def run_dep_bench(
         group.start()
         try:
             sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+            # taken before the first submit: a rank starts stepping as soon as its requests arrive
+            before = group.stats()
+            start = time.perf_counter()
             for rank in range(size):
                 prompts = random_prompts.make(requests_per_rank, prompt_tokens)
                 group.submit(
                     rank, [RankRequest(f"r{rank}-{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
                 )
-            before = group.stats()
-            start = time.perf_counter()
             results = group.run_to_completion(timeout_s=600)
             elapsed = time.perf_counter() - start
             after = group.stats()
