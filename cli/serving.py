@@ -95,12 +95,6 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         help="seconds between a client's pings while it runs no call; faster ones close its connection",
     )
     srv.add_argument(
-        "--stream-buffer-chunks",
-        type=int,
-        default=limits.stream_buffer_chunks,
-        help="chunks a stream holds for a slow reader before it merges them",
-    )
-    srv.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -171,7 +165,6 @@ def edge_limits(args: argparse.Namespace) -> EdgeLimits:
         max_connection_age_s=args.max_connection_age or None,
         max_connection_age_grace_s=args.max_connection_age_grace,
         min_ping_interval_s=args.min_ping_interval,
-        stream_buffer_chunks=args.stream_buffer_chunks,
     )
     try:
         limits.check()

@@ -221,7 +221,6 @@ class FrontendCore:
             len(prompt),
             self.tokenizer,
             spec.arrival_s,
-            buffer_chunks=self.config.limits.stream_buffer_chunks,
             detokenizer_cache=self.detokenizer_cache,
         )
         running, submit = self._route_and_submit(spec, stream, view)
@@ -250,7 +249,7 @@ class FrontendCore:
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
             while True:
-                item = await stream.buffer.get_merged()  # all the tokens that came: one message
+                item = await stream.buffer.get()  # all the tokens that came: one message
                 if isinstance(item, StreamSummary) and self.metrics is not None:
                     self.metrics.ended(item)
                 yield item
@@ -377,7 +376,7 @@ class FrontendCore:
         self.orphans_aborted += len(set(request_ids))
 
     def stream_buffers(self) -> list[StreamBuffer]:
-        """Every running request's buffered items (bounded by ``limits.stream_buffer_chunks``)."""
+        """Every running request's buffered items (a chunk and the summary at most)."""
         return [
             StreamBuffer(key, len(r.stream.buffer), r.stream.buffer.tokens) for key, r in self.running.items()
         ]

@@ -1,5 +1,5 @@
 """The operator's limits at the gRPC edge: how much one client may run, how large a request may be,
-how long connections live, and how much a stream holds for a client that reads slowly.
+how long connections live.
 
 Limits that follow from the model (prompt and output lengths within its context, stop ids within
 its vocabulary) are not settings: ``grpc_service`` derives them from the model's config.
@@ -30,7 +30,6 @@ class EdgeLimits:
     max_connection_age_s: float | None = None  # None: connections are not recycled
     max_connection_age_grace_s: float = 300.0
     min_ping_interval_s: float = 10.0
-    stream_buffer_chunks: int = 64  # chunks a stream holds for its client before merging them
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -42,8 +41,6 @@ class EdgeLimits:
             raise ValueError(
                 f"max_request_bytes: must be in [1024, {INT32_MAX}], got {self.max_request_bytes}"
             )
-        if self.stream_buffer_chunks < 1:
-            raise ValueError(f"stream_buffer_chunks: must be at least 1, got {self.stream_buffer_chunks}")
         for name in (
             "keepalive_time_s",
             "keepalive_timeout_s",

@@ -11,23 +11,21 @@ arrival here. The gap between two tokens is the difference of the decode rank's 
 own clock (a request's tokens all come from one decode rank); the gap of token 0 is the time to
 first token. No figure subtracts one process's clock from another's.
 
-Backpressure: the stream holds at most ``buffer_chunks`` items for its client
-(:class:`ChunkBuffer`). When a client reads slower than its tokens come (or stops reading, and
-HTTP/2 flow control holds the server's writes), a new chunk is merged into the last one held, so
-the client gets fewer, larger chunks and the memory held is bounded by the request's tokens (its
-``max_tokens``), never by the number of decode steps.
+Backpressure: the stream holds one chunk for its client (:class:`ChunkBuffer`); tokens that
+come before the client takes it join it, so a slow reader gets fewer, larger messages and the
+memory held is bounded by the request's tokens (its ``max_tokens``), never by the number of
+decode steps.
 
 ::
 
-    push_stream(StreamBatch) -> on_delta(TokenDelta) -> StreamChunk  --\\
-                                on_result(RequestResult) -> StreamChunk? + StreamSummary -> buffer -> gRPC
+    push_stream(StreamBatch) -> on_delta(TokenDelta) -> tokens, text, timings --\\
+                                on_result(RequestResult) -> tokens? + StreamSummary -> buffer -> gRPC
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,93 +49,89 @@ class StreamChunk:
     timings: list[TokenTiming]
 
 
-def merged(first: StreamChunk, second: StreamChunk) -> StreamChunk:
-    """One chunk with the tokens, text and timings of ``first`` then ``second``."""
-    return StreamChunk(
-        first.token_ids + second.token_ids, first.text + second.text, first.timings + second.timings
-    )
-
-
-def merged_all(chunks: list[StreamChunk]) -> StreamChunk:
-    """One chunk with the tokens, text and timings of ``chunks`` in order."""
-    if len(chunks) == 1:
-        return chunks[0]
-    tokens: list[int] = []
-    timings: list[TokenTiming] = []
-    for chunk in chunks:
-        tokens += chunk.token_ids
-        timings += chunk.timings
-    return StreamChunk(tokens, "".join(c.text for c in chunks), timings)
-
-
 class ChunkBuffer:
-    """A stream's items waiting for its client: at most ``limit`` chunks, then the summary.
+    """A stream's output waiting for its client: at most one chunk, then the summary.
 
-    A chunk that would pass the limit is merged into the last chunk held; the summary always
-    goes in (it ends the stream, and nothing follows it). One producer (the frontend's event
-    loop, on each ``push_stream``), one consumer (the request's generator), which waits on a
-    future of its own while the buffer is empty."""
+    Tokens that come before the client has taken the chunk held join it (in place, so a token
+    costs three appends, not a chunk of its own), and the client gets every token since its last
+    read in one message: a client that reads slower than its tokens come (or stops reading, and
+    HTTP/2 flow control holds the server's writes) gets fewer, larger messages, and the memory
+    held is bounded by the request's tokens (its ``max_tokens``), never by the number of decode
+    steps. One producer (the frontend's event loop, on each push), one consumer (the request's
+    generator), which waits on a future of its own while the buffer is empty."""
 
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit: must be at least 1, got {limit}")
-        self.limit = limit
-        self._items: deque[StreamChunk | StreamSummary] = deque()
+    def __init__(self) -> None:
+        self._chunk: StreamChunk | None = None
+        self._texts: list[str] = []  # the held chunk's text, joined when it is taken
+        self._summary: StreamSummary | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self.tokens = 0  # token ids held
 
     def __len__(self) -> int:
-        return len(self._items)
+        return (self._chunk is not None) + (self._summary is not None)
+
+    @property
+    def tokens(self) -> int:
+        """Token ids held."""
+        return 0 if self._chunk is None else len(self._chunk.token_ids)
 
     def empty(self) -> bool:
-        return not self._items
+        return self._chunk is None and self._summary is None
+
+    def add(self, token: int, text: str, timing: TokenTiming) -> None:
+        """One token, the text it completes and its timing, at the end of the held chunk."""
+        chunk = self._chunk
+        if chunk is None:
+            chunk = self._open()
+        chunk.token_ids.append(token)
+        if text:
+            self._texts.append(text)
+        chunk.timings.append(timing)
 
     def put(self, item: StreamChunk | StreamSummary) -> None:
-        items = self._items
+        """A chunk joins the held one; the summary ends the stream (nothing goes in after it)."""
         if type(item) is StreamChunk:
-            self.tokens += len(item.token_ids)
-            if len(items) >= self.limit and type(items[-1]) is StreamChunk:
-                items[-1] = merged(items[-1], item)
-            else:
-                items.append(item)
+            chunk = self._chunk
+            if chunk is None:
+                chunk = self._open()
+            chunk.token_ids += item.token_ids
+            if item.text:
+                self._texts.append(item.text)
+            chunk.timings += item.timings
         else:
-            items.append(item)
+            self._summary = item  # type: ignore[assignment]
+            self._wake()
+
+    def get_nowait(self) -> StreamChunk | StreamSummary:
+        """The chunk held, else the summary; ``IndexError`` when empty."""
+        chunk = self._chunk
+        if chunk is not None:
+            self._chunk = None
+            texts, self._texts = self._texts, []
+            chunk.text = texts[0] if len(texts) == 1 else "".join(texts)
+            return chunk
+        summary = self._summary
+        if summary is None:
+            raise IndexError("the stream's buffer is empty")
+        self._summary = None
+        return summary
+
+    async def get(self) -> StreamChunk | StreamSummary:
+        while self._chunk is None and self._summary is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.get_nowait()
+
+    def _open(self) -> StreamChunk:
+        chunk = self._chunk = StreamChunk([], "", [])
+        self._wake()
+        return chunk
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-
-    def get_nowait(self) -> StreamChunk | StreamSummary:
-        item = self._items.popleft()  # IndexError when empty
-        if type(item) is StreamChunk:
-            self.tokens -= len(item.token_ids)
-        return item
-
-    async def _wait(self) -> None:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-
-    async def get(self) -> StreamChunk | StreamSummary:
-        if not self._items:
-            await self._wait()
-        return self.get_nowait()
-
-    async def get_merged(self) -> StreamChunk | StreamSummary:
-        """Every chunk held, merged into one (the client gets one message for all the tokens
-        that came since it last read), or the summary when nothing else is left."""
-        items = self._items
-        if not items:
-            await self._wait()
-        if type(items[0]) is not StreamChunk:
-            return items.popleft()
-        chunks: list[StreamChunk] = []
-        while items and type(items[0]) is StreamChunk:
-            chunks.append(items.popleft())  # type: ignore[arg-type]
-        chunk = merged_all(chunks)
-        self.tokens -= len(chunk.token_ids)
-        return chunk
 
 
 @dataclass(frozen=True)
@@ -191,7 +185,6 @@ class RequestStream:
     arrival_s: float = field(default_factory=time.monotonic)  # on ``clock``
     clock: Callable[[], float] = time.monotonic
     route: Route | None = None
-    buffer_chunks: int = 64
     finished: bool = False
     _next_index: int = 0
     _pending: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # index -> token, times
@@ -209,32 +202,26 @@ class RequestStream:
         if self.detokenizer_cache is None:
             self.detokenizer_cache = PairCache(self.tokenizer)
         self._detokenizer = StreamDetokenizer(self.detokenizer_cache)
-        self.buffer = ChunkBuffer(self.buffer_chunks)
+        self.buffer = ChunkBuffer()
 
-    def on_delta(self, delta: TokenDelta) -> StreamChunk | None:
-        """Queue the chunk ``delta`` completes (``None`` when it completes nothing)."""
+    def on_delta(self, delta: TokenDelta) -> int:
+        """Stream the tokens ``delta`` completes; how many (0: it completes nothing)."""
         if self.finished:
-            return None
+            return 0
         index = self._next_index
         if delta.start_index == index and not self._pending:  # in order: the usual case
             tokens = delta.token_ids
             if len(tokens) == 1 and index:  # one token a step: no list to walk
-                chunk = self._emit_one(index, tokens[0], delta.times_s[0], delta.times_unix_s[0])
-            elif tokens:
-                chunk = self._emit(tokens, delta.times_s, delta.times_unix_s)
-            else:
-                return None
-            self.buffer.put(chunk)
-            return chunk
+                self._emit_one(index, tokens[0], delta.times_s[0], delta.times_unix_s[0])
+                return 1
+            self._emit(tokens, delta.times_s, delta.times_unix_s)
+            return len(tokens)
         for offset, token in enumerate(delta.token_ids):
             index = delta.start_index + offset
             if index >= self._next_index:
                 times = (delta.times_s[offset], delta.times_unix_s[offset])
                 self._pending.setdefault(index, (token, *times))
-        drained = self._drain()
-        if drained is not None:
-            self.buffer.put(drained)
-        return drained
+        return self._drain()
 
     @property
     def tokens(self) -> list[int]:
@@ -259,9 +246,7 @@ class RequestStream:
         for index in range(self._next_index, len(result.token_ids)):
             # tokens no delta brought have no reading of the decode rank: no gap is made up
             self._pending.setdefault(index, (result.token_ids[index], float("nan"), time.time()))
-        chunk = self._drain()
-        if chunk is not None:
-            self.buffer.put(chunk)
+        self._drain()
         tail = self._detokenizer.finish()
         if tail:
             self.buffer.put(StreamChunk([], tail, []))
@@ -290,8 +275,8 @@ class RequestStream:
             RequestResult(self.request_id, tokens, FinishReason.ERROR, bill, decode_rank, error=reason)
         )
 
-    def _drain(self) -> StreamChunk | None:
-        """The chunk of the pending tokens from the next expected index on, if any."""
+    def _drain(self) -> int:
+        """Stream the pending tokens from the next expected index on; how many."""
         pending = self._pending
         tokens: list[int] = []
         rank_times: list[float] = []
@@ -301,9 +286,10 @@ class RequestStream:
             tokens.append(token)
             rank_times.append(rank_s)
             unix_times.append(unix_s)
-        return self._emit(tokens, rank_times, unix_times) if tokens else None
+        self._emit(tokens, rank_times, unix_times)
+        return len(tokens)
 
-    def _emit_one(self, index: int, token: int, rank_s: float, unix_s: float) -> StreamChunk:
+    def _emit_one(self, index: int, token: int, rank_s: float, unix_s: float) -> None:
         """:meth:`_emit` of one token that is not the first."""
         last_rank_s = self._last_rank_s
         if last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
@@ -315,16 +301,13 @@ class RequestStream:
             self._last_rank_s = rank_s if rank_s == rank_s else None
         self._next_index = index + 1
         self._tokens.append(token)
-        return StreamChunk([token], self._detokenizer.add(token), [TokenTiming(index, unix_s, gap)])
+        self.buffer.add(token, self._detokenizer.add(token), TokenTiming(index, unix_s, gap))
 
-    def _emit(
-        self, tokens: Sequence[int], rank_times: Sequence[float], unix_times: Sequence[float]
-    ) -> StreamChunk:
-        """The chunk of ``tokens``, the next ones in order, with their rank's clock readings
-        (NaN: none) and wall times: their text and timings."""
+    def _emit(self, tokens: Sequence[int], rank_times: Sequence[float], unix_times: Sequence[float]) -> None:
+        """Stream ``tokens``, the next ones in order, with their rank's clock readings (NaN:
+        none) and wall times: their text and timings."""
         index, last_rank_s, add = self._next_index, self._last_rank_s, self._detokenizer.add
-        timings: list[TokenTiming] = []
-        texts: list[str] = []
+        put = self.buffer.add
         for token, rank_s, unix_s in zip(tokens, rank_times, unix_times, strict=True):
             if index == 0:
                 self._ttft_s = gap = self.clock() - self.arrival_s  # the first token is here now
@@ -334,10 +317,7 @@ class RequestStream:
             else:
                 gap = 0.0
             last_rank_s = rank_s if rank_s == rank_s else None
-            timings.append(TokenTiming(index, unix_s, gap))
-            texts.append(add(token))
+            put(token, add(token), TokenTiming(index, unix_s, gap))
             index += 1
         self._next_index, self._last_rank_s = index, last_rank_s
-        token_list = list(tokens)
-        self._tokens += token_list
-        return StreamChunk(token_list, "".join(texts), timings)
+        self._tokens += tokens

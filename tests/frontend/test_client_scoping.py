@@ -144,12 +144,13 @@ def test_a_client_at_its_limit_is_refused_and_others_are_not(tiny_dir: Path) -> 
 
 
 def test_a_stream_that_is_not_read_holds_a_bounded_buffer(tiny_dir: Path) -> None:
-    """Deltas keep coming while the client reads nothing: the stream merges chunks instead of
-    queueing one per step; what the client finally reads is every token, in order."""
+    """Deltas keep coming while the client reads nothing: the stream holds one chunk that the
+    tokens join instead of queueing one per step; what the client finally reads is every token,
+    in order."""
     from tandem.engine.messages import TokenDelta
 
     async def run() -> None:
-        core, rank = _ready_core(tiny_dir, EdgeLimits(stream_buffer_chunks=3))
+        core, rank = _ready_core(tiny_dir, EdgeLimits())
         spec = GenerateSpec("slow", [1, 2, 3], SamplingParams(max_tokens=200), client="alice")
         stream = core.generate(spec)
         first = asyncio.ensure_future(anext(stream))
@@ -163,14 +164,15 @@ def test_a_stream_that_is_not_read_holds_a_bounded_buffer(tiny_dir: Path) -> Non
             delta = TokenDelta(rank_id, i, (tokens[i],), (float(i),), (float(i),))
             core.on_stream(StreamBatch(DECODE, (delta,), ()))
             (buffer,) = core.stream_buffers()
-            assert buffer.items <= 3 and buffer.key == RequestKey("alice", "slow")
+            assert buffer.items == 1 and buffer.key == RequestKey("alice", "slow")
         (buffer,) = core.stream_buffers()
-        assert buffer.items == 3 and buffer.tokens == 199
+        assert buffer.items == 1 and buffer.tokens == 199
         result = RequestResult(rank_id, tuple(tokens), FinishReason.LENGTH, Bill(prompt_tokens=3), DECODE)
         core.on_stream(StreamBatch(DECODE, (), (result,)))
-        assert core.stream_buffers()[0].items == 4  # the summary always goes in
+        assert core.stream_buffers()[0].items == 2  # the summary always goes in
         rest = [item async for item in stream]
         chunks = [i for i in rest if isinstance(i, StreamChunk)]
+        assert len(chunks) == 1  # every token since the last read: one message
         assert [t for c in chunks for t in c.token_ids] == tokens[1:]
         assert [t.index for c in chunks for t in c.timings] == list(range(1, 200))
         assert isinstance(rest[-1], StreamSummary) and rest[-1].token_ids == tokens

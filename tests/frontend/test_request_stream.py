@@ -53,20 +53,21 @@ def test_deltas_out_of_order_and_repeated_come_out_once_in_order(tokenizer: Toke
     stream = _stream(tokenizer, clock)
     ids = tokenizer.encode("hello")
     clock.now = 100.05
-    assert stream.on_delta(_delta(2, ids[2:4], [5000.3, 5000.3])) is None  # a gap: held
+    assert stream.on_delta(_delta(2, ids[2:4], [5000.3, 5000.3])) == 0  # a gap: held
+    assert stream.buffer.empty()
     clock.now = 100.25  # token 0 reaches the frontend 0.25 s after the request did
-    first = stream.on_delta(_delta(0, ids[:2], [5000.1, 5000.2]))
-    assert first is not None
-    assert first.token_ids == ids[:4]  # the held tokens follow at once
+    assert stream.on_delta(_delta(0, ids[:2], [5000.1, 5000.2])) == 4  # the held tokens follow at once
+    (first,) = _drain(stream)
+    assert isinstance(first, StreamChunk) and first.token_ids == ids[:4]
     assert [t.index for t in first.timings] == [0, 1, 2, 3]
     # token 0: the frontend's time to first token; the rest: the decode rank's own gaps
     assert [round(t.gap_s, 6) for t in first.timings] == [0.25, 0.1, 0.1, 0.0]
-    assert stream.on_delta(_delta(1, ids[1:3], [5000.2, 5000.3])) is None  # a repeat
+    assert stream.on_delta(_delta(1, ids[1:3], [5000.2, 5000.3])) == 0  # a repeat
     ranks = RankId("decode0", 1), RankId("prefill0", 0)
     result = RequestResult("r", tuple(ids), FinishReason.LENGTH, Bill(prompt_tokens=3), *ranks)
     clock.now = 101.5
     summary = stream.on_result(result)
-    items = _drain(stream)
+    items = [first, *_drain(stream)]
     assert items[-1] is summary and summary.token_ids == ids and summary.text == "hello"
     chunks = [i for i in items if isinstance(i, StreamChunk)]
     assert [t for c in chunks for t in c.token_ids] == ids  # the last token came only with the result
@@ -74,17 +75,34 @@ def test_deltas_out_of_order_and_repeated_come_out_once_in_order(tokenizer: Toke
     assert summary.ttft_s == pytest.approx(0.25) and summary.e2e_s == pytest.approx(1.5)
     # the last token had no reading of the decode rank's clock: no gap is made up for it
     assert summary.token_gaps_s == pytest.approx((0.1, 0.1, 0.0))
-    assert stream.on_delta(_delta(5, [1], [5001.0])) is None  # after the end: ignored
+    assert stream.on_delta(_delta(5, [1], [5001.0])) == 0  # after the end: ignored
 
 
 def test_a_character_split_across_tokens_is_held_until_complete(tokenizer: Tokenizer) -> None:
     stream = _stream(tokenizer)
     ids = tokenizer.encode("é")[-2:]  # two byte-level tokens (after the BOS)
     assert len(ids) == 2
-    chunk = stream.on_delta(_delta(0, [ids[0]], [100.1]))
-    assert chunk is not None and chunk.text == "" and chunk.token_ids == [ids[0]]
-    chunk = stream.on_delta(_delta(1, [ids[1]], [100.2]))
-    assert chunk is not None and chunk.text == "é"
+    assert stream.on_delta(_delta(0, [ids[0]], [100.1])) == 1
+    (chunk,) = _drain(stream)  # the token goes out; its half character does not
+    assert isinstance(chunk, StreamChunk) and chunk.text == "" and chunk.token_ids == [ids[0]]
+    assert stream.on_delta(_delta(1, [ids[1]], [100.2])) == 1
+    (chunk,) = _drain(stream)
+    assert isinstance(chunk, StreamChunk) and chunk.text == "é" and chunk.token_ids == [ids[1]]
+
+
+def test_tokens_the_client_has_not_taken_join_one_chunk(tokenizer: Tokenizer) -> None:
+    """A reader slower than its tokens gets every token since its last read in one message,
+    and the buffer holds one chunk however many deltas came."""
+    stream = _stream(tokenizer)
+    ids = tokenizer.encode("slow reader")[1:]
+    for i, token in enumerate(ids):
+        assert stream.on_delta(_delta(i, [token], [100.0 + i])) == 1
+        assert len(stream.buffer) == 1 and stream.buffer.tokens == i + 1
+    (chunk,) = _drain(stream)
+    assert isinstance(chunk, StreamChunk) and chunk.token_ids == ids and chunk.text == "slow reader"
+    assert [t.index for t in chunk.timings] == list(range(len(ids)))
+    assert [t.gap_s for t in chunk.timings[1:]] == [1.0] * (len(ids) - 1)
+    assert stream.buffer.tokens == 0 and stream.buffer.empty()
 
 
 def test_a_failure_ends_the_stream_with_the_tokens_so_far(tokenizer: Tokenizer) -> None:

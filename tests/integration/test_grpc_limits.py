@@ -1,6 +1,6 @@
 """Limits at the gRPC edge on a real cluster (Ray, NIXL, grpc.aio on loopback): DEP1 prefill +
-DEP1 decode, float64, two clients with their own bearer tokens, streams that hold at most
-:data:`BUFFER` chunks for a slow reader. Ends with a property-based fuzz of the whole request
+DEP1 decode, float64, two clients with their own bearer tokens, streams that hold one chunk for
+a slow reader. Ends with a property-based fuzz of the whole request
 surface, after which the server still gives the colocated engine's tokens."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 PAGE = 8
-BUFFER = 4
+STALLED_TOKENS = 32  # tokens a stream whose writes stalled holds in its one chunk
 TOKENS = "alice:tok-alice\nbob:tok-bob\n"
 ALICE = (("authorization", "Bearer tok-alice"),)
 BOB = (("authorization", "Bearer tok-bob"),)
@@ -54,7 +54,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tiny = make_tiny_checkpoint(tmp_path_factory.mktemp("limits") / "tiny", seed=0)
     init_ray()
-    limits = EdgeLimits(stream_buffer_chunks=BUFFER)
+    limits = EdgeLimits()
     config = FrontendConfig(
         str(tiny), "tiny", port=0, auth_token=TOKENS, max_running_requests=64, limits=limits
     )
@@ -182,8 +182,8 @@ def test_a_client_at_its_limit_is_resource_exhausted_and_others_are_served(serve
 
 def test_streams_nobody_reads_hold_bounded_buffers_while_others_are_served(served: Served) -> None:
     """32 streams whose client never reads (a small HTTP/2 window, so the server's writes stall):
-    each holds at most BUFFER chunks and the summary, and another client meanwhile gets the
-    colocated engine's tokens."""
+    each holds one chunk, which its tokens join (and then the summary), and another client
+    meanwhile gets the colocated engine's tokens."""
     unread = [
         PromptSpec(None, [i + 1, 9, 9], SamplingParams(max_tokens=600, ignore_eos=True)) for i in range(32)
     ]
@@ -207,7 +207,7 @@ def test_streams_nobody_reads_hold_bounded_buffers_while_others_are_served(serve
             while full < len(unread) and time.monotonic() < deadline:
                 buffers = await served.frontend.stream_buffers.remote()
                 most.append(max((b.items for b in buffers), default=0))
-                full = sum(b.items >= BUFFER for b in buffers)
+                full = sum(b.tokens >= STALLED_TOKENS for b in buffers)
                 await asyncio.sleep(0.2)
             stub = tandem_pb2_grpc.TandemStub(fast)
             summary = await _summary(stub.Generate(request_message(reference, "meanwhile"), metadata=BOB))
@@ -218,8 +218,8 @@ def test_streams_nobody_reads_hold_bounded_buffers_while_others_are_served(serve
             return most, full, summary
 
     most, full, summary = asyncio.run(run())
-    assert max(most) <= BUFFER + 1, most
-    assert full == len(unread)  # every stream's writes stalled, and its chunks were merged
+    assert max(most) <= 2, most  # a chunk and the summary
+    assert full == len(unread)  # every stream's writes stalled, and its tokens joined one chunk
     assert list(summary.token_ids) == _expected(served.tiny, [reference])[0]
     _wait_idle(served)
 
