@@ -6,8 +6,10 @@ pushes the frontend one :class:`StreamBatch` with one new token for every runnin
 the :class:`RequestResult` (with its :class:`Bill`) of each request that reached its
 ``max_tokens``: the message, the path (the frontend's stream socket, as a decode rank's outbox
 uses once connected) and the one batch a step per frontend are those of ``decode/worker.py``'s
-``publish``. Its steps are paced by the frontend alone: a step waits while the socket holds back
-bytes the frontend has not read, so the rank is never what limits the tokens per second.
+``publish``. A step takes at least ``step_s`` (the stand-in for a decode forward: every running
+stream gets its token a step, as on a deployment, so a push carries a token of each), and waits
+while the socket holds back bytes the frontend has not read: with a short ``step_s`` the ranks
+offer more tokens than the frontend takes, and the frontend is what limits the tokens per second.
 
 ::
 
@@ -78,14 +80,21 @@ class FakeDecodeRank:
     """A decode rank without a model: token ``i`` of every request is ``token_ids[i % len]``."""
 
     def __init__(
-        self, rank: RankId, prefill_rank: RankId, token_ids: tuple[int, ...], window: int = 2
+        self,
+        rank: RankId,
+        prefill_rank: RankId,
+        token_ids: tuple[int, ...],
+        window: int = 2,
+        step_s: float = 0.0,
     ) -> None:
         if not token_ids:
             raise ValueError("token_ids: expected at least one token id")
         if window < 1:
             raise ValueError(f"window: must be at least 1, got {window}")
+        if not 0 <= step_s <= 1:
+            raise ValueError(f"step_s: expected 0 to 1 seconds, got {step_s}")
         self.rank, self.prefill_rank = rank, prefill_rank
-        self.token_ids, self.window = token_ids, window
+        self.token_ids, self.window, self.step_s = token_ids, window, step_s
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._handles: dict[str, Any] = {}  # frontend name -> its actor
@@ -93,6 +102,7 @@ class FakeDecodeRank:
         self._in_flight: deque[Any] = deque()
         self._steps = self._pushes = self._tokens = self._results = 0
         self._loop: asyncio.Task[None] | None = None
+        self._held = False
 
     async def submit(self, items: list[RankRequest]) -> None:
         if self._loop is None:
@@ -121,15 +131,33 @@ class FakeDecodeRank:
             total_pages=FAKE_TOTAL_PAGES,
         )
 
+    async def hold(self) -> None:
+        """Take requests but make no step until :meth:`release` (a round starts with every
+        stream running, as on a deployment at steady state, however fast the frontend admits)."""
+        self._held = True
+
+    async def release(self) -> None:
+        self._held = False
+        self._wake.set()
+
+    async def running(self) -> int:
+        return len(self._streams)
+
     async def counts(self) -> FakeRankCounts:
         return FakeRankCounts(self._steps, self._pushes, self._tokens, self._results)
 
     async def _run(self) -> None:
+        next_step = time.monotonic()
         while True:
-            if not self._streams:
+            if not self._streams or self._held:
                 self._wake.clear()
                 await self._wake.wait()
+                next_step = time.monotonic()
                 continue
+            wait_s = next_step - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            next_step = max(next_step + self.step_s, time.monotonic())
             for frontend, batch in self._step().items():
                 await self._push(frontend, batch)
 

@@ -44,12 +44,32 @@ class LoadResult:
     wall_s: float  # first call sent -> last summary received
     cpu_s: float  # this process's CPU over the same interval
     errors: tuple[str, ...] = ()  # the first few streams that went wrong, and why
+    # each completed stream's time to first token at the frontend (its summary's ttft_s), and
+    # the client's own reading: call sent -> first chunk, on this process's clock
+    frontend_ttft_s: tuple[float, ...] = ()
+    client_ttft_s: tuple[float, ...] = ()
 
 
-async def _one_stream(
-    stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...]
-) -> tuple[int, int, str | None]:
-    """One ``Generate`` call; (tokens, chunk messages, what went wrong or ``None``)."""
+@dataclass
+class _Seen:
+    tokens: int = 0
+    messages: int = 0
+    error: str | None = None
+    frontend_ttft_s: float = 0.0
+    client_ttft_s: float = 0.0
+
+
+async def _one_stream(stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...]) -> _Seen:
+    """One ``Generate`` call: what the client saw, and what went wrong (``error``) if anything."""
+    seen = _Seen()
+    sent_s = time.monotonic()
+    seen.error = await _check_stream(stub, order, index, expected, seen, sent_s)
+    return seen
+
+
+async def _check_stream(
+    stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...], seen: _Seen, sent_s: float
+) -> str | None:
     sampling = tandem_pb2.SamplingParams(max_tokens=order.output_tokens, ignore_eos=True)
     request = tandem_pb2.GenerateRequest(request_id=f"{order.round_id}-{index}", sampling=sampling)
     request.token_ids.ids.extend(order.prompt_token_ids)
@@ -60,28 +80,32 @@ async def _one_stream(
     async for response in stub.Generate(request):
         if response.HasField("chunk"):
             chunk = response.chunk
+            if not messages:
+                seen.client_ttft_s = time.monotonic() - sent_s
             messages += 1
+            seen.tokens, seen.messages = seen.tokens + len(chunk.token_ids), messages
             tokens.extend(chunk.token_ids)
             texts.append(chunk.text)
             for timing in chunk.timings:
                 if timing.index != timing_index:
-                    return len(tokens), messages, f"timing index {timing.index}, expected {timing_index}"
+                    return f"timing index {timing.index}, expected {timing_index}"
                 timing_index += 1
         else:
             summary = response.summary
     if summary is None:
-        return len(tokens), messages, "no summary"
+        return "no summary"
     if summary.error:
-        return len(tokens), messages, f"error: {summary.error}"
+        return f"error: {summary.error}"
+    seen.frontend_ttft_s = summary.bill.latency.ttft_s
     want = [expected[i % len(expected)] for i in range(order.output_tokens)]
     if tokens != want:
         wrong = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), len(tokens))
-        return len(tokens), messages, f"{len(tokens)} tokens, first wrong at {wrong}"
+        return f"{len(tokens)} tokens, first wrong at {wrong}"
     if list(summary.token_ids) != tokens:
-        return len(tokens), messages, "summary tokens differ from the streamed ones"
+        return "summary tokens differ from the streamed ones"
     if "".join(texts) != summary.text:
-        return len(tokens), messages, "streamed text differs from the summary's"
-    return len(tokens), messages, None
+        return "streamed text differs from the summary's"
+    return None
 
 
 async def run_round(stubs: list[Any], order: LoadOrder, expected_token_ids: tuple[int, ...]) -> LoadResult:
@@ -94,17 +118,30 @@ async def run_round(stubs: list[Any], order: LoadOrder, expected_token_ids: tupl
     wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
     tokens = messages = completed = 0
     errors: list[str] = []
+    frontend_ttft: list[float] = []
+    client_ttft: list[float] = []
     for i, outcome in enumerate(outcomes):
         if isinstance(outcome, BaseException):
             errors.append(f"stream {i}: {type(outcome).__name__}: {outcome}")
             continue
-        got, sent, error = outcome
-        tokens, messages = tokens + got, messages + sent
-        if error is None:
+        tokens, messages = tokens + outcome.tokens, messages + outcome.messages
+        if outcome.error is None:
             completed += 1
+            frontend_ttft.append(outcome.frontend_ttft_s)
+            client_ttft.append(outcome.client_ttft_s)
         else:
-            errors.append(f"stream {i}: {error}")
-    return LoadResult(order.streams, completed, tokens, messages, wall_s, cpu_s, tuple(errors[:5]))
+            errors.append(f"stream {i}: {outcome.error}")
+    return LoadResult(
+        order.streams,
+        completed,
+        tokens,
+        messages,
+        wall_s,
+        cpu_s,
+        tuple(errors[:5]),
+        tuple(frontend_ttft),
+        tuple(client_ttft),
+    )
 
 
 async def _serve_orders(address: str, expected_token_ids: tuple[int, ...], channels: int, pipe: Any) -> None:

@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=64, help="decode: tokens per request")
     parser.add_argument("--streams", default="64,256", help="frontend: concurrent streams")
     parser.add_argument("--size-mib", type=int, default=256, help="transfer: bytes of one request's KV")
-    parser.add_argument("--repeats", type=int, default=3, help="transfer: runs per figure (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="frontend and transfer: runs per figure (median)"
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -91,7 +93,7 @@ def _runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]
     def frontend() -> dict[str, Any]:
         from tandem.bench.host_frontend import measure_frontend
 
-        return measure_frontend(streams=_counts("--streams", args.streams))
+        return measure_frontend(streams=_counts("--streams", args.streams), repeats=args.repeats)
 
     def transfer() -> dict[str, Any]:
         from tandem.bench.kvtransfer_bench import measure_transfer
