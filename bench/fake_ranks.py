@@ -43,7 +43,7 @@ from tandem.engine.messages import (
     RequestResult,
     Role,
     StreamBatch,
-    TokenDelta,
+    StreamColumns,
 )
 from tandem.engine.request import FinishReason
 from tandem.prefill.kv_events import AllBlocksCleared, KVEventBatch
@@ -164,7 +164,7 @@ class FakeDecodeRank:
     def _step(self) -> dict[str, StreamBatch]:
         """One token for every running request; the batch of each frontend."""
         now, now_unix_s = time.monotonic(), time.time()
-        deltas: dict[str, list[TokenDelta]] = {}
+        deltas: dict[str, StreamColumns] = {}
         results: dict[str, list[RequestResult]] = {}
         tokens = self.token_ids
         for request_id, stream in list(self._streams.items()):
@@ -173,8 +173,8 @@ class FakeDecodeRank:
             if not stream.aborted:
                 index = stream.produced
                 stream.times_s.append(now)
-                delta = TokenDelta(request_id, index, (tokens[index % len(tokens)],), (now,), (now_unix_s,))
-                deltas.setdefault(frontend, []).append(delta)
+                columns = deltas.get(frontend) or deltas.setdefault(frontend, StreamColumns())
+                columns.add(request_id, index, (tokens[index % len(tokens)],), (now,), (now_unix_s,))
                 self._tokens += 1
             if stream.aborted or stream.produced >= stream.request.sampling.max_tokens:
                 del self._streams[request_id]
@@ -182,9 +182,7 @@ class FakeDecodeRank:
                 self._results += 1
         self._steps += 1
         return {
-            frontend: StreamBatch(
-                self.rank, tuple(deltas.get(frontend, ())), tuple(results.get(frontend, ()))
-            )
+            frontend: deltas.get(frontend, StreamColumns()).batch(self.rank, tuple(results.get(frontend, ())))
             for frontend in deltas.keys() | results.keys()
         }
 

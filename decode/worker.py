@@ -34,7 +34,7 @@ from tandem.engine.messages import (
     RequestResult,
     Role,
     StreamBatch,
-    TokenDelta,
+    StreamColumns,
     TransferId,
 )
 from tandem.engine.rank_loop import RankDraining, RankWorker
@@ -147,7 +147,7 @@ class DecodeWorker(RankWorker):
         self._tracks: dict[str, _Track] = {}
         self._transfers: dict[str, TransferId] = {}  # transport key -> the transfer it names
         self._results: list[RequestResult] = []
-        self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
+        self._pushes: dict[str, tuple[StreamColumns, list[RequestResult]]] = {}
         self.kv_bytes_received = 0
         self.preemptions = 0
         self.failure_counts = FailureCounts()
@@ -268,8 +268,8 @@ class DecodeWorker(RankWorker):
     def take_pushes(self) -> dict[str, StreamBatch]:
         """Token deltas and results of streamed requests since the last call, by frontend."""
         out = {
-            frontend: StreamBatch(self.rank_id, tuple(deltas), tuple(results))
-            for frontend, (deltas, results) in self._pushes.items()
+            frontend: columns.batch(self.rank_id, tuple(results))
+            for frontend, (columns, results) in self._pushes.items()
         }
         self._pushes = {}
         return out
@@ -448,7 +448,7 @@ class DecodeWorker(RankWorker):
         if frontend is None:
             self._results.append(result)
         else:
-            self._pushes.setdefault(frontend, ([], []))[1].append(result)
+            self._pushes.setdefault(frontend, (StreamColumns(), []))[1].append(result)
 
     def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
         frontend = track.routing.frontend
@@ -458,6 +458,6 @@ class DecodeWorker(RankWorker):
         new = tuple(outputs[track.streamed :])
         known = track.token_at[track.streamed : len(outputs)]
         at = tuple(known) + (time.monotonic(),) * (len(new) - len(known))
-        delta = TokenDelta(request.request_id, track.streamed, new, at, (now_unix_s,) * len(new))
-        self._pushes.setdefault(frontend, ([], []))[0].append(delta)
+        columns = self._pushes.setdefault(frontend, (StreamColumns(), []))[0]
+        columns.add(request.request_id, track.streamed, new, at, (now_unix_s,) * len(new))
         track.streamed = len(outputs)

@@ -27,8 +27,7 @@ from tandem.engine.messages import (
     RankStats,
     RequestResult,
     Role,
-    StreamBatch,
-    TokenDelta,
+    StreamColumns,
 )
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import FinishReason, Request
@@ -68,7 +67,7 @@ class ColocatedWorker(RankWorker):
         self._schedule_s = self._update_s = 0.0
         self._tracks: dict[str, _Track] = {}
         self._results: list[RequestResult] = []
-        self._pushes: dict[str, tuple[list[TokenDelta], list[RequestResult]]] = {}
+        self._pushes: dict[str, tuple[StreamColumns, list[RequestResult]]] = {}
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, str | None, float]]:
@@ -156,8 +155,8 @@ class ColocatedWorker(RankWorker):
         if self.outbox is None:
             return
         pushes, self._pushes = self._pushes, {}
-        for frontend, (deltas, results) in pushes.items():
-            batch = StreamBatch(self.rank_id, tuple(deltas), tuple(results))
+        for frontend, (columns, results) in pushes.items():
+            batch = columns.batch(self.rank_id, tuple(results))
             if not self.outbox.send(frontend, "push_stream", batch):
                 self.abort_frontend(frontend)
         for frontend in self.outbox.flush():
@@ -213,8 +212,8 @@ class ColocatedWorker(RankWorker):
             return
         new = tuple(outputs[track.streamed :])
         times = tuple(track.token_at[-len(new) :])
-        delta = TokenDelta(request.request_id, track.streamed, new, times, (now_unix_s,) * len(new))
-        self._pushes.setdefault(track.frontend, ([], []))[0].append(delta)
+        columns = self._pushes.setdefault(track.frontend, (StreamColumns(), []))[0]
+        columns.add(request.request_id, track.streamed, new, times, (now_unix_s,) * len(new))
         track.streamed = len(outputs)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
@@ -232,7 +231,7 @@ class ColocatedWorker(RankWorker):
         if track is None or track.frontend is None:
             self._results.append(result)
         else:
-            self._pushes.setdefault(track.frontend, ([], []))[1].append(result)
+            self._pushes.setdefault(track.frontend, (StreamColumns(), []))[1].append(result)
 
     def _bill(self, request: Request, track: _Track, now: float) -> Bill:
         first = track.token_at[0] if track.token_at else None

@@ -11,6 +11,7 @@ the frontend, the controller and the CLI import them without loading either.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.request import FinishReason, SamplingParams
@@ -212,11 +213,97 @@ class TokenDelta:
 
 @dataclass(frozen=True)
 class StreamBatch:
-    """What one decode rank pushes to one frontend after a loop iteration."""
+    """What one decode rank pushes to one frontend after a loop iteration: the new tokens of its
+    requests, in columns, and the results of those that ended.
+
+    Delta ``i`` is request ``request_ids[i]``'s tokens from output index ``start_indices[i]``:
+    ``token_ids[ends[i - 1]:ends[i]]`` (from 0 for the first), with ``times_s`` and
+    ``times_unix_s`` of the same slice (as in :class:`TokenDelta`). A push of a large batch is a
+    few flat tuples, not an object per token, on both sides of the wire."""
 
     decode_rank: RankId
-    deltas: tuple[TokenDelta, ...] = ()
+    request_ids: tuple[str, ...] = ()
+    start_indices: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    times_s: tuple[float, ...] = ()
+    times_unix_s: tuple[float, ...] = ()
     finished: tuple[RequestResult, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        decode_rank: RankId,
+        deltas: tuple[TokenDelta, ...] = (),
+        finished: tuple[RequestResult, ...] = (),
+    ) -> StreamBatch:
+        columns = StreamColumns()
+        for d in deltas:
+            columns.add(d.request_id, d.start_index, d.token_ids, d.times_s, d.times_unix_s)
+        return columns.batch(decode_rank, finished)
+
+    @property
+    def deltas(self) -> tuple[TokenDelta, ...]:
+        """The deltas as objects (for inspection; the frontend reads the columns)."""
+        out, begin = [], 0
+        for request_id, start, end in zip(self.request_ids, self.start_indices, self.ends, strict=True):
+            out.append(
+                TokenDelta(
+                    request_id,
+                    start,
+                    self.token_ids[begin:end],
+                    self.times_s[begin:end],
+                    self.times_unix_s[begin:end],
+                )
+            )
+            begin = end
+        return tuple(out)
+
+
+class StreamColumns:
+    """A :class:`StreamBatch`'s deltas as a decode rank collects them over a loop iteration."""
+
+    __slots__ = ("ends", "request_ids", "start_indices", "times_s", "times_unix_s", "token_ids")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.start_indices: list[int] = []
+        self.ends: list[int] = []
+        self.token_ids: list[int] = []
+        self.times_s: list[float] = []
+        self.times_unix_s: list[float] = []
+
+    def add(
+        self,
+        request_id: str,
+        start_index: int,
+        token_ids: Sequence[int],
+        times_s: Sequence[float],
+        times_unix_s: Sequence[float],
+    ) -> None:
+        if not len(token_ids) == len(times_s) == len(times_unix_s):
+            raise ValueError(
+                f"request {request_id}: {len(token_ids)} tokens with {len(times_s)} and "
+                f"{len(times_unix_s)} times"
+            )
+        self.request_ids.append(request_id)
+        self.start_indices.append(start_index)
+        self.token_ids += token_ids
+        self.times_s += times_s
+        self.times_unix_s += times_unix_s
+        self.ends.append(len(self.token_ids))
+
+    def batch(self, decode_rank: RankId, finished: tuple[RequestResult, ...] = ()) -> StreamBatch:
+        return StreamBatch(
+            decode_rank,
+            tuple(self.request_ids),
+            tuple(self.start_indices),
+            tuple(self.ends),
+            tuple(self.token_ids),
+            tuple(self.times_s),
+            tuple(self.times_unix_s),
+            finished,
+        )
 
 
 @dataclass(frozen=True)

@@ -347,14 +347,20 @@ class FrontendCore:
 
     def on_stream(self, batch: StreamBatch) -> None:
         orphans: list[str] = []
-        for delta in batch.deltas:
-            running = self._by_rank_id.get(delta.request_id)
+        by_id, tokens, times, unix = self._by_rank_id, batch.token_ids, batch.times_s, batch.times_unix_s
+        begin = 0
+        for request_id, start, end in zip(batch.request_ids, batch.start_indices, batch.ends, strict=True):
+            running = by_id.get(request_id)
             if running is None:
-                orphans.append(delta.request_id)
-                continue
-            if delta.start_index == 0:
-                self.router.prefill_done(delta.request_id)
-            running.stream.on_delta(delta)
+                orphans.append(request_id)
+            else:
+                if start == 0:
+                    self.router.prefill_done(request_id)
+                if end - begin == 1:
+                    running.stream.on_token(start, tokens[begin], times[begin], unix[begin])
+                else:
+                    running.stream.on_tokens(start, tokens[begin:end], times[begin:end], unix[begin:end])
+            begin = end
         if orphans:
             self._abort_orphans(batch.decode_rank, orphans)
         for result in batch.finished:

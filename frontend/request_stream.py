@@ -206,21 +206,34 @@ class RequestStream:
 
     def on_delta(self, delta: TokenDelta) -> int:
         """Stream the tokens ``delta`` completes; how many (0: it completes nothing)."""
+        return self.on_tokens(delta.start_index, delta.token_ids, delta.times_s, delta.times_unix_s)
+
+    def on_token(self, index: int, token: int, rank_s: float, unix_s: float) -> int:
+        """:meth:`on_tokens` of one token (a decode step's: the usual case)."""
+        if index == self._next_index and index and not self._pending and not self.finished:
+            self._emit_one(index, token, rank_s, unix_s)
+            return 1
+        return self.on_tokens(index, (token,), (rank_s,), (unix_s,))
+
+    def on_tokens(
+        self,
+        start_index: int,
+        token_ids: Sequence[int],
+        times_s: Sequence[float],
+        times_unix_s: Sequence[float],
+    ) -> int:
+        """Stream output tokens ``start_index`` onwards, with the decode rank's clock readings and
+        wall times of each; how many it completes in order (0: none). A token past a gap waits
+        for the gap; one already streamed is dropped."""
         if self.finished:
             return 0
-        index = self._next_index
-        if delta.start_index == index and not self._pending:  # in order: the usual case
-            tokens = delta.token_ids
-            if len(tokens) == 1 and index:  # one token a step: no list to walk
-                self._emit_one(index, tokens[0], delta.times_s[0], delta.times_unix_s[0])
-                return 1
-            self._emit(tokens, delta.times_s, delta.times_unix_s)
-            return len(tokens)
-        for offset, token in enumerate(delta.token_ids):
-            index = delta.start_index + offset
+        if start_index == self._next_index and not self._pending:  # in order: the usual case
+            self._emit(token_ids, times_s, times_unix_s)
+            return len(token_ids)
+        for offset, token in enumerate(token_ids):
+            index = start_index + offset
             if index >= self._next_index:
-                times = (delta.times_s[offset], delta.times_unix_s[offset])
-                self._pending.setdefault(index, (token, *times))
+                self._pending.setdefault(index, (token, times_s[offset], times_unix_s[offset]))
         return self._drain()
 
     @property

@@ -43,7 +43,7 @@ class _HoldingRank:
         results = tuple(
             RequestResult(i, (), FinishReason.ABORT, Bill(prompt_tokens=3), DECODE) for i in request_ids
         )
-        asyncio.get_running_loop().call_soon(self.core.on_stream, StreamBatch(DECODE, (), results))
+        asyncio.get_running_loop().call_soon(self.core.on_stream, StreamBatch.of(DECODE, (), results))
 
 
 class _Method:
@@ -158,17 +158,17 @@ def test_a_stream_that_is_not_read_holds_a_bounded_buffer(tiny_dir: Path) -> Non
             await asyncio.sleep(0)
         (rank_id,) = rank.held
         tokens = [(7 * i) % 250 for i in range(200)]
-        core.on_stream(StreamBatch(DECODE, (TokenDelta(rank_id, 0, (tokens[0],), (0.0,), (0.0,)),), ()))
+        core.on_stream(StreamBatch.of(DECODE, (TokenDelta(rank_id, 0, (tokens[0],), (0.0,), (0.0,)),), ()))
         await first  # the reader takes the first chunk, then stops reading
         for i in range(1, 200):
             delta = TokenDelta(rank_id, i, (tokens[i],), (float(i),), (float(i),))
-            core.on_stream(StreamBatch(DECODE, (delta,), ()))
+            core.on_stream(StreamBatch.of(DECODE, (delta,), ()))
             (buffer,) = core.stream_buffers()
             assert buffer.items == 1 and buffer.key == RequestKey("alice", "slow")
         (buffer,) = core.stream_buffers()
         assert buffer.items == 1 and buffer.tokens == 199
         result = RequestResult(rank_id, tuple(tokens), FinishReason.LENGTH, Bill(prompt_tokens=3), DECODE)
-        core.on_stream(StreamBatch(DECODE, (), (result,)))
+        core.on_stream(StreamBatch.of(DECODE, (), (result,)))
         assert core.stream_buffers()[0].items == 2  # the summary always goes in
         rest = [item async for item in stream]
         chunks = [i for i in rest if isinstance(i, StreamChunk)]
@@ -193,7 +193,7 @@ def test_tokens_for_a_request_no_stream_waits_for_get_it_aborted(tiny_dir: Path)
         await asyncio.sleep(0)
         (live,) = rank.held
         orphan = TokenDelta("lost-before-restart", 0, (5,), (1.0,), (1.0,))
-        core.on_stream(StreamBatch(DECODE, (orphan, TokenDelta(live, 0, (7,), (1.0,), (1.0,))), ()))
+        core.on_stream(StreamBatch.of(DECODE, (orphan, TokenDelta(live, 0, (7,), (1.0,), (1.0,))), ()))
         chunk = await first
         assert isinstance(chunk, StreamChunk) and chunk.token_ids == [7]
         assert rank.aborted == ["lost-before-restart"] and core.orphans_aborted == 1

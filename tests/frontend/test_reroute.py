@@ -37,7 +37,7 @@ class _Submit:
                 result = RequestResult(
                     r.request_id, (5, 6), FinishReason.LENGTH, Bill(prompt_tokens=3), self.handle.rank
                 )
-                batch = StreamBatch(self.handle.rank, (), (result,))
+                batch = StreamBatch.of(self.handle.rank, (), (result,))
                 asyncio.get_running_loop().call_later(0.01, self.handle.core.on_stream, batch)
         return future
 
