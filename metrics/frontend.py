@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -128,6 +128,7 @@ class FrontendMetrics:
             registry=r,
         )
         self._base = base
+        self._children: dict[tuple[Any, ...], Any] = {}  # labelled children, by metric and labels
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=r)
@@ -214,18 +215,27 @@ class FrontendMetrics:
             ).set_function(streams_open)
 
     def routed(self, branch: str, predicted_cached_tokens: int) -> None:
-        self._route.labels(**self._base, branch=branch).inc()
+        self._child(self._route, branch=branch).inc()
         self.predicted_cached.inc(predicted_cached_tokens)
 
     def rejected(self, code: str, finish_reason: str = "rejected") -> None:
         """A request refused before it had a stream (``INVALID_ARGUMENT``, ``UNAVAILABLE``, ...),
         or whose client went away before its end (``CANCELLED``, finish reason ``abort``)."""
-        self._requests.labels(**self._base, finish_reason=finish_reason, code=code).inc()
+        self._child(self._requests, finish_reason=finish_reason, code=code).inc()
+
+    def _child(self, metric: Any, **labels: str) -> Any:
+        """``metric.labels(**base, **labels)``, looked up once (the client's lookup costs more
+        than the observation it is for)."""
+        key = (id(metric), *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._base, **labels)
+        return child
 
     def ended(self, summary: StreamSummary, code: str = "OK") -> None:
         """A request whose stream ended with ``summary``."""
         bill = summary.bill
-        self._requests.labels(**self._base, finish_reason=str(summary.finish_reason), code=code).inc()
+        self._child(self._requests, finish_reason=str(summary.finish_reason), code=code).inc()
         self.prompt_tokens.inc(bill.prompt_tokens)
         self.cached_prompt_tokens.inc(bill.cached_tokens)
         self.new_prompt_tokens.inc(bill.new_prompt_tokens)
@@ -239,12 +249,12 @@ class FrontendMetrics:
         if len(summary.token_ids) > 1:
             self.tpot.observe((summary.e2e_s - summary.ttft_s) / (len(summary.token_ids) - 1))
         for part, seconds in summary.latency_parts().items():
-            self._parts.labels(**self._base, part=part).observe(seconds)
+            self._child(self._parts, part=part).observe(seconds)
         if summary.route is not None:
             self.queue.observe(summary.route.queue_s)
         if bill.attempts:
             for part, seconds in prefill_parts(summary).items():
-                self._prefill_parts.labels(**self._base, part=part).observe(seconds)
+                self._child(self._prefill_parts, part=part).observe(seconds)
 
 
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
