@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8", help="decode: client concurrencies")
     parser.add_argument("--output-tokens", type=int, default=64, help="decode: tokens per request")
     parser.add_argument("--streams", default="64,256", help="frontend: concurrent streams")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="frontend: tokens a stream's message waits for"
+    )
     parser.add_argument("--size-mib", type=int, default=256, help="transfer: bytes of one request's KV")
     parser.add_argument(
         "--repeats", type=int, default=3, help="frontend and transfer: runs per figure (median)"
@@ -64,7 +67,7 @@ def check_args(args: argparse.Namespace) -> tuple[str, ...]:
     streams = _counts("--streams", args.streams)
     if "frontend" in parts and 256 not in streams:
         raise InvalidRequestError("--streams", "must include 256 (the headline figure's)")
-    for flag in ("output_tokens", "size_mib", "repeats"):
+    for flag in ("output_tokens", "size_mib", "repeats", "stream_interval"):
         if getattr(args, flag) < 1:
             raise InvalidRequestError(
                 f"--{flag.replace('_', '-')}", f"must be at least 1, got {getattr(args, flag)}"
@@ -93,7 +96,11 @@ def _runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]
     def frontend() -> dict[str, Any]:
         from tandem.bench.host_frontend import measure_frontend
 
-        return measure_frontend(streams=_counts("--streams", args.streams), repeats=args.repeats)
+        return measure_frontend(
+            streams=_counts("--streams", args.streams),
+            repeats=args.repeats,
+            stream_interval=args.stream_interval,
+        )
 
     def transfer() -> dict[str, Any]:
         from tandem.bench.kvtransfer_bench import measure_transfer

@@ -39,6 +39,7 @@ from tandem.engine.messages import RankId
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FrontendConfig
 from tandem.frontend.diagnostics import ProcessClock, ProfileRow
+from tandem.frontend.limits import EdgeLimits
 from tandem.model.tokenizer import Tokenizer
 
 # what the fake ranks stream: English with a few multi-byte characters, so that incremental
@@ -97,6 +98,7 @@ def _start(
     decode_ranks: int,
     window: int,
     step_s: float,
+    stream_interval: int,
     channels: int,
     stream_tokens: tuple[int, ...],
 ) -> _Bench:
@@ -113,7 +115,12 @@ def _start(
         {prefill_id: prefill}, dict(zip(decode_ids, ranks, strict=True))
     )
     config = FrontendConfig(
-        str(model_dir), "bench", port=0, controller=controller_name, name=f"tandem-bench-frontend-{suffix}"
+        str(model_dir),
+        "bench",
+        port=0,
+        controller=controller_name,
+        name=f"tandem-bench-frontend-{suffix}",
+        limits=EdgeLimits(stream_interval=stream_interval),
     )
     frontend = Frontend.options(name=config.name).remote(config)  # type: ignore[attr-defined]
     port = ray.get(frontend.start.remote(), timeout=60)
@@ -223,6 +230,7 @@ def measure_frontend(
     window: int = 8,
     step_ms: float = STEP_MS,
     repeats: int = 3,
+    stream_interval: int = 1,
     profile: bool = True,
     top: int = 15,
     model_dir: Path | None = None,
@@ -234,6 +242,7 @@ def measure_frontend(
         raise ValueError(f"streams: expected concurrencies of at least 1, got {streams}")
     if output_tokens < 1:
         raise ValueError(f"output_tokens: must be at least 1, got {output_tokens}")
+    EdgeLimits(stream_interval=stream_interval).check()
     if repeats < 1:
         raise ValueError(f"repeats: must be at least 1, got {repeats}")
     if not 0 <= step_ms <= 1000:
@@ -247,7 +256,8 @@ def measure_frontend(
     model_dir = model_dir or demo_model_dir()
     stream_tokens = _expected_tokens(Tokenizer.from_dir(model_dir))
     prompt = stream_tokens[:PROMPT_TOKENS]
-    bench = _start(model_dir, decode_ranks, window, step_ms / 1e3, max(1, max(streams) // 64), stream_tokens)
+    channels = max(1, max(streams) // 64)
+    bench = _start(model_dir, decode_ranks, window, step_ms / 1e3, stream_interval, channels, stream_tokens)
     try:
         # first contacts: channels, actor handles, the ranks' loops
         _round(bench, LoadOrder(min(streams), 4, prompt, "warmup"), timeout_s)
@@ -280,6 +290,7 @@ def measure_frontend(
         "decode_ranks": decode_ranks,
         "push_window": window,
         "rank_step_ms": step_ms,
+        "stream_interval": stream_interval,
         "by_streams": rounds,
     }
 

@@ -95,6 +95,13 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         help="seconds between a client's pings while it runs no call; faster ones close its connection",
     )
     srv.add_argument(
+        "--stream-interval",
+        type=int,
+        default=limits.stream_interval,
+        help="tokens a stream's message waits for (the first and the last go at once); "
+        "more: fewer, larger messages and more streams per frontend core",
+    )
+    srv.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -165,6 +172,7 @@ def edge_limits(args: argparse.Namespace) -> EdgeLimits:
         max_connection_age_s=args.max_connection_age or None,
         max_connection_age_grace_s=args.max_connection_age_grace,
         min_ping_interval_s=args.min_ping_interval,
+        stream_interval=args.stream_interval,
     )
     try:
         limits.check()

@@ -222,6 +222,7 @@ class FrontendCore:
             self.tokenizer,
             spec.arrival_s,
             detokenizer_cache=self.detokenizer_cache,
+            stream_interval=self.config.limits.stream_interval,
         )
         running, submit = self._route_and_submit(spec, stream, view)
         self._per_client[spec.client] = self._per_client.get(spec.client, 0) + 1

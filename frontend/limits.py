@@ -1,5 +1,5 @@
 """The operator's limits at the gRPC edge: how much one client may run, how large a request may be,
-how long connections live.
+how long connections live, and how often a stream's tokens go out.
 
 Limits that follow from the model (prompt and output lengths within its context, stop ids within
 its vocabulary) are not settings: ``grpc_service`` derives them from the model's config.
@@ -30,6 +30,9 @@ class EdgeLimits:
     max_connection_age_s: float | None = None  # None: connections are not recycled
     max_connection_age_grace_s: float = 300.0
     min_ping_interval_s: float = 10.0
+    # a stream's message goes to its client once it holds this many new tokens (the first token
+    # and the end go at once): fewer, larger messages for a frontend that serves many streams
+    stream_interval: int = 1
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -41,6 +44,8 @@ class EdgeLimits:
             raise ValueError(
                 f"max_request_bytes: must be in [1024, {INT32_MAX}], got {self.max_request_bytes}"
             )
+        if not 1 <= self.stream_interval <= 1024:
+            raise ValueError(f"stream_interval: must be in [1, 1024], got {self.stream_interval}")
         for name in (
             "keepalive_time_s",
             "keepalive_timeout_s",

@@ -50,7 +50,9 @@ class StreamChunk:
 
 
 class ChunkBuffer:
-    """A stream's output waiting for its client: at most one chunk, then the summary.
+    """A stream's output waiting for its client: at most one chunk, then the summary. With
+    ``interval`` above 1, a chunk goes once it holds that many tokens (the first chunk and the
+    summary go at once; the summary takes what a chunk held before it).
 
     Tokens that come before the client has taken the chunk held join it (in place, so a token
     costs three appends, not a chunk of its own), and the client gets every token since its last
@@ -60,7 +62,11 @@ class ChunkBuffer:
     steps. One producer (the frontend's event loop, on each push), one consumer (the request's
     generator), which waits on a future of its own while the buffer is empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: int = 1) -> None:
+        if interval < 1:
+            raise ValueError(f"interval: must be at least 1, got {interval}")
+        self.interval = interval  # tokens held before the consumer is woken (the first: at once)
+        self._first = True
         self._chunk: StreamChunk | None = None
         self._texts: list[str] = []  # the held chunk's text, joined when it is taken
         self._summary: StreamSummary | None = None
@@ -86,6 +92,8 @@ class ChunkBuffer:
         if text:
             self._texts.append(text)
         chunk.timings.append(timing)
+        if len(chunk.token_ids) == self.interval:
+            self._wake()
 
     def put(self, item: StreamChunk | StreamSummary) -> None:
         """A chunk joins the held one; the summary ends the stream (nothing goes in after it)."""
@@ -97,6 +105,8 @@ class ChunkBuffer:
             if item.text:
                 self._texts.append(item.text)
             chunk.timings += item.timings
+            if len(chunk.token_ids) >= self.interval:
+                self._wake()
         else:
             self._summary = item  # type: ignore[assignment]
             self._wake()
@@ -115,15 +125,26 @@ class ChunkBuffer:
         self._summary = None
         return summary
 
+    def ready(self) -> bool:
+        """Whether the consumer takes something now: the summary, the first chunk, or a chunk
+        of ``interval`` tokens."""
+        chunk = self._chunk
+        if self._summary is not None:
+            return True
+        return chunk is not None and (self._first or len(chunk.token_ids) >= self.interval)
+
     async def get(self) -> StreamChunk | StreamSummary:
-        while self._chunk is None and self._summary is None:
+        """The chunk held once it is ready (:meth:`ready`), else the summary."""
+        while not self.ready():
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        self._first = False
         return self.get_nowait()
 
     def _open(self) -> StreamChunk:
         chunk = self._chunk = StreamChunk([], "", [])
-        self._wake()
+        if self._first or self.interval == 1:
+            self._wake()
         return chunk
 
     def _wake(self) -> None:
@@ -185,6 +206,7 @@ class RequestStream:
     arrival_s: float = field(default_factory=time.monotonic)  # on ``clock``
     clock: Callable[[], float] = time.monotonic
     route: Route | None = None
+    stream_interval: int = 1  # tokens a message waits for (``ChunkBuffer``)
     finished: bool = False
     _next_index: int = 0
     _pending: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # index -> token, times
@@ -202,7 +224,7 @@ class RequestStream:
         if self.detokenizer_cache is None:
             self.detokenizer_cache = PairCache(self.tokenizer)
         self._detokenizer = StreamDetokenizer(self.detokenizer_cache)
-        self.buffer = ChunkBuffer()
+        self.buffer = ChunkBuffer(self.stream_interval)
 
     def on_delta(self, delta: TokenDelta) -> int:
         """Stream the tokens ``delta`` completes; how many (0: it completes nothing)."""

@@ -170,6 +170,7 @@ def test_limits_name_the_setting_out_of_range() -> None:
         (EdgeLimits(max_request_bytes=10), "max_request_bytes"),
         (EdgeLimits(keepalive_time_s=0), "keepalive_time_s"),
         (EdgeLimits(max_connection_age_s=-1), "max_connection_age_s"),
+        (EdgeLimits(stream_interval=0), "stream_interval"),
     ]:
         with pytest.raises(ValueError, match=f"^{setting}:"):
             limits.check()

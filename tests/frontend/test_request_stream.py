@@ -111,3 +111,30 @@ def test_a_failure_ends_the_stream_with_the_tokens_so_far(tokenizer: Tokenizer) 
     summary = stream.fail("decode rank decode0-r0 failed", RankId("decode0", 0))
     assert summary.finish_reason == "error" and summary.error == "decode rank decode0-r0 failed"
     assert summary.token_ids == [65, 66] and stream.finished
+
+
+def test_with_a_stream_interval_a_message_waits_for_that_many_tokens(tokenizer: Tokenizer) -> None:
+    """Interval 3: the first token goes at once, then a chunk once it holds 3 tokens; the end
+    takes what is held, then the summary."""
+    ids = tokenizer.encode("abcdefgh")[1:]
+
+    async def run() -> list[list[int]]:
+        stream = RequestStream("r", 3, tokenizer, stream_interval=3)
+        taken: list[list[int]] = []
+        for i, token in enumerate(ids[:7]):
+            stream.on_delta(_delta(i, [token], [100.0 + i]))
+            while stream.buffer.ready():
+                item = await stream.buffer.get()
+                assert isinstance(item, StreamChunk)
+                taken.append(item.token_ids)
+        assert stream.buffer.tokens == 0  # 1 + 3 + 3 tokens: nothing waits
+        stream.on_delta(_delta(7, [ids[7]], [107.0]))
+        assert not stream.buffer.ready() and stream.buffer.tokens == 1  # held: fewer than 3
+        result = RequestResult("r", tuple(ids), FinishReason.LENGTH, Bill(prompt_tokens=3), RankId("d", 0))
+        stream.on_result(result)
+        rest = [await stream.buffer.get(), await stream.buffer.get()]
+        assert isinstance(rest[0], StreamChunk) and isinstance(rest[1], StreamSummary)
+        assert stream.buffer.empty()
+        return [*taken, rest[0].token_ids]
+
+    assert asyncio.run(run()) == [ids[:1], ids[1:4], ids[4:7], ids[7:]]
