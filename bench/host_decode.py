@@ -7,6 +7,11 @@ the bare forward of the same model at the same batch, side by side in one run.
               ``tandem bench serve``'s closed loop at concurrency C; the client's ITL P50
     ratio:    served ITL P50 / bare forward, per concurrency
 
+The two alternate: a round of the bare forward (in this process, beside the idle deployment),
+then a round served (C requests at once), ``rounds`` times; each round's ratio is of two figures
+taken a moment apart, and the point reports the median round (a shared machine's load moves
+both by a fifth from one minute to the next).
+
 The decode rank's step split over the same point comes from its own counters (each piece timed
 around itself on the rank's clock, differences of two readings of the rank's stats): forward,
 sampling, scheduling and metadata, waiting (idle and the group's agreement), token push.
@@ -15,7 +20,9 @@ sampling, scheduling and metadata, waiting (idle and the group's agreement), tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,36 +37,48 @@ class DecodeOptions:
     concurrency: tuple[int, ...] = (1, 8)
     prompt_tokens: int = PROMPT_TOKENS
     output_tokens: int = OUTPUT_TOKENS
-    rounds: int = ROUNDS  # requests per point: rounds x concurrency
+    rounds: int = ROUNDS  # bare and served rounds per point, alternating (C requests a round)
     model_dir: Path | None = None
     dtype: str = "float32"
 
 
-def bare_forward_ms(options: DecodeOptions, threads: int) -> dict[int, dict[str, float]]:
-    """Per concurrency: the mean decode step of the model in this process, whole and its forward."""
-    import torch
+class BareForward:
+    """The model in this process (no Ray, no gRPC), on as many threads as a rank uses: the mean
+    decode step of ``run_batch`` (the engine bench) at a batch, whole and its forward."""
 
-    from tandem.bench.engine_bench import run_batch
-    from tandem.cluster.serve import demo_model_dir
-    from tandem.engine.colocated import DTYPES, ColocatedEngine
-    from tandem.engine.engine_config import EngineConfig
+    def __init__(self, options: DecodeOptions, threads: int) -> None:
+        from tandem.bench.engine_bench import run_batch
+        from tandem.cluster.serve import demo_model_dir
+        from tandem.engine.colocated import DTYPES, ColocatedEngine
+        from tandem.engine.engine_config import EngineConfig
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        engine = ColocatedEngine.from_model_dir(
-            options.model_dir or demo_model_dir(),
-            DTYPES[options.dtype],
-            EngineConfig(max_num_seqs=max(options.concurrency), enable_prefix_caching=False),
-        )
-        run_batch(engine, 2, options.prompt_tokens, 4, seed=99, temperature=0.0)  # warm-up
-        out = {}
-        for c in options.concurrency:
-            run = run_batch(engine, c, options.prompt_tokens, options.output_tokens, seed=c, temperature=0.0)
-            out[c] = {"step_ms": run["decode_step_ms"], "forward_ms": run["decode_forward_ms"]}
-        return out
-    finally:
-        torch.set_num_threads(before)
+        self.options, self.threads, self._run_batch = options, threads, run_batch
+        with self._threads():
+            self.engine = ColocatedEngine.from_model_dir(
+                options.model_dir or demo_model_dir(),
+                DTYPES[options.dtype],
+                EngineConfig(max_num_seqs=max(options.concurrency), enable_prefix_caching=False),
+            )
+            run_batch(self.engine, 2, options.prompt_tokens, 4, seed=99, temperature=0.0)  # warm-up
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def measure(self, batch: int, seed: int) -> dict[str, float]:
+        o = self.options
+        with self._threads():
+            run = self._run_batch(
+                self.engine, batch, o.prompt_tokens, o.output_tokens, seed=seed, temperature=0.0
+            )
+        return {"step_ms": run["decode_step_ms"], "forward_ms": run["decode_forward_ms"]}
 
 
 def step_split(before: RankStats, after: RankStats) -> dict[str, Any]:
@@ -96,7 +115,7 @@ def _decode_stats(controller: Any) -> RankStats:
 
 
 def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
-    """The ``decode`` part of ``tandem bench host``: bare forward first, then the deployment."""
+    """The ``decode`` part of ``tandem bench host``: bare and served rounds, alternating."""
     from tandem.bench.serve_bench import Plan, run_plan
     from tandem.bench.serve_workload import SyntheticWorkload
     from tandem.cli.client import ClientOptions
@@ -107,7 +126,7 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
 
     o = options or DecodeOptions()
     threads = int(os.environ.get("TANDEM_RANK_THREADS", "1"))
-    bare = bare_forward_ms(o, threads)
+    bare = BareForward(o, threads)
     topology = Topology(
         name="host-bench",
         prefill=PoolSpec(groups=1, dep=1, max_num_seqs=max(o.concurrency)),
@@ -124,22 +143,31 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
             warm = SyntheticWorkload(o.prompt_tokens, 4, 0, 1, vocab, seed=1)
             asyncio.run(run_plan(client, Plan((2,), warm, requests_per_point=4)))
             for c in o.concurrency:
-                workload = SyntheticWorkload(o.prompt_tokens, o.output_tokens, 0, 1, vocab, seed=c + 2)
-                plan = Plan((c,), workload, requests_per_point=o.rounds * c)
+                # a round of the bare forward, then a round served, ``rounds`` times: each
+                # ratio is of two figures taken a moment apart, as the machine's load moves
+                pairs = []
                 before = _decode_stats(server.controller)
-                result = asyncio.run(run_plan(client, plan))
+                for r in range(o.rounds):
+                    forward = bare.measure(c, seed=100 * c + r)
+                    workload = SyntheticWorkload(
+                        o.prompt_tokens, o.output_tokens, 0, 1, vocab, seed=c + 2 + r
+                    )
+                    result = asyncio.run(run_plan(client, Plan((c,), workload, requests_per_point=c)))
+                    point = result["points"][0]
+                    pairs.append((point["itl_ms"]["p50"], point["itl_ms"]["p90"], forward))
                 after = _decode_stats(server.controller)
-                point = result["points"][0]
-                itl_ms = point["itl_ms"]["p50"]
-                forward_ms = bare[c]["forward_ms"]
+                ratios = [itl / forward["forward_ms"] for itl, _, forward in pairs]
+                median = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]
+                itl_ms, itl_p90_ms, forward = pairs[median]
                 points.append(
                     {
                         "concurrency": c,
                         "itl_p50_ms": round(itl_ms, 3),
-                        "itl_p90_ms": round(point["itl_ms"]["p90"], 3),
-                        "bare_forward_ms": forward_ms,
-                        "bare_step_ms": bare[c]["step_ms"],
-                        "itl_over_forward": round(itl_ms / forward_ms, 3),
+                        "itl_p90_ms": round(itl_p90_ms, 3),
+                        "bare_forward_ms": forward["forward_ms"],
+                        "bare_step_ms": forward["step_ms"],
+                        "itl_over_forward": round(ratios[median], 3),
+                        "rounds_itl_over_forward": [round(x, 3) for x in ratios],
                         "decode_step": step_split(before, after),
                     }
                 )

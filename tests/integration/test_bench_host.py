@@ -58,6 +58,9 @@ def test_the_decode_part_measures_itl_against_the_bare_forward() -> None:
         assert point["itl_p50_ms"] > 0 and point["bare_forward_ms"] > 0
         ratio = point["itl_p50_ms"] / point["bare_forward_ms"]
         assert point["itl_over_forward"] == pytest.approx(ratio, 0.01)
+        # the point is the median of its alternating bare and served rounds
+        rounds = point["rounds_itl_over_forward"]
+        assert len(rounds) == 3 and sorted(rounds)[1] == point["itl_over_forward"]
         split = point["decode_step"]
         # the rank stepped this point's requests (rounds x concurrency, 11 gaps each at least)
         assert split["steps"] >= 11
