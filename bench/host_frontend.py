@@ -33,6 +33,7 @@ import ray
 
 from tandem.bench.fake_ranks import FakeController, FakeDecodeRank, FakePrefillRank, FakeRankCounts
 from tandem.bench.frontend_load import LoadOrder, LoadResult, client_process
+from tandem.bench.serve_stats import percentile
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.cluster.serve import demo_model_dir
 from tandem.engine.messages import RankId
@@ -200,9 +201,8 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
 def _percentiles_ms(values: tuple[float, ...]) -> dict[str, float]:
     if not values:
         return {}
-    ordered = sorted(values)
-    at = {"p50": 0.5, "p90": 0.9, "max": 1.0}
-    return {k: round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) for k, q in at.items()}
+    at = {"p50": 50, "p90": 90, "max": 100}
+    return {k: round(1e3 * percentile(values, q), 3) for k, q in at.items()}
 
 
 def _profiled(bench: _Bench, order: LoadOrder, timeout_s: float, top: int) -> dict[str, Any]:
