@@ -65,6 +65,7 @@ class StreamDetokenizer:
 
     def __init__(self, cache: PairCache) -> None:
         self._cache = cache
+        self._texts = cache._texts  # read on every token; only the cache writes it
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -74,7 +75,11 @@ class StreamDetokenizer:
         ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
         ids.append(token_id)
         if read == len(ids) - 1 and read - 1 <= prefix:  # the window is [previous, token] or [token]
-            text = self._cache.text(ids[prefix] if prefix < read else _FIRST, token_id)
+            previous = ids[prefix] if prefix < read else _FIRST
+            try:
+                text = self._texts[(previous, token_id)]  # the cache's lookup, inline
+            except KeyError:
+                text = self._cache.text(previous, token_id)
             if text is None:  # held back: the next tokens decode from the same window
                 return ""
             self._prefix_offset, self._read_offset = read, read + 1

@@ -329,8 +329,10 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
         chunk.token_ids.extend(item.token_ids)
         chunk.text = item.text
         add = chunk.timings.add
-        for t in item.timings:
-            add(index=t.index, server_time_s=t.server_time_s, gap_s=t.gap_s)
+        index = item.first_index
+        for server_time_s, gap_s in zip(item.server_times_s, item.gaps_s, strict=True):
+            add(index=index, server_time_s=server_time_s, gap_s=gap_s)
+            index += 1
         return response
     bill, route = item.bill, item.route
     latency = tandem_pb2.Latency(

@@ -35,8 +35,10 @@ from tandem.frontend.detokenizer import PairCache, StreamDetokenizer
 from tandem.model.tokenizer import Tokenizer
 
 
-@dataclass(slots=True)  # one per streamed token: not frozen, which makes it cheaper to make
+@dataclass(frozen=True, slots=True)
 class TokenTiming:
+    """One token's timing, as :attr:`StreamChunk.timings` gives it (a chunk keeps columns)."""
+
     index: int
     server_time_s: float  # Unix seconds, the decode rank's wall clock (for display)
     gap_s: float  # since the previous token on the decode rank; token 0: time to first token
@@ -44,9 +46,26 @@ class TokenTiming:
 
 @dataclass(slots=True)  # one or more a step per stream: not frozen, which makes it cheaper to make
 class StreamChunk:
+    """Consecutive output tokens from ``first_index`` on, the text they complete, and each
+    token's timing in columns (no object a token; :attr:`timings` makes them)."""
+
     token_ids: list[int]
     text: str
-    timings: list[TokenTiming]
+    first_index: int = 0
+    server_times_s: list[float] = field(default_factory=list)  # Unix seconds, the decode rank's
+    gaps_s: list[float] = field(default_factory=list)  # since the previous token on the rank
+
+    @property
+    def timings(self) -> list[TokenTiming]:
+        return [
+            TokenTiming(index, server, gap)
+            for index, server, gap in zip(
+                range(self.first_index, self.first_index + len(self.gaps_s)),
+                self.server_times_s,
+                self.gaps_s,
+                strict=True,
+            )
+        ]
 
 
 class ChunkBuffer:
@@ -83,16 +102,19 @@ class ChunkBuffer:
     def empty(self) -> bool:
         return self._chunk is None and self._summary is None
 
-    def add(self, token: int, text: str, timing: TokenTiming) -> None:
-        """One token, the text it completes and its timing, at the end of the held chunk."""
+    def add(self, index: int, token: int, text: str, server_time_s: float, gap_s: float) -> None:
+        """Output token ``index`` (the one after the held chunk's last), the text it completes
+        and its timing, at the end of the held chunk."""
         chunk = self._chunk
         if chunk is None:
-            chunk = self._open()
-        chunk.token_ids.append(token)
+            chunk = self._open(index)
+        ids = chunk.token_ids
+        ids.append(token)
         if text:
             self._texts.append(text)
-        chunk.timings.append(timing)
-        if len(chunk.token_ids) == self.interval:
+        chunk.server_times_s.append(server_time_s)
+        chunk.gaps_s.append(gap_s)
+        if len(ids) == self.interval:
             self._wake()
 
     def put(self, item: StreamChunk | StreamSummary) -> None:
@@ -100,11 +122,14 @@ class ChunkBuffer:
         if type(item) is StreamChunk:
             chunk = self._chunk
             if chunk is None:
-                chunk = self._open()
+                chunk = self._open(item.first_index)
+            elif not chunk.token_ids:
+                chunk.first_index = item.first_index
             chunk.token_ids += item.token_ids
             if item.text:
                 self._texts.append(item.text)
-            chunk.timings += item.timings
+            chunk.server_times_s += item.server_times_s
+            chunk.gaps_s += item.gaps_s
             if len(chunk.token_ids) >= self.interval:
                 self._wake()
         else:
@@ -141,8 +166,8 @@ class ChunkBuffer:
         self._first = False
         return self.get_nowait()
 
-    def _open(self) -> StreamChunk:
-        chunk = self._chunk = StreamChunk([], "", [])
+    def _open(self, first_index: int) -> StreamChunk:
+        chunk = self._chunk = StreamChunk([], "", first_index, [], [])
         if self._first or self.interval == 1:
             self._wake()
         return chunk
@@ -231,11 +256,22 @@ class RequestStream:
         return self.on_tokens(delta.start_index, delta.token_ids, delta.times_s, delta.times_unix_s)
 
     def on_token(self, index: int, token: int, rank_s: float, unix_s: float) -> int:
-        """:meth:`on_tokens` of one token (a decode step's: the usual case)."""
-        if index == self._next_index and index and not self._pending and not self.finished:
-            self._emit_one(index, token, rank_s, unix_s)
-            return 1
-        return self.on_tokens(index, (token,), (rank_s,), (unix_s,))
+        """:meth:`on_tokens` of one token (a decode step's: the usual case, in order and not the
+        first, streamed here without a call more than it needs)."""
+        if index != self._next_index or not index or self._pending or self.finished:
+            return self.on_tokens(index, (token,), (rank_s,), (unix_s,))
+        last_rank_s = self._last_rank_s
+        if last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
+            gap = rank_s - last_rank_s
+            self._gaps.append(gap)
+            self._last_rank_s = rank_s
+        else:
+            gap = 0.0
+            self._last_rank_s = rank_s if rank_s == rank_s else None
+        self._next_index = index + 1
+        self._tokens.append(token)
+        self.buffer.add(index, token, self._detokenizer.add(token), unix_s, gap)
+        return 1
 
     def on_tokens(
         self,
@@ -284,7 +320,7 @@ class RequestStream:
         self._drain()
         tail = self._detokenizer.finish()
         if tail:
-            self.buffer.put(StreamChunk([], tail, []))
+            self.buffer.put(StreamChunk([], tail, self._next_index))
         summary = StreamSummary(
             finish_reason=result.finish_reason,
             error=result.error,
@@ -324,20 +360,6 @@ class RequestStream:
         self._emit(tokens, rank_times, unix_times)
         return len(tokens)
 
-    def _emit_one(self, index: int, token: int, rank_s: float, unix_s: float) -> None:
-        """:meth:`_emit` of one token that is not the first."""
-        last_rank_s = self._last_rank_s
-        if last_rank_s is not None and rank_s == rank_s:  # both readings exist (not NaN)
-            gap = rank_s - last_rank_s
-            self._gaps.append(gap)
-            self._last_rank_s = rank_s
-        else:
-            gap = 0.0
-            self._last_rank_s = rank_s if rank_s == rank_s else None
-        self._next_index = index + 1
-        self._tokens.append(token)
-        self.buffer.add(token, self._detokenizer.add(token), TokenTiming(index, unix_s, gap))
-
     def _emit(self, tokens: Sequence[int], rank_times: Sequence[float], unix_times: Sequence[float]) -> None:
         """Stream ``tokens``, the next ones in order, with their rank's clock readings (NaN:
         none) and wall times: their text and timings."""
@@ -352,7 +374,7 @@ class RequestStream:
             else:
                 gap = 0.0
             last_rank_s = rank_s if rank_s == rank_s else None
-            put(token, add(token), TokenTiming(index, unix_s, gap))
+            put(index, token, add(token), unix_s, gap)
             index += 1
         self._next_index, self._last_rank_s = index, last_rank_s
         self._tokens += tokens
