@@ -4,7 +4,6 @@ import this module (it loads torch)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +13,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tandem.cluster.cpu_affinity import node_cores, pin_process
 from tandem.engine.colocated import DTYPES
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
 from tandem.engine.messages import RankId
@@ -67,11 +67,8 @@ def pin_cores(ordinal: int, cores_per_rank: int) -> tuple[int, ...]:
     """Pin this process (every thread it has, and so every thread they start) to the
     ``ordinal``-th run of ``cores_per_rank`` of the node's cores, wrapping around; torch gets a
     thread a core. The cores it pinned to."""
-    total = os.cpu_count() or 1
-    cores = tuple(sorted({(ordinal * cores_per_rank + j) % total for j in range(cores_per_rank)}))
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), cores)
+    total = node_cores()
+    cores = pin_process({(ordinal * cores_per_rank + j) % total for j in range(cores_per_rank)})
     torch.set_num_threads(len(cores))
     return cores
 

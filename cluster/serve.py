@@ -27,8 +27,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.controller import CONTROLLER_NAME, Controller
+from tandem.cluster.cpu_affinity import check_cores
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
-from tandem.cluster.topology import Topology
+from tandem.cluster.topology import Topology, TopologyError
 from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
@@ -132,6 +133,11 @@ class Server:
 
     def start(self) -> int:
         o = self.options
+        listed = o.topology.frontend_cores  # frontend 0 runs on this node: checked before anything starts
+        try:
+            cores = None if listed is None else check_cores(listed, "frontend_cores")
+        except ValueError as exc:
+            raise TopologyError(o.topology.name, str(exc)) from None
         init_ray(o.address, namespace=o.deployment)
         try:
             ray.get_actor(CONTROLLER_NAME)
@@ -174,6 +180,7 @@ class Server:
                     metrics_host=o.host,
                     metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
                     limits=o.limits,
+                    cores=cores,
                 )
                 http = None
                 if o.http_port is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
 
@@ -126,11 +126,27 @@ class Topology(BaseModel):
         "order (group by group) wrapping around the cores; configurations compared on one machine then "
         "run on the same cores",
     )
+    frontend_cores: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="pin each frontend's process to these of its node's cores; kept apart from the "
+        "ranks' cores (pin_cores_per_rank), a frontend woken by a token push does not preempt a step loop",
+    )
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
     placement: PlacementSpec = Field(
         default_factory=lambda: PlacementSpec(), description="which Ray nodes each pool uses (node labels)"
     )
+
+    @field_validator("frontend_cores")
+    @classmethod
+    def _cores_listed_once(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is not None:
+            if any(c < 0 for c in cores):
+                raise ValueError(f"a core is a number from 0, got {min(cores)}")
+            if len(set(cores)) != len(cores):
+                raise ValueError(f"each core once, got {cores}")
+        return cores
 
     @model_validator(mode="after")
     def _autoscaling_fits(self) -> Topology:

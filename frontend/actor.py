@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from tandem.cluster.controller import FrontendInfo
+from tandem.cluster.cpu_affinity import check_cores, pin_process
 from tandem.cluster.placement import this_place
 from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
@@ -60,6 +61,8 @@ class Frontend:
         second call returns the port."""
         if self._server is not None:
             return self.port
+        if self.config.cores is not None:  # before gRPC, uvicorn and the listener start threads
+            pin_process(check_cores(self.config.cores, "topology.frontend_cores"))
         self._server, self._health, self.port = build_server(self.core)
         config, metrics = self.config, self._all_metrics
         if config.metrics_port is not None and metrics is not None:

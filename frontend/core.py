@@ -97,6 +97,7 @@ class FrontendConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics and /sd; 0: a free port
     limits: EdgeLimits = field(default_factory=EdgeLimits)
+    cores: tuple[int, ...] | None = None  # the node's cores its process is pinned to (None: any)
 
     @property
     def clients(self) -> tuple[ClientToken, ...]:

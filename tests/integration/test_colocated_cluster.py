@@ -40,13 +40,15 @@ class Served:
     addr: str
     tiny: Path
     controller: Any
+    frontend: Any
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tiny = make_tiny_checkpoint(tmp_path_factory.mktemp("colocated") / "tiny", seed=0)
     init_ray()
-    frontend = Frontend.options(name=FRONTEND_NAME).remote(FrontendConfig(str(tiny), "tiny", port=0))  # type: ignore[attr-defined]
+    config = FrontendConfig(str(tiny), "tiny", port=0, cores=(0,))
+    frontend = Frontend.options(name=FRONTEND_NAME).remote(config)  # type: ignore[attr-defined]
     controller = None
     try:
         addr = f"127.0.0.1:{ray.get(frontend.start.remote())}"
@@ -55,7 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         controller = Controller.options(name=CONTROLLER_NAME).remote(topology, str(tiny), "float64")  # type: ignore[attr-defined]
         ray.get(controller.start.remote())
         assert ray.get(frontend.wait_ready.remote(60.0))
-        yield Served(addr, tiny, controller)
+        yield Served(addr, tiny, controller, frontend)
     finally:
         ray.get(frontend.stop.remote())
         ray.kill(frontend)
@@ -194,3 +196,10 @@ def test_each_rank_runs_pinned_to_its_own_core(served: Served) -> None:
     cores = os.cpu_count() or 1
     pinned = {r.rank: os.sched_getaffinity(p.pid) for r, p in zip(group.ranks, group.places, strict=True)}
     assert pinned == {0: {0}, 1: {1 % cores}}
+
+
+def test_the_frontend_runs_pinned_to_its_cores_every_thread_of_it(served: Served) -> None:
+    pid = ray.get(served.frontend.info.remote()).place.pid
+    threads = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+    assert len(threads) > 1  # Ray's, gRPC's and the event loop's
+    assert all(cores == {0} for cores in threads.values()), threads
