@@ -35,14 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
     parser.add_argument("--concurrency", default="1,8", help="decode: client concurrencies")
-    parser.add_argument("--output-tokens", type=int, default=64, help="decode: tokens per request")
+    parser.add_argument("--output-tokens", type=int, default=256, help="decode: tokens per request")
     parser.add_argument("--streams", default="64,256", help="frontend: concurrent streams")
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="frontend: tokens a stream's message waits for"
     )
     parser.add_argument("--size-mib", type=int, default=256, help="transfer: bytes of one request's KV")
+    parser.add_argument("--repeats", type=int, default=3, help="runs (decode: rounds) per figure (median)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="frontend and transfer: runs per figure (median)"
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="decode: leave the ranks, the frontend and the client on any core",
     )
     parser.add_argument("--json", action="store_true")
 
@@ -89,7 +93,9 @@ def _runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]
         options = DecodeOptions(
             concurrency=_counts("--concurrency", args.concurrency),
             output_tokens=args.output_tokens,
+            rounds=args.repeats,
             model_dir=args.model,
+            pin=args.pin,
         )
         return measure_decode(options)
 

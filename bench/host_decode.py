@@ -12,6 +12,14 @@ then a round served (C requests at once), ``rounds`` times; each round's ratio i
 taken a moment apart, and the point reports the median round (a shared machine's load moves
 both by a fifth from one minute to the next).
 
+Cores (on a machine of two or more): each rank is pinned to a core of its own as far as they go
+(``pin_cores_per_rank: 1``; the prefill rank on core 0, the decode rank on core 1) and the
+frontend to every core but the decode rank's (``frontend_cores``), as a deployment keeps its
+frontend off its ranks' cores; this process runs its served rounds (the gRPC client) on the
+frontend's cores and its bare rounds on the decode rank's core, so both sides of a ratio run on
+the same core. Unpinned, a token push wakes the frontend on the decode rank's core, where it
+preempts the step loop while it handles the push (``cluster/cpu_affinity.py``).
+
 The decode rank's step split over the same point comes from its own counters (each piece timed
 around itself on the rank's clock, differences of two readings of the rank's stats): forward,
 sampling, scheduling and metadata, waiting (idle and the group's agreement), token push.
@@ -27,9 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.cluster.cpu_affinity import node_cores, pin_process
 from tandem.engine.messages import RankStats, Role
 
-PROMPT_TOKENS, OUTPUT_TOKENS, ROUNDS = 32, 64, 3
+PROMPT_TOKENS, OUTPUT_TOKENS, ROUNDS = 32, 256, 3
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,23 @@ class DecodeOptions:
     rounds: int = ROUNDS  # bare and served rounds per point, alternating (C requests a round)
     model_dir: Path | None = None
     dtype: str = "float32"
+    pin: bool = True  # ranks, frontend and this process on cores of their own (``BenchCores``)
+
+
+@dataclass(frozen=True)
+class BenchCores:
+    """The prefill rank on core 0 and the decode rank on core 1 (``pin_cores_per_rank: 1``, in
+    deployment order), the frontend and the client on every core but the decode rank's."""
+
+    decode: tuple[int, ...]
+    frontend: tuple[int, ...]
+
+    @staticmethod
+    def of(total: int) -> BenchCores | None:
+        """The cores on a node of ``total``; None on one core (nothing to keep apart)."""
+        if total < 2:
+            return None
+        return BenchCores((1,), tuple(c for c in range(total) if c != 1))
 
 
 class BareForward:
@@ -125,13 +151,22 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
     from tandem.model.config import ModelConfig
 
     o = options or DecodeOptions()
-    threads = int(os.environ.get("TANDEM_RANK_THREADS", "1"))
+    cores = BenchCores.of(node_cores()) if o.pin else None
+    threads = 1 if cores is not None else int(os.environ.get("TANDEM_RANK_THREADS", "1"))
     bare = BareForward(o, threads)
     topology = Topology(
         name="host-bench",
         prefill=PoolSpec(groups=1, dep=1, max_num_seqs=max(o.concurrency)),
         decode=PoolSpec(groups=1, dep=1, max_num_seqs=max(o.concurrency)),
+        pin_cores_per_rank=1 if cores is not None else None,
+        frontend_cores=list(cores.frontend) if cores is not None else None,
     )
+    own = os.sched_getaffinity(0)
+
+    def on(side: str) -> None:  # this process's next round on the decode rank's or the frontend's cores
+        if cores is not None:
+            pin_process(cores.decode if side == "decode" else cores.frontend)
+
     points = []
     init_ray()
     try:
@@ -148,10 +183,12 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
                 pairs = []
                 before = _decode_stats(server.controller)
                 for r in range(o.rounds):
+                    on("decode")
                     forward = bare.measure(c, seed=100 * c + r)
                     workload = SyntheticWorkload(
                         o.prompt_tokens, o.output_tokens, 0, 1, vocab, seed=c + 2 + r
                     )
+                    on("frontend")
                     result = asyncio.run(run_plan(client, Plan((c,), workload, requests_per_point=c)))
                     point = result["points"][0]
                     pairs.append((point["itl_ms"]["p50"], point["itl_ms"]["p90"], forward))
@@ -174,9 +211,11 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
         finally:
             server.stop()
     finally:
+        pin_process(own)
         shutdown_ray()
     return {
         "rank_threads": threads,
+        "cores": None if cores is None else {"decode_rank": cores.decode, "frontend": cores.frontend},
         "prompt_tokens": o.prompt_tokens,
         "output_tokens": o.output_tokens,
         "points": points,

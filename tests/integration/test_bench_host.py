@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -49,8 +50,15 @@ def test_the_command_refuses_a_bad_flag_before_starting_ray() -> None:
 
 def test_the_decode_part_measures_itl_against_the_bare_forward() -> None:
     args = _args("--parts", "decode", "--concurrency", "1,2", "--output-tokens", "12")
+    own = os.sched_getaffinity(0)
     result = run_host_bench(args)
     json.dumps(result)  # the --json object
+    # the decode rank on a core of its own, the frontend and the client on the rest, and this
+    # process back on its cores afterwards
+    total = os.cpu_count() or 1
+    if total >= 2:
+        assert result["decode"]["cores"] == {"decode_rank": (1,), "frontend": (0, *range(2, total))}
+    assert os.sched_getaffinity(0) == own
     points = result["decode"]["points"]
     assert [p["concurrency"] for p in points] == [1, 2]
     assert result["decode_itl_over_forward"] == points[0]["itl_over_forward"]
