@@ -135,8 +135,11 @@ def format_host(result: dict[str, Any]) -> str:
         lines.append("  decode step (ms, the decode rank's mean step):")
         for point in decode["points"]:
             split = ", ".join(
-                f"{k.removesuffix('_ms')} {v}" for k, v in point["decode_step"].items() if k != "steps"
+                f"{k.removesuffix('_ms')} {v}"
+                for k, v in point["decode_step"].items()
+                if k not in ("steps", "loop_over_forward")
             )
+            split += f"; the rank's loop over its forward {point['decode_step'].get('loop_over_forward')}x"
             lines.append(
                 f"    C={point['concurrency']}: ITL P50 {point['itl_p50_ms']} ms, bare forward "
                 f"{point['bare_forward_ms']} ms ({point['itl_over_forward']}x); {split}"

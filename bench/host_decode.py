@@ -117,9 +117,13 @@ def step_split(before: RankStats, after: RankStats) -> dict[str, Any]:
     def ms(seconds: float) -> float:
         return round(1e3 * seconds / steps, 4)
 
+    forward_s = a.forward_s - b.forward_s
+    loop_s = (la.step_s - lb.step_s) + (la.tick_s - lb.tick_s) + (la.publish_s - lb.publish_s)
     return {
         "steps": steps,
-        "forward_ms": ms(a.forward_s - b.forward_s),
+        # what the rank's loop spends a step (step, tick, push) over its forward, all on its clock
+        "loop_over_forward": round(loop_s / forward_s, 3) if forward_s > 0 else None,
+        "forward_ms": ms(forward_s),
         "sampling_ms": ms(a.sample_s - b.sample_s),
         "scheduling_and_metadata_ms": ms(
             (a.schedule_s - b.schedule_s) + (a.prepare_s - b.prepare_s) + (a.update_s - b.update_s)

@@ -74,4 +74,6 @@ def test_the_decode_part_measures_itl_against_the_bare_forward() -> None:
         assert split["steps"] >= 11
         assert split["forward_ms"] > 0 and split["sampling_ms"] > 0 and split["token_push_ms"] > 0
         assert split["step_ms"] >= split["forward_ms"]
+        loop = split["step_ms"] + split["tick_ms"] + split["token_push_ms"]
+        assert split["loop_over_forward"] == pytest.approx(loop / split["forward_ms"], 0.01)
     assert "decode_itl_over_forward" in format_host(result)
