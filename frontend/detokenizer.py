@@ -37,8 +37,9 @@ class PairCache:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.max_pairs = max_pairs
-        # (previous, token) -> the text added, or None: the token leaves its text incomplete
-        self._texts: dict[tuple[int, int], str | None] = {}
+        # (previous, token) -> the text added, or None: the token leaves its text incomplete;
+        # streams read it directly on every token (a hit needs no call), only :meth:`text` writes
+        self.texts: dict[tuple[int, int], str | None] = {}
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -48,15 +49,15 @@ class PairCache:
         complete before it; ``None`` when ``token`` leaves an incomplete character."""
         key = (previous, token)
         try:
-            return self._texts[key]
+            return self.texts[key]
         except KeyError:
             pass
         prefix = self.decode([previous]) if previous != _FIRST else ""
         full = self.decode([previous, token]) if previous != _FIRST else self.decode([token])
         added = None if len(full) <= len(prefix) or full.endswith(_REPLACEMENT) else full[len(prefix) :]
-        if len(self._texts) >= self.max_pairs:
-            self._texts.clear()
-        self._texts[key] = added
+        if len(self.texts) >= self.max_pairs:
+            self.texts.clear()  # in place: streams hold the same dict
+        self.texts[key] = added
         return added
 
 
@@ -65,7 +66,7 @@ class StreamDetokenizer:
 
     def __init__(self, cache: PairCache) -> None:
         self._cache = cache
-        self._texts = cache._texts  # read on every token; only the cache writes it
+        self._texts = cache.texts
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0

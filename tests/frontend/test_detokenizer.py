@@ -39,6 +39,6 @@ def test_a_small_cache_starts_again_and_stays_right(tokenizer: Tokenizer) -> Non
     cache = PairCache(tokenizer, max_pairs=3)
     for text in TEXTS * 2:
         _compare(tokenizer, cache, tokenizer.encode(text))
-    assert len(cache._texts) <= 3
+    assert len(cache.texts) <= 3
     with pytest.raises(ValueError, match="max_pairs"):
         PairCache(tokenizer, max_pairs=0)
