@@ -95,7 +95,8 @@ def test_serve_checks_the_model_files_and_ports_before_starting_anything(
                 "--tls-cert: ",
             ),
             (["--port", str(port)], f"--port: 127.0.0.1:{port} is in use"),
-            (["--metrics-port", str(port)], f"--metrics-port: 127.0.0.1:{port} is in use"),
+            # --port 0 (any free port): the metrics port's check, whatever holds 50051 right now
+            (["--port", "0", "--metrics-port", str(port)], f"--metrics-port: 127.0.0.1:{port} is in use"),
         ]
         for args, message in cases:
             result = _tandem("serve", *args, timeout=60)
