@@ -1,7 +1,8 @@
 """Stand-ins for a deployment's controller and ranks that make tokens without a model, so that a
 real frontend can be driven as hard as it can go (``bench/host_frontend.py``).
 
-A :class:`FakeDecodeRank` takes the frontend's ``submit`` calls, and after each of its steps
+A :class:`FakeDecodeRank` takes the frontend's submits (on a submit socket as a decode rank's,
+``cluster/submit_listener.py``, or as actor calls), and after each of its steps
 pushes the frontend one :class:`StreamBatch` with one new token for every running request and
 the :class:`RequestResult` (with its :class:`Bill`) of each request that reached its
 ``max_tokens``: the message, the path (the frontend's stream socket, as a decode rank's outbox
@@ -34,6 +35,7 @@ import ray
 
 from tandem.cluster.controller import FrontendInfo, GroupView, RoutingView
 from tandem.cluster.stream_socket import SocketStream
+from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.messages import (
     Bill,
     PrefillAttempt,
@@ -75,6 +77,12 @@ class FakeRankCounts:
     results: int
 
 
+def _check(items: list[RankRequest]) -> None:
+    for request in items:
+        if request.frontend is None:
+            raise ValueError(f"request {request.request_id}: frontend: expected the frontend's name")
+
+
 @ray.remote(num_cpus=0)
 class FakeDecodeRank:
     """A decode rank without a model: token ``i`` of every request is ``token_ids[i % len]``."""
@@ -103,14 +111,29 @@ class FakeDecodeRank:
         self._steps = self._pushes = self._tokens = self._results = 0
         self._loop: asyncio.Task[None] | None = None
         self._held = False
+        self._submits: SubmitListener | None = None
 
     async def submit(self, items: list[RankRequest]) -> None:
+        _check(items)
+        self._take(items, time.monotonic())
+
+    async def submit_endpoint(self) -> tuple[str, int, bytes]:
+        """A submit socket as a decode rank's (``cluster/submit_listener.py``): its thread checks
+        the items and hands them to this actor's event loop."""
+        if self._submits is None:
+            loop = asyncio.get_running_loop()
+
+            def submit(items: list[Any]) -> None:
+                _check(items)
+                loop.call_soon_threadsafe(self._take, items, time.monotonic())
+
+            self._submits = SubmitListener(submit, ray.util.get_node_ip_address())
+        return self._submits.endpoint()
+
+    def _take(self, items: list[RankRequest], now: float) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._run())
-        now = time.monotonic()
         for request in items:
-            if request.frontend is None:
-                raise ValueError(f"request {request.request_id}: frontend: expected the frontend's name")
             self._streams[request.request_id] = _Stream(request, now)
         self._wake.set()
 

@@ -169,9 +169,11 @@ def _counts(bench: _Bench) -> FakeRankCounts:
 
 def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, Any]:
     ranks0 = _counts(bench)
+    submits0: dict[str, int] = ray.get(bench.frontend.submits.remote())
     clock0: ProcessClock = ray.get(bench.frontend.clock.remote())
     result = _round(bench, order, timeout_s)
     clock1: ProcessClock = ray.get(bench.frontend.clock.remote())
+    submits1: dict[str, int] = ray.get(bench.frontend.submits.remote())
     ranks1 = _counts(bench)
     cpu_s = clock1.process_cpu_s - clock0.process_cpu_s
     wall_s = clock1.monotonic_s - clock0.monotonic_s
@@ -192,6 +194,7 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
         "messages": result.messages,
         "tokens_per_message": round(result.tokens / max(result.messages, 1), 2),
         "rank_pushes": pushes,
+        "submits": {way: submits1[way] - submits0[way] for way in ("socket", "actor")},
         "tokens_per_push": round((ranks1.tokens - ranks0.tokens) / max(pushes, 1), 1),
         "frontend_ttft_ms": _percentiles_ms(result.frontend_ttft_s),
         "client_ttft_ms": _percentiles_ms(result.client_ttft_s),

@@ -4,7 +4,9 @@ Lifecycle, driven by :class:`tandem.cluster.group.RankGroup`: ``rendezvous_addre
 -> ``setup`` on every rank at once (torch.distributed rendezvous, the model with this rank's
 slice of the experts, the role's worker) -> ``run`` (the lockstep loop; it returns only when
 stopped or failed, so the group watches it to learn of a death) -> ``submit``, ``abort``,
-``collect`` and the rest while it runs.
+``collect`` and the rest while it runs. A frontend submits over a socket of the rank's once it
+has one (``submit_endpoint``, ``cluster/submit_listener.py``); ``submit`` as an actor call is
+the same call.
 
 The shell knows no role: what a rank does lives in its worker (``prefill/``, ``decode/``, the
 colocated engine), built from ``RankSpec.role``. Items a caller submits are checked on the
@@ -23,6 +25,7 @@ from typing import Any
 import ray
 
 from tandem.cluster.placement import this_place
+from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.messages import ProcessPlace, RankId, RankStats, RequestResult
 from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
 from tandem.engine.role_spec import RoleSpec
@@ -87,6 +90,8 @@ class RankActor:
         self._loop: RankLoop | None = None
         self._metrics_server: MetricsServer | None = None
         self._metrics: RankMetrics | None = None
+        self._submits: SubmitListener | None = None
+        self._submits_lock = threading.Lock()
 
     def place(self) -> ProcessPlace:
         """This rank's node and pid; first checks that the node can read the model."""
@@ -163,6 +168,14 @@ class RankActor:
         admitted = loop.worker.admit(items)
         loop.post(lambda worker: worker.submit(admitted))
 
+    def submit_endpoint(self) -> tuple[str, int, bytes]:
+        """Where a frontend submits over a socket instead of calling ``submit``: host, port and
+        the secret a connection opens with (the listener starts on the first call)."""
+        with self._submits_lock:
+            if self._submits is None:
+                self._submits = SubmitListener(self.submit, ray.util.get_node_ip_address())
+            return self._submits.endpoint()
+
     def abort(self, request_ids: list[str]) -> None:
         def abort_all(worker: RankWorker) -> None:
             for request_id in request_ids:
@@ -205,6 +218,8 @@ class RankActor:
         self._stop.set()
         if self._metrics_server is not None:
             self._metrics_server.close()
+        if self._submits is not None:
+            self._submits.close()
 
     def _require(self) -> RankLoop:
         if self._loop is None:

@@ -165,6 +165,12 @@ class Frontend:
         """What each running request's stream holds for its client now."""
         return self.core.stream_buffers()
 
+    def submits(self) -> dict[str, int]:
+        """Submits to decode ranks so far, by way: ``socket`` (``frontend/rank_channel.py``) or
+        ``actor`` (an actor call, while a rank's socket is not open); ``open_channels``: the
+        decode ranks whose socket is open now."""
+        return self.core.submits | {"open_channels": self.core.open_channels()}
+
     async def clock(self) -> ProcessClock:
         """This process's wall and CPU clocks, and the event loop thread's CPU clock, now."""
         return read_clock()
@@ -204,6 +210,7 @@ class Frontend:
         if self._http is not None:
             await self._http.stop()
         await self._streams.stop()
+        self.core.close_channels()
         if self._metrics is not None:
             self._metrics.close()
 

@@ -47,6 +47,7 @@ from tandem.frontend.detokenizer import PairCache
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.limits import EdgeLimits
+from tandem.frontend.rank_channel import RankChannel, SubmitRefused
 from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
 from tandem.frontend.status import StatusView, read_status
 from tandem.metrics.frontend import FrontendMetrics
@@ -59,9 +60,23 @@ from tandem.router.router import NoRankAvailable, Router, RouterConfig
 log = logging.getLogger(__name__)
 
 
+# what a submit's answer raises: an actor call's error, a refusal or a lost connection (the socket)
+SUBMIT_ERRORS = (ray.exceptions.RayError, SubmitRefused, ConnectionError)
+
+
+def refusal(error: Exception) -> tuple[bool, str]:
+    """Whether a decode rank refused a submit because it is being drained, and why it refused."""
+    if isinstance(error, SubmitRefused):
+        return error.draining, str(error)
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, RankDraining):
+        return True, str(cause)
+    return False, last_line(error)
+
+
 async def _abort_after(submit: Any, running: _Running) -> None:
     """Abort once the submit has landed (an abort that overtook it would find nothing)."""
-    with contextlib.suppress(ray.exceptions.RayError):
+    with contextlib.suppress(*SUBMIT_ERRORS):
         await submit
     running.send_abort()
 
@@ -187,6 +202,11 @@ class FrontendCore:
         self._incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
         self._rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
         self.kv_events = KVEventFeed(self.router, config.name)
+        # each decode rank's submit socket, by (rank, incarnation); those that offer none
+        self._channels: dict[tuple[RankId, int], RankChannel] = {}
+        self._no_channel: set[tuple[RankId, int]] = set()
+        self._opening: set[tuple[RankId, int]] = set()
+        self.submits = {"socket": 0, "actor": 0}  # submits made each way
         self._tasks: set[asyncio.Future[None]] = set()
         self.metrics: FrontendMetrics | None = None
         if config.metrics:
@@ -232,11 +252,10 @@ class FrontendCore:
                 try:
                     await asyncio.shield(submit)  # a cancel here leaves the submit to finish first
                     break
-                except ray.exceptions.RayError as exc:
-                    cause = getattr(exc, "cause", None)
-                    draining = isinstance(cause, RankDraining)
+                except SUBMIT_ERRORS as exc:
+                    draining, why = refusal(exc)
                     if not draining or retry == _DRAIN_RETRIES or running.abort_requested:
-                        rank, why = running.decode_rank, str(cause) if draining else last_line(exc)
+                        rank = running.decode_rank
                         stream.fail(f"decode rank {rank} did not take the request: {why}", rank)
                         break
                 # the rank is being drained and the view that chose it is stale: route again on
@@ -311,7 +330,17 @@ class FrontendCore:
         )
         self.running[RequestKey(spec.client, spec.request_id)] = self._by_rank_id[rank_request_id] = running
         request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
-        return running, running.handle.submit.remote([request])
+        return running, self._submit(running, [request])
+
+    def _submit(self, running: _Running, requests: list[RankRequest]) -> Any:
+        """Send ``requests`` to ``running``'s decode rank: over its submit socket once open, as an
+        actor call until then; the awaitable of the rank's answer (``SUBMIT_ERRORS``)."""
+        channel = self._channels.get((running.decode_rank, running.incarnation))
+        if channel is not None and channel.is_open:
+            self.submits["socket"] += 1
+            return channel.submit(requests)
+        self.submits["actor"] += 1
+        return running.handle.submit.remote(requests)
 
     def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
         """A request no rank could ever hold is refused here, naming the field to change."""
@@ -482,7 +511,7 @@ class FrontendCore:
             self.config.name,
             resume_output_ids=tuple(tokens),
         )
-        submit = running.handle.submit.remote([request])
+        submit = self._submit(running, [request])
         self._tasks.add(task := asyncio.ensure_future(self._resumed(submit, running, rank)))
         task.add_done_callback(self._tasks.discard)
         log.warning("request %s moved to decode rank %s after %d tokens", spec.request_id, rank, len(tokens))
@@ -492,10 +521,10 @@ class FrontendCore:
         """A resumed request the new decode rank refuses ends with its error."""
         try:
             await submit
-        except ray.exceptions.RayError as exc:
+        except SUBMIT_ERRORS as exc:
             if running.decode_rank == rank and not running.stream.finished:
                 running.stream.fail(
-                    f"decode rank {rank} did not take the resumed request: {last_line(exc)}", rank
+                    f"decode rank {rank} did not take the resumed request: {refusal(exc)[1]}", rank
                 )
 
     def on_kv_events(self, batch: KVEventBatch) -> None:
@@ -518,6 +547,7 @@ class FrontendCore:
                 subscribe = self.kv_events.subscribe(rank.name, incarnations[rank], handle)
                 self._tasks.add(task := asyncio.ensure_future(subscribe))
                 task.add_done_callback(self._tasks.discard)
+        self._keep_channels(view, incarnations)
         await self._read_rank_stats(view)
         # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
         # by itself: end it here
@@ -536,6 +566,46 @@ class FrontendCore:
             and bool(view.decode)
             and bool(self.kv_events.following.keys() & {r.name for r in view.prefill})
         )
+
+    def _keep_channels(self, view: RoutingView, incarnations: dict[RankId, int]) -> None:
+        """A submit socket to every decode rank of the view (opened in the background: until it
+        is, submits are actor calls); those of ranks that left the view, or ended, are closed."""
+        current = {(rank, incarnations[rank]) for rank in view.decode}
+        for key in list(self._channels):
+            if key not in current or not self._channels[key].is_open:
+                self._channels.pop(key).close()
+        self._no_channel &= current
+        for key in current - self._channels.keys() - self._no_channel - self._opening:
+            handle = view.decode[key[0]]
+            if not hasattr(handle, "submit_endpoint"):
+                self._no_channel.add(key)
+                continue
+            self._opening.add(key)
+            self._tasks.add(task := asyncio.ensure_future(self._open_channel(key, handle)))
+            task.add_done_callback(self._tasks.discard)
+
+    async def _open_channel(self, key: tuple[RankId, int], handle: Any) -> None:
+        try:
+            channel = await RankChannel.open(await handle.submit_endpoint.remote())
+        except (ray.exceptions.RayError, OSError, TimeoutError, TypeError, ValueError) as exc:
+            # no route to it: actor calls it is (a rank that failed is rebuilt with a new key)
+            log.info("decode rank %s: submits stay actor calls: %s", key[0], exc)
+            self._no_channel.add(key)
+            return
+        finally:
+            self._opening.discard(key)
+        if self.view is not None and key[0] in self.view.decode and self._incarnations.get(key[0]) == key[1]:
+            self._channels[key] = channel
+        else:  # the rank left the view meanwhile
+            channel.close()
+
+    def open_channels(self) -> int:
+        return sum(channel.is_open for channel in self._channels.values())
+
+    def close_channels(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     async def _read_rank_stats(self, view: RoutingView) -> None:
         """Every rank's report: decode ranks' free pages and requests, prefill ranks' pending
