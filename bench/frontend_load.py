@@ -3,8 +3,9 @@ torch) so that their CPU is not the frontend's.
 
 :func:`run_round` opens ``streams`` ``Generate`` calls at once over open connections
 (``grpc.aio``), each asking for ``output_tokens`` tokens, and checks every stream as it ends: its
-tokens are ``expected_token_ids`` in order (token ``i`` is ``expected[i % len]``), every chunk's
-timings are the next indices, and the chunks' text joined is the summary's text. Wall time is
+tokens are ``expected_token_ids`` in order (token ``i`` is ``expected[i % len]``), every chunk
+starts at the next output index with a timing per token, and the chunks' text joined is the
+summary's text. Wall time is
 read on this process's monotonic clock, from the first call sent to the last summary received.
 
 :func:`client_process` is the process's entry: it connects once, then waits for each round's
@@ -86,10 +87,11 @@ async def _check_stream(
             seen.tokens, seen.messages = seen.tokens + len(chunk.token_ids), messages
             tokens.extend(chunk.token_ids)
             texts.append(chunk.text)
-            for timing in chunk.timings:
-                if timing.index != timing_index:
-                    return f"timing index {timing.index}, expected {timing_index}"
-                timing_index += 1
+            if chunk.first_index != timing_index:
+                return f"chunk from output index {chunk.first_index}, expected {timing_index}"
+            if not len(chunk.server_times_s) == len(chunk.gaps_s) == len(chunk.token_ids):
+                return f"a chunk of {len(chunk.token_ids)} tokens with {len(chunk.gaps_s)} timings"
+            timing_index += len(chunk.token_ids)
         else:
             summary = response.summary
     if summary is None:

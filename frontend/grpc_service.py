@@ -323,16 +323,14 @@ def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> Sam
 
 # ---- protobuf out ---------------------------------------------------------------------------
 def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.GenerateResponse:
-    if isinstance(item, StreamChunk):  # filled in place: half the cost of building sub-messages
+    if isinstance(item, StreamChunk):  # columns in, columns out: no object per token
         response = tandem_pb2.GenerateResponse(request_id=request_id)
         chunk = response.chunk
         chunk.token_ids.extend(item.token_ids)
         chunk.text = item.text
-        add = chunk.timings.add
-        index = item.first_index
-        for server_time_s, gap_s in zip(item.server_times_s, item.gaps_s, strict=True):
-            add(index=index, server_time_s=server_time_s, gap_s=gap_s)
-            index += 1
+        chunk.first_index = item.first_index
+        chunk.server_times_s.extend(item.server_times_s)
+        chunk.gaps_s.extend(item.gaps_s)
         return response
     bill, route = item.bill, item.route
     latency = tandem_pb2.Latency(

@@ -44,25 +44,19 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
-class TokenTiming(_message.Message):
-    __slots__ = ("index", "server_time_s", "gap_s")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    SERVER_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    GAP_S_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    server_time_s: float
-    gap_s: float
-    def __init__(self, index: _Optional[int] = ..., server_time_s: _Optional[float] = ..., gap_s: _Optional[float] = ...) -> None: ...
-
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "timings")
+    __slots__ = ("token_ids", "text", "first_index", "server_times_s", "gaps_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIMES_S_FIELD_NUMBER: _ClassVar[int]
+    GAPS_S_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    timings: _containers.RepeatedCompositeFieldContainer[TokenTiming]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[TokenTiming, _Mapping]]] = ...) -> None: ...
+    first_index: int
+    server_times_s: _containers.RepeatedScalarFieldContainer[float]
+    gaps_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., first_index: _Optional[int] = ..., server_times_s: _Optional[_Iterable[float]] = ..., gaps_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Latency(_message.Message):
     __slots__ = ("queue_s", "routing_s", "reservation_wait_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s", "ttft_s", "decode_s", "e2e_s", "pickup_s", "kv_wait_s", "kv_accept_s", "prefill_pickup_s", "rank_s")

@@ -200,12 +200,16 @@ def test_32_concurrent_streams_give_the_colocated_engine_tokens(served: Served) 
         assert summary is not None and summary.error == ""
         streamed = [t for c in outcome.chunks for t in c.token_ids]
         assert streamed == tokens
-        timings = [t for c in outcome.chunks for t in c.timings]
-        for chunk in outcome.chunks:  # every chunk carries one timing per token
-            assert len(chunk.timings) == len(chunk.token_ids)
-        assert [t.index for t in timings] == list(range(len(tokens)))
-        assert all(t.gap_s >= 0 for t in timings)
-        assert all(a.server_time_s <= b.server_time_s for a, b in itertools.pairwise(timings))
+        for chunk in outcome.chunks:  # every chunk carries one timing per token, in columns
+            assert len(chunk.server_times_s) == len(chunk.gaps_s) == len(chunk.token_ids)
+        starts = [c.first_index for c in outcome.chunks]
+        assert starts == list(
+            itertools.accumulate((len(c.token_ids) for c in outcome.chunks[:-1]), initial=0)
+        )
+        gaps = [g for c in outcome.chunks for g in c.gaps_s]
+        times = [t for c in outcome.chunks for t in c.server_times_s]
+        assert gaps[0] > 0 and all(g >= 0 for g in gaps)
+        assert times == sorted(times) and times[0] > 1.6e9  # Unix seconds
         bill = summary.bill
         assert bill.cached_tokens + bill.new_prompt_tokens == bill.prompt_tokens > 0
         assert bill.output_tokens == len(tokens)
