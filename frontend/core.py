@@ -569,10 +569,12 @@ class FrontendCore:
 
     def _keep_channels(self, view: RoutingView, incarnations: dict[RankId, int]) -> None:
         """A submit socket to every decode rank of the view (opened in the background: until it
-        is, submits are actor calls); those of ranks that left the view, or ended, are closed."""
+        is, submits are actor calls); those that ended are dropped, and those of ranks that left
+        the view once no submit waits on them (a rank being drained answers its last submits
+        with a refusal, and their requests are routed again)."""
         current = {(rank, incarnations[rank]) for rank in view.decode}
-        for key in list(self._channels):
-            if key not in current or not self._channels[key].is_open:
+        for key, channel in list(self._channels.items()):
+            if not channel.is_open or (key not in current and not channel.waiting):
                 self._channels.pop(key).close()
         self._no_channel &= current
         for key in current - self._channels.keys() - self._no_channel - self._opening:

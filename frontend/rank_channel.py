@@ -53,6 +53,11 @@ class RankChannel:
     def is_open(self) -> bool:
         return not self._closed
 
+    @property
+    def waiting(self) -> int:
+        """Submits sent and not answered yet."""
+        return len(self._pending)
+
     def submit(self, items: list[Any]) -> asyncio.Future[None]:
         """Send ``items`` to the rank; the future of its answer. ``ConnectionError`` at once
         when the connection has ended."""

@@ -1,20 +1,24 @@
 """A decode rank that is being drained refuses a request; the frontend routes it again on the
 next view, and the request ends normally. Fake rank handles stand in for the Ray actors: what
-is tested is the frontend's own path."""
+is tested is the frontend's own path; the drained rank's refusal comes as an actor call's error
+or, in the last test, as the answer on a real submit socket (``cluster/submit_listener.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from tandem.cluster.controller import GroupView, RoutingView
+from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
 from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import FinishReason, SamplingParams
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec
+from tandem.frontend.rank_channel import RankChannel
 from tandem.frontend.request_stream import StreamSummary
 
 PREFILL, DRAINED, OPEN = RankId("prefill0", 0), RankId("decode0", 0), RankId("decode1", 0)
@@ -113,3 +117,55 @@ def test_a_rank_that_keeps_refusing_fails_the_request_with_its_reason(tiny_dir: 
 
     summary = asyncio.run(run())
     assert summary.finish_reason == "error" and "is draining" in (summary.error or "")
+
+
+def test_a_draining_ranks_socket_stays_open_until_its_refusal_has_come(tiny_dir: Path) -> None:
+    """The view that leaves the drained rank out comes while its submit waits on the socket: the
+    channel is kept for the answer (closing it would fail the request instead of routing it
+    again), and dropped at the first refresh after it."""
+    entered, release = threading.Event(), threading.Event()
+    taken: list[str] = []
+
+    def drained_rank(items: list[Any]) -> None:
+        taken.extend(r.request_id for r in items)
+        entered.set()
+        release.wait(10)
+        raise RankDraining(DRAINED.name)
+
+    listener = SubmitListener(drained_rank, "127.0.0.1")
+
+    async def run() -> tuple[StreamSummary, _Decode, _Decode, RankChannel]:
+        core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", refresh_s=0.05, metrics=False))
+        drained, open_ = _Decode(DRAINED, core, draining=True), _Decode(OPEN, core, draining=False)
+        _show(core, _view({DRAINED: drained, OPEN: open_}))
+        channel = core._channels[(DRAINED, 1)] = await RankChannel.open(listener.endpoint())
+        generate = asyncio.create_task(
+            _collect(core, GenerateSpec("r3", [1, 2, 3], SamplingParams(max_tokens=2)))
+        )
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        after = _view({OPEN: open_})
+        _show(core, after)
+        core._keep_channels(after, core._incarnations)
+        assert channel.is_open and channel.waiting == 1 and (DRAINED, 1) in core._channels
+        release.set()
+        summary = await generate
+        core._keep_channels(after, core._incarnations)
+        assert (DRAINED, 1) not in core._channels
+        return summary, drained, open_, channel
+
+    try:
+        summary, drained, open_, channel = asyncio.run(run())
+    finally:
+        release.set()
+        listener.close()
+    assert summary.error is None and summary.decode_rank == OPEN and summary.token_ids == [5, 6]
+    # the drained rank was reached over its socket only, and the request went on to the open one
+    assert len(taken) == 1 and drained.received == [] and len(open_.received) == 1
+    assert taken[0] != open_.received[0]
+    assert not channel.is_open
+
+
+async def _collect(core: FrontendCore, spec: GenerateSpec) -> StreamSummary:
+    items = [item async for item in core.generate(spec)]
+    assert isinstance(items[-1], StreamSummary)
+    return items[-1]
