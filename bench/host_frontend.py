@@ -191,6 +191,9 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
         "frontend_cores_busy": round(cpu_s / wall_s, 3),
         "tokens_per_s_per_core": round(result.tokens / cpu_s, 1),
         "frontend_cpu_us_per_token": round(1e6 * cpu_s / result.tokens, 2),
+        # the cyclic collector's seconds over the frontend's CPU seconds of the round
+        "frontend_gc_share": round((clock1.gc_s - clock0.gc_s) / cpu_s, 4),
+        "frontend_gc_collections": clock1.gc_collections - clock0.gc_collections,
         "messages": result.messages,
         "tokens_per_message": round(result.tokens / max(result.messages, 1), 2),
         "rank_pushes": pushes,

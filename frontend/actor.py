@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from dataclasses import replace
@@ -21,7 +20,7 @@ from tandem.cluster.cpu_affinity import check_cores, pin_process
 from tandem.cluster.placement import this_place
 from tandem.engine.messages import StreamBatch
 from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
-from tandem.frontend.diagnostics import LoopProfiler, ProcessClock, ProfileRow, read_clock
+from tandem.frontend.diagnostics import GcClock, LoopProfiler, ProcessClock, ProfileRow, read_clock, tune_gc
 from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.openai_http import HttpConfig, OpenAIServer
@@ -52,6 +51,7 @@ class Frontend:
         self._metrics: MetricsServer | None = None
         self._all_metrics = self.core.metrics
         self._profiler = LoopProfiler()
+        self._gc_clock = GcClock()
         # the decode ranks' token streams, once they connect (before, their actor calls)
         self._streams = StreamListener(self.core.on_stream)
 
@@ -87,9 +87,9 @@ class Frontend:
         await self._set_health(False)
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
         # what start-up made (Ray, gRPC, the tokenizer, the HTTP app) lives as long as the process:
-        # moved out of the collector's generations, no collection walks it again, and the young
-        # objects of each stream's chunks are collected without a walk over the whole heap
-        gc.freeze()
+        # frozen, no collection walks it again; and a collection waits for 50,000 more objects
+        # alive instead of Python's 700 (``diagnostics.GC_THRESHOLD``)
+        tune_gc()
         return self.port
 
     async def ensure_started(self) -> FrontendInfo:
@@ -172,8 +172,9 @@ class Frontend:
         return self.core.submits | {"open_channels": self.core.open_channels()}
 
     async def clock(self) -> ProcessClock:
-        """This process's wall and CPU clocks, and the event loop thread's CPU clock, now."""
-        return read_clock()
+        """This process's wall and CPU clocks, the event loop thread's CPU clock, and the cyclic
+        collector's seconds and collections, now."""
+        return read_clock(self._gc_clock)
 
     async def start_profile(self) -> None:
         """Profile the event loop's thread (gRPC, pushes, streams) until ``stop_profile``."""

@@ -1,5 +1,6 @@
-"""What the frontend process spends, read from inside it: its CPU clocks, and a cProfile of its
-event loop's thread (where the gRPC server, the pushes from the ranks and every stream run).
+"""What the frontend process spends, read from inside it: its CPU clocks, the time its cyclic
+garbage collector ran, and a cProfile of its event loop's thread (where the gRPC server, the
+pushes from the ranks and every stream run).
 
 Both are read through the actor (``Frontend.clock``, ``start_profile``, ``stop_profile``), so a
 benchmark measures the frontend's CPU on the frontend's own clocks, not from outside.
@@ -8,24 +9,78 @@ benchmark measures the frontend's CPU on the frontend's own clocks, not from out
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
+
+# Python's default first threshold (700) counts allocations net of frees of objects the cyclic
+# collector tracks; a frontend at full load crosses it a few hundred times a second, and a
+# collection walks every young object: 3 - 4% of the frontend's CPU at 256 streams
+# (``tandem bench host --parts frontend``, ``gc_share``). Its streams make no reference cycles
+# in steady state, so a collection is only due once 50,000 more objects are alive than at the
+# last one; the older generations keep Python's ratios.
+GC_THRESHOLD = 50_000
+
+
+def tune_gc(threshold: int = GC_THRESHOLD) -> None:
+    """Collect now, freeze what is alive (the process's code and startup objects: later
+    collections skip them) and raise the first generation's threshold to ``threshold``."""
+    if threshold < 1:
+        raise ValueError(f"threshold: must be at least 1, got {threshold}")
+    gc.collect()
+    gc.freeze()
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(threshold, second, third)
+
+
+class GcClock:
+    """Seconds the cyclic garbage collector ran in this process and its collections, from the
+    collector's own start and stop callbacks (each collection is the difference of two readings
+    of ``time.perf_counter`` on the thread that ran it). Installed once; :meth:`uninstall`
+    removes it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._started: dict[int, float] = {}  # thread -> when its collection started
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, _info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = now
+            return
+        started = self._started.pop(thread, None)
+        if started is not None:
+            self.seconds += now - started
+            self.collections += 1
+
+    def uninstall(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 @dataclass(frozen=True)
 class ProcessClock:
     """One reading of this process's clocks: ``monotonic_s`` (wall), ``process_cpu_s`` (every
-    thread's CPU) and ``thread_cpu_s`` (the CPU of the thread that read it: on the actor, the
-    event loop's)."""
+    thread's CPU), ``thread_cpu_s`` (the CPU of the thread that read it: on the actor, the
+    event loop's), and the cyclic collector's seconds and collections so far (0 without a
+    :class:`GcClock`)."""
 
     monotonic_s: float
     process_cpu_s: float
     thread_cpu_s: float
+    gc_s: float = 0.0
+    gc_collections: int = 0
 
 
-def read_clock() -> ProcessClock:
-    return ProcessClock(time.monotonic(), time.process_time(), time.thread_time())
+def read_clock(gc_clock: GcClock | None = None) -> ProcessClock:
+    seconds, collections = (gc_clock.seconds, gc_clock.collections) if gc_clock else (0.0, 0)
+    return ProcessClock(time.monotonic(), time.process_time(), time.thread_time(), seconds, collections)
 
 
 @dataclass(frozen=True)
