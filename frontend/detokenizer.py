@@ -7,12 +7,16 @@ held back while it ends in an incomplete character), so both give the same text.
 state, where every token so far completed its text, the window is just ``[previous, token]``:
 the text added is then a pure function of that pair, which :class:`PairCache` keeps for every
 stream of one tokenizer. A token then costs a dictionary lookup instead of two calls into the
-tokenizer; any other window (held-back bytes, the first token) takes the tokenizer's path.
+tokenizer. Any other window (bytes held back for an incomplete character: every character of
+more than one byte a byte-level tokenizer splits) is a pure function of its ids and where the
+emitted part ends, and is kept too, up to ``MAX_WINDOW`` tokens: only a window seen for the first
+time calls the tokenizer.
 
 ::
 
-    ids:  [ ... previous | token ]      steady state: text = cache[(previous, token)]
-          [ ... prefix ... read | new ] otherwise: decode(prefix:) minus decode(prefix:read)
+    ids:  [ ... previous | token ]      steady state: text = pairs[(previous, token)]
+          [ ... prefix ... read | new ] otherwise: text = windows[(ids[prefix:], read - prefix)]
+                                        = decode(prefix:) minus decode(prefix:read)
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from tandem.model.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _FIRST = -1  # the "previous token" of a stream's first token
+MAX_WINDOW = 8  # longer windows (a run of bytes that never completes a character) are not kept
 
 
 class PairCache:
-    """Text a token adds after a given previous token, for one tokenizer (shared by streams).
+    """Text a token adds after a given previous token, and text a window of held-back tokens
+    adds, for one tokenizer (shared by streams).
 
-    Holds at most ``max_pairs`` pairs; when full it starts again (the pairs a model's output
-    uses come back within a few tokens)."""
+    Holds at most ``max_pairs`` pairs and as many windows; when full it starts again (the pairs a
+    model's output uses come back within a few tokens)."""
 
     def __init__(
         self, tokenizer: Tokenizer, skip_special_tokens: bool = True, max_pairs: int = 1 << 18
@@ -40,6 +46,8 @@ class PairCache:
         # (previous, token) -> the text added, or None: the token leaves its text incomplete;
         # streams read it directly on every token (a hit needs no call), only :meth:`text` writes
         self.texts: dict[tuple[int, int], str | None] = {}
+        # (window, tokens of it already emitted) -> the text its last tokens add, or None
+        self.windows: dict[tuple[tuple[int, ...], int], str | None] = {}
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -60,6 +68,27 @@ class PairCache:
         self.texts[key] = added
         return added
 
+    def window_text(self, window: list[int], emitted: int) -> str | None:
+        """The text the tokens of ``window`` past its first ``emitted`` add to those before
+        them; ``None`` while they leave an incomplete character."""
+        key = (tuple(window), emitted)
+        try:
+            return self.windows[key]
+        except KeyError:
+            pass
+        prefix_text = self.decode(window[:emitted])
+        new_text = self.decode(window)
+        added = (
+            None
+            if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)
+            else new_text[len(prefix_text) :]
+        )
+        if len(window) <= MAX_WINDOW:
+            if len(self.windows) >= self.max_pairs:
+                self.windows.clear()
+            self.windows[key] = added
+        return added
+
 
 class StreamDetokenizer:
     """One stream's token ids in, text deltas out, never splitting a UTF-8 character."""
@@ -67,13 +96,13 @@ class StreamDetokenizer:
     def __init__(self, cache: PairCache) -> None:
         self._cache = cache
         self._texts = cache.texts
-        self._ids: list[int] = []
+        self.ids: list[int] = []  # every token fed, in order (read, never changed, by the stream)
         self._prefix_offset = 0
         self._read_offset = 0
 
     def add(self, token_id: int) -> str:
         """Feed one token id; the text it completes (possibly empty)."""
-        ids, prefix, read = self._ids, self._prefix_offset, self._read_offset
+        ids, prefix, read = self.ids, self._prefix_offset, self._read_offset
         ids.append(token_id)
         if read == len(ids) - 1 and read - 1 <= prefix:  # the window is [previous, token] or [token]
             previous = ids[prefix] if prefix < read else _FIRST
@@ -85,18 +114,16 @@ class StreamDetokenizer:
                 return ""
             self._prefix_offset, self._read_offset = read, read + 1
             return text
-        decode = self._cache.decode
-        prefix_text = decode(ids[prefix:read])
-        new_text = decode(ids[prefix:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+        text = self._cache.window_text(ids[prefix:], read - prefix)
+        if text is None:
             return ""
         self._prefix_offset, self._read_offset = read, len(ids)
-        return new_text[len(prefix_text) :]
+        return text
 
     def finish(self) -> str:
         """Text still held back at the end (an incomplete character decodes as U+FFFD)."""
         decode = self._cache.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
+        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
         return new_text[len(prefix_text) :]
