@@ -235,7 +235,6 @@ class RequestStream:
     finished: bool = False
     _next_index: int = 0
     _pending: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # index -> token, times
-    _tokens: list[int] = field(default_factory=list)
     _last_rank_s: float | None = None  # the decode rank's reading for the previous token
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
@@ -243,12 +242,14 @@ class RequestStream:
     # texts of token pairs, shared by the streams of one tokenizer (``detokenizer``)
     detokenizer_cache: PairCache | None = None
     _detokenizer: StreamDetokenizer = field(init=False)
+    _tokens: list[int] = field(init=False)
     buffer: ChunkBuffer = field(init=False)
 
     def __post_init__(self) -> None:
         if self.detokenizer_cache is None:
             self.detokenizer_cache = PairCache(self.tokenizer)
         self._detokenizer = StreamDetokenizer(self.detokenizer_cache)
+        self._tokens = self._detokenizer.ids  # the detokenizer keeps every token streamed, in order
         self.buffer = ChunkBuffer(self.stream_interval)
 
     def on_delta(self, delta: TokenDelta) -> int:
@@ -269,7 +270,6 @@ class RequestStream:
             gap = 0.0
             self._last_rank_s = rank_s if rank_s == rank_s else None
         self._next_index = index + 1
-        self._tokens.append(token)
         self.buffer.add(index, token, self._detokenizer.add(token), unix_s, gap)
         return 1
 
@@ -377,4 +377,3 @@ class RequestStream:
             put(index, token, add(token), unix_s, gap)
             index += 1
         self._next_index, self._last_rank_s = index, last_rank_s
-        self._tokens += tokens
