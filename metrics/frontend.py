@@ -6,7 +6,7 @@ Everything is observed once per request, when its summary is made; nothing per t
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -268,12 +268,13 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts = [0] * len(bounds)
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1
-    for bucket, count in zip(buckets, counts, strict=True):
-        if count:
-            bucket.inc(count)
+    ordered = sorted(values)  # a bucket's count is then two searches apart, not a search a value
+    below = 0
+    for bucket, bound in zip(buckets, bounds, strict=True):
+        upto = bisect_right(ordered, bound, below)  # values <= bound: the histogram's rule
+        if upto > below:
+            bucket.inc(upto - below)
+        below = upto
     total.inc(sum(values))
 
 
