@@ -122,6 +122,8 @@ class StreamDetokenizer:
 
     def finish(self) -> str:
         """Text still held back at the end (an incomplete character decodes as U+FFFD)."""
+        if self._read_offset == len(self.ids):  # nothing held back: no call to make
+            return ""
         decode = self._cache.decode
         prefix_text = decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = decode(self.ids[self._prefix_offset :])
