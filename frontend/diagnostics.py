@@ -18,10 +18,10 @@ from typing import Any
 
 # Python's default first threshold (700) counts allocations net of frees of objects the cyclic
 # collector tracks; a frontend at full load crosses it a few hundred times a second, and a
-# collection walks every young object: 3 - 4% of the frontend's CPU at 256 streams
-# (``tandem bench host --parts frontend``, ``gc_share``). Its streams make no reference cycles
-# in steady state, so a collection is only due once 50,000 more objects are alive than at the
-# last one; the older generations keep Python's ratios.
+# collection walks every young object: 3 - 4% of the frontend's CPU at 256 streams (``tandem
+# bench host --parts frontend``: ``frontend_gc_share``). Its streams make no reference cycles in
+# steady state, so a collection is only due once 50,000 more objects are alive than at the last
+# one; the older generations keep Python's ratios.
 GC_THRESHOLD = 50_000
 
 
