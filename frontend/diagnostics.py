@@ -11,7 +11,6 @@ from __future__ import annotations
 import cProfile
 import gc
 import pstats
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,25 +38,23 @@ def tune_gc(threshold: int = GC_THRESHOLD) -> None:
 class GcClock:
     """Seconds the cyclic garbage collector ran in this process and its collections, from the
     collector's own start and stop callbacks (each collection is the difference of two readings
-    of ``time.perf_counter`` on the thread that ran it). Installed once; :meth:`uninstall`
-    removes it."""
+    of ``time.perf_counter``; collections never overlap: the collector runs under the GIL and
+    refuses to start while one runs). Installed once; :meth:`uninstall` removes it."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = 0
-        self._started: dict[int, float] = {}  # thread -> when its collection started
+        self._started: float | None = None  # when the running collection started
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, _info: dict[str, Any]) -> None:
         now = time.perf_counter()
-        thread = threading.get_ident()
         if phase == "start":
-            self._started[thread] = now
-            return
-        started = self._started.pop(thread, None)
-        if started is not None:
-            self.seconds += now - started
+            self._started = now
+        elif self._started is not None:
+            self.seconds += now - self._started
             self.collections += 1
+            self._started = None
 
     def uninstall(self) -> None:
         if self._callback in gc.callbacks:
