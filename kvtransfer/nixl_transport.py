@@ -19,8 +19,9 @@ notification before the data, and the bill's transfer figures are the sender's o
 
 Abort protocol (so no late write lands in a page that was handed out again)::
 
-    receiver abort / deadline  ── ABORT(deadline) ──▶  sender stops posting, waits for posted writes
-                               ◀─ ABORT_ACK ─ sender reports its failure (its pages are free)
+    receiver abort / deadline  ── ABORT(deadline) ──▶  sender stops posting, waits until every posted
+                                                       write has completed or failed
+                               ◀─ ABORT_ACK ─ only then; sender reports its failure (pages free)
     ... send not begun yet     ── ABORT(deadline) ──▶  ``poll`` reports it ``cancelled``: the caller
                                                        drops the job and calls ``confirm_cancelled``
                                ◀─ ABORT_ACK ─          (or drops it when it arrives, if it has not)
@@ -96,6 +97,8 @@ class _Send:
     whole: bool = False
     notification: KVNotification | None = None
     error: KVTransferError | None = None  # set once aborting
+    # the receiver asked for the abort: it is told with ABORT_ACK, once no write is in flight
+    receiver_aborted: bool = False
 
     def all_posted(self, num_layers: int) -> bool:
         return self.notification is not None and len(self.layers_sent) == num_layers and not self.waiting
@@ -325,9 +328,11 @@ class NixlTransport(KVTransport):
             send.error = KVTransferTimeout(send.request_id, send.peer.meta.rank, now - send.stats.start_s)
         if send.error is not None:
             if "PROC" in states:
-                return False  # our pages are still being read
+                return False  # a write is still landing in the receiver's pages: no word yet
             self._release(send)
-            self._message(send.peer.meta.agent_name, ABORT, send.request_id)
+            # every posted write completed or failed: the receiver's pages may now be reused
+            reply = ABORT_ACK if send.receiver_aborted else ABORT
+            self._message(send.peer.meta.agent_name, reply, send.request_id)
             events.failed.append(TransferFailure(send.request_id, "send", send.error))
             return True
         if not send.all_posted(self.layout.num_layers) or any(state != "DONE" for state in states):
@@ -437,11 +442,11 @@ class NixlTransport(KVTransport):
             self.late_messages_dropped += 1
             return
         kind, request_id = msg["kind"], msg["request_id"]
-        if kind == ABORT and request_id in self._sends:  # the receiver gave up: stop, then ack
+        if kind == ABORT and request_id in self._sends:  # the receiver gave up: stop, drain, ack
             send = self._sends[request_id]
             if send.error is None:
                 send.error = KVTransferAborted(request_id, f"decode rank {msg['sender']}")
-            self._message(agent_name, ABORT_ACK, request_id)
+            send.receiver_aborted = True  # acked by ``_progress_send`` once no write is in flight
             return
         if kind == ABORT and request_id not in self._recvs:  # nothing in flight here to stop
             if request_id in self._ended:  # over already: nothing more will be written

@@ -639,3 +639,88 @@ def test_a_resumed_request_is_checked_at_admission() -> None:
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             resumed(outputs, **kwargs)  # type: ignore[arg-type]
+
+
+class _HeldWrites:
+    """The sender's NIXL agent, reporting every write posted while ``holding`` as still in
+    progress (``PROC``) until :meth:`release`: a write that is landing in the receiver's pages.
+    Everything else is the real agent."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent, self.holding = agent, True
+        self.held: set[int] = set()
+
+    def transfer(self, handle: Any, *args: Any) -> Any:
+        if self.holding:
+            self.held.add(id(handle))
+        return self._agent.transfer(handle, *args)
+
+    def check_xfer_state(self, handle: Any) -> str:
+        state = str(self._agent.check_xfer_state(handle))
+        return "PROC" if id(handle) in self.held else state
+
+    def release(self) -> None:
+        self.holding = False
+        self.held.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+@pytest.mark.parametrize("trigger", ["client-cancel", "kv-deadline"])
+def test_pages_of_an_aborted_transfer_stay_reserved_until_its_last_write_lands(
+    tiny: Path, trigger: str
+) -> None:
+    """A layer-wise send is in flight, its writes still landing, when the decode rank gives up on
+    it (the client cancels, or the KV deadline passes). The sender acknowledges only once every
+    posted write is over, so until then the decode rank keeps the pages reserved: none returns to
+    the free list and no other request is given them. Then the request ends (aborted, or retried
+    and exact) and every page comes back."""
+    deadline_s = 1.0 if trigger == "kv-deadline" else 30.0
+    prefill, decode = _workers(
+        tiny, decode_pages=8, layerwise=True, kv_timeout_s=deadline_s, abort_grace_s=60.0
+    )
+    transport = prefill.transport
+    assert isinstance(transport, NixlTransport)
+    held = _HeldWrites(transport.agent)
+    transport.agent = held
+    rng = random.Random(f"held-{trigger}")
+    prompt, other = ([rng.randrange(256) for _ in range(n)] for n in (30, 40))
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    _submit(decode, _requests([prompt], [sampling], "first"))
+    deadline = time.monotonic() + 30
+    while not held.held:  # the forward runs and posts its layers' writes, which stay in flight
+        assert time.monotonic() < deadline
+        _drive(prefill, decode, until=0, steps=1)
+    reserved_free = decode.scheduler.num_free_pages  # 4 of the 8 pages are the first request's
+    assert reserved_free == 4 and decode.scheduler.num_waiting_for_kv == 1
+    _submit(decode, _requests([other], [sampling], "second"))  # needs 6 pages: must wait
+    if trigger == "client-cancel":
+        decode.abort("first0")
+    # past the KV deadline (if that is the trigger), with time for the abort and an answer
+    hold_until = time.monotonic() + (deadline_s if trigger == "kv-deadline" else 0.0) + 1.5
+    while time.monotonic() < hold_until:
+        decode.tick()
+        prefill.tick()
+        assert decode.scheduler.num_free_pages == reserved_free  # no page freed, none handed out
+        assert decode.scheduler.num_queued == 1 and decode.scheduler.num_waiting_for_kv == 1
+        assert not decode.take_results()
+        time.sleep(0.01)
+    assert transport.in_flight()[0] == 1  # the sender saw the abort and waits for its writes
+    held.release()
+    done = _drive(prefill, decode, until=2)
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    want = engine.generate([prompt, other], [sampling, sampling])
+    if trigger == "client-cancel":
+        assert done["first0"].finish_reason == "abort"
+    else:  # the failed attempt is billed, and the retry delivers the exact tokens
+        assert list(done["first0"].token_ids) == want[0].token_ids
+        failed = done["first0"].bill.attempts[0]
+        assert not failed.delivered and "no completion from" in (failed.error or "")
+    assert list(done["second0"].token_ids) == want[1].token_ids
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 8 and prefill.scheduler.num_free_pages == 64
+    assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
+    prefill.transport.close()
+    decode.transport.close()
