@@ -14,6 +14,7 @@ never decodes). Statuses are ordered with the terminal ones last, so ``is_finish
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -80,11 +81,15 @@ def check_prompt(
 
 
 MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
+# A temperature below this is greedy (vLLM's bound too): float32 logits divided by a smaller one
+# overflow to +-inf, and the draw is then no longer the argmax it tends to
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``top_k == 0`` disables top-k.
+    """Per-request sampling. A temperature below ``GREEDY_TEMPERATURE`` (0 included) is greedy;
+    ``top_k == 0`` disables top-k.
 
     With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
     random draw for output token ``i`` is keyed by ``(seed, i)``.
@@ -112,7 +117,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def canonical(self) -> SamplingParams:
+        """The same sampling with a greedy temperature written as 0, as the edges pass it on."""
+        return dataclasses.replace(self, temperature=0.0) if self.greedy and self.temperature else self
 
 
 @dataclass

@@ -254,7 +254,9 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             raise InvalidRequestError("prompt", "expected text or token_ids")
         if not prompt:
             raise InvalidRequestError(field, "is empty")
-        sampling = _sampling(request.sampling if request.HasField("sampling") else None, cfg.vocab_size)
+        sampling = sampling_from_proto(
+            request.sampling if request.HasField("sampling") else None, cfg.vocab_size
+        )
         try:
             check_prompt(prompt, cfg.vocab_size, context, field=field)
         except InvalidRequestError as exc:  # named by this API's field, whichever check failed
@@ -290,7 +292,7 @@ def _check_request_id(request_id: str) -> None:
         )
 
 
-def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
+def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
     if message is None:
         raise InvalidRequestError("sampling", "is missing (sampling.max_tokens is required)")
     if not math.isfinite(message.temperature):
@@ -318,7 +320,7 @@ def _sampling(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> Sam
         sampling.validate()
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
-    return sampling
+    return sampling.canonical()
 
 
 # ---- protobuf out ---------------------------------------------------------------------------

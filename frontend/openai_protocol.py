@@ -375,7 +375,7 @@ def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_f
         sampling.validate()
     except InvalidRequestError as exc:
         raise OpenAIError.from_invalid(exc, {"max_tokens": max_field}) from None
-    return sampling
+    return sampling.canonical()
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -213,3 +213,13 @@ def test_serving_beyond_loopback_without_tls_or_tokens_is_warned_about() -> None
     assert open_ is not None and "every interface" in open_ and "without bearer tokens" in open_
     both = exposure_warning("10.1.2.3", tls=False, auth=False)
     assert both is not None and "without TLS and bearer tokens" in both
+
+
+def test_a_temperature_below_the_greedy_bound_is_passed_on_as_greedy() -> None:
+    from tandem.frontend.grpc_service import sampling_from_proto
+
+    for temperature in (1.4e-45, 1e-38, 1e-6):  # float32 on the wire: its smallest positive first
+        sampling = sampling_from_proto(tandem_pb2.SamplingParams(max_tokens=4, temperature=temperature), 300)
+        assert sampling.temperature == 0.0 and sampling.greedy
+    kept = sampling_from_proto(tandem_pb2.SamplingParams(max_tokens=4, temperature=0.5), 300)
+    assert kept.temperature == 0.5 and not kept.greedy

@@ -276,3 +276,10 @@ def test_the_apps_errors_over_http_before_any_cluster(tiny_dir: Path) -> None:
     assert "not JSON" in replies[3][1]["error"]["message"]
     assert replies[4][1]["error"]["message"] == "no route GET /v1/nothing"
     assert replies[6][1]["data"][0]["id"] == "tiny"
+
+
+def test_a_temperature_below_the_greedy_bound_is_passed_on_as_greedy(model: ServedModel) -> None:
+    for temperature in (5e-324, 1e-45, 1e-6):
+        sampling = _completion(model, temperature=temperature).spec.sampling
+        assert sampling.temperature == 0.0 and sampling.greedy
+    assert _completion(model, temperature=1e-5).spec.sampling.temperature == 1e-5

@@ -71,3 +71,18 @@ def test_noise_is_uniform_and_keyed_by_seed_and_index() -> None:
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert torch.equal(u[0], uniform_noise(torch.tensor([1]), torch.tensor([0]), 20000)[0])
+
+
+def test_temperatures_below_the_greedy_bound_are_argmax_down_to_the_smallest_float() -> None:
+    """Dividing float32 logits by a tiny temperature overflows to +-inf, and the draw is then not
+    the argmax; every temperature below ``GREEDY_TEMPERATURE`` is greedy instead."""
+    from tandem.engine.request import GREEDY_TEMPERATURE
+
+    logits = _logits(4, vocab=300, seed=5)
+    argmax = logits.argmax(-1).tolist()
+    for temperature in (5e-324, 1.4e-45, 1e-38, 1e-20, 1e-8, GREEDY_TEMPERATURE / 2):
+        params = SamplingParams(temperature=temperature, seed=9)
+        params.validate()
+        assert params.greedy and params.canonical().temperature == 0.0
+        assert sample(logits, [params] * 4, [9, 10, 11, 12], [0, 1, 2, 3]) == argmax, temperature
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
