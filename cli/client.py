@@ -186,6 +186,7 @@ def bill_line(outcome: Outcome) -> str:
         f"[kv wait: prefill queue {ms(lat.prefill_queue_s)}, compute {ms(lat.prefill_compute_s)}, "
         f"transfer {ms(lat.kv_transfer_s)} exposed {ms(lat.kv_transfer_exposed_s)}] "
         f"prefill={p.prefill_rank} decode={p.decode_rank} route={p.route_branch}"
+        + (f" seed={b.seed}" if b.HasField("seed") else "")
     )
 
 

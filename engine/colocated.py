@@ -6,9 +6,7 @@ benchmarks and a fallback serving mode.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +95,7 @@ class ColocatedEngine:
     ) -> str:
         sampling.validate()
         self.validate_prompt(prompt_token_ids)
-        sampling = self.seeded(sampling)
+        sampling = sampling.seeded()
         request_id = request_id or f"req-{next(self._ids)}"
         self.scheduler.add_request(
             Request(
@@ -110,13 +108,6 @@ class ColocatedEngine:
             )
         )
         return request_id
-
-    @staticmethod
-    def seeded(sampling: SamplingParams) -> SamplingParams:
-        """Every draw is keyed by a seed, so an unseeded request gets a random one."""
-        if sampling.seed is not None:
-            return sampling
-        return dataclasses.replace(sampling, seed=int.from_bytes(os.urandom(7), "little"))
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id)

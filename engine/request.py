@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import secrets
 from dataclasses import dataclass, field
 
 
@@ -86,6 +87,11 @@ MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
 GREEDY_TEMPERATURE = 1e-5
 
 
+def draw_seed() -> int:
+    """A fresh 63-bit seed from the OS, for a request that brought none."""
+    return secrets.randbits(63)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. A temperature below ``GREEDY_TEMPERATURE`` (0 included) is greedy;
@@ -118,6 +124,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def seeded(self) -> SamplingParams:
+        """The same sampling with a seed: its own, or a fresh one (``draw_seed``). Every draw of a
+        request is keyed by its seed, so one without would share every other's draws."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=draw_seed())
 
     def canonical(self) -> SamplingParams:
         """The same sampling with a greedy temperature written as 0, as the edges pass it on."""

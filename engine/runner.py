@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.messages import StepSplit
+from tandem.engine.request import SamplingParams
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
@@ -103,7 +104,7 @@ class ModelRunner:
             tokens = sample(
                 logits,
                 [c.sampling for c in chunks],
-                [c.sampling.seed or 0 for c in chunks],
+                [_seed(c.request_id, c.sampling) for c in chunks],
                 [c.output_index for c in chunks],
             )
             sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
@@ -112,3 +113,13 @@ class ModelRunner:
         self.stats.forward_s += t1 - t0
         self.stats.sample_s += time.perf_counter() - t1
         return sampled
+
+
+def _seed(request_id: str, sampling: SamplingParams) -> int:
+    """The seed of a chunk's draw. Admission seeds every request (``SamplingParams.seeded``): one
+    that samples without a seed would share its draws with every other such request."""
+    if sampling.seed is not None:
+        return sampling.seed
+    if sampling.greedy:
+        return 0  # no draw is made
+    raise ValueError(f"request {request_id}: sampling at temperature {sampling.temperature} without a seed")

@@ -384,6 +384,7 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
             attempts=attempts,
             preemptions=bill.preemptions,
             migrations=bill.migrations,
+            seed=bill.seed,
         ),
         placement=tandem_pb2.Placement(
             prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",

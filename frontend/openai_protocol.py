@@ -489,14 +489,23 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         return choice
 
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope(True, [choice])
+    def chunk(self, choice: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
+        """A streamed chunk; the last one (with the finish reason) carries the request's seed."""
+        body = self._envelope(True, [choice])
+        if seed is not None:
+            body["seed"] = seed
+        return body
 
     def usage_chunk(self, used: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(True, []), "usage": used}
 
     def response(
-        self, text: str, finish: str, token_ids: list[int] | None, used: dict[str, Any]
+        self,
+        text: str,
+        finish: str,
+        token_ids: list[int] | None,
+        used: dict[str, Any],
+        seed: int | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
@@ -509,4 +518,7 @@ class ResponseShape:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        return {**self._envelope(False, [choice]), "usage": used}
+        body = {**self._envelope(False, [choice]), "usage": used}
+        if seed is not None:  # the seed of the request's draws (``seed``, an extension field)
+            body["seed"] = seed
+        return body

@@ -239,6 +239,7 @@ class RequestStream:
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
     migrations: int = 0  # decode ranks this stream moved away from (theirs failed)
+    seed: int | None = None  # the request's seed, as its bill reports it
     # texts of token pairs, shared by the streams of one tokenizer (``detokenizer``)
     detokenizer_cache: PairCache | None = None
     _detokenizer: StreamDetokenizer = field(init=False)
@@ -312,8 +313,8 @@ class RequestStream:
         bill = result.bill
         if bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
             bill = replace(bill, prompt_tokens=self.prompt_tokens)
-        if self.migrations:
-            bill = replace(bill, migrations=self.migrations)
+        if self.migrations or bill.seed != self.seed:
+            bill = replace(bill, migrations=self.migrations, seed=self.seed)
         for index in range(self._next_index, len(result.token_ids)):
             # tokens no delta brought have no reading of the decode rank: no gap is made up
             self._pending.setdefault(index, (result.token_ids[index], float("nan"), time.time()))

@@ -8,6 +8,7 @@ ready; the module ends by draining the prefill pool, which turns it NOT_SERVING 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import time
@@ -526,6 +527,31 @@ def test_a_decode_rank_dying_mid_stream_resumes_it_on_its_rebuilt_group(served: 
     spec = PromptSpec("after the rebuild", None, SamplingParams(max_tokens=3, ignore_eos=True))
     (after,) = _generate(served, [spec], 1)
     assert after.summary is not None and list(after.summary.token_ids) == _expected(served.tiny, [spec])[0]
+    _wait_all_pages_free(served)
+
+
+def test_two_identical_unseeded_requests_are_two_different_samples(served: Served) -> None:
+    """No seed, temperature 1: each request gets a seed of its own, drawn by the frontend and
+    reported in the bill, so two users sending the same prompt get two samples; the billed seed,
+    sent back, replays the sample exactly."""
+    spec = PromptSpec(
+        "In the beginning", None, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
+    )
+    pairs = []
+    for _ in range(3):  # a chance coincidence of 32 sampled tokens twice in a row fails nothing
+        first, second = _generate(served, [spec, spec], concurrency=2)
+        assert first.summary is not None and second.summary is not None
+        pairs.append((first.summary, second.summary))
+        if first.summary.token_ids != second.summary.token_ids:
+            break
+    assert any(a.token_ids != b.token_ids for a, b in pairs), "every pair of unseeded samples was equal"
+    a, b = pairs[-1]
+    assert a.bill.HasField("seed") and b.bill.HasField("seed") and a.bill.seed != b.bill.seed
+    replay = PromptSpec(spec.text, None, dataclasses.replace(spec.sampling, seed=a.bill.seed))
+    (again,) = _generate(served, [replay], concurrency=1)
+    assert again.summary is not None and again.summary.token_ids == a.token_ids
+    assert again.summary.bill.seed == a.bill.seed
+    assert list(a.token_ids) == _expected(served.tiny, [replay])[0]  # the colocated engine's sample
     _wait_all_pages_free(served)
 
 
