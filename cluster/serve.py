@@ -93,6 +93,7 @@ class ServeOptions:
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # the gRPC edge's (frontend/limits.py)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (0: a free port); None: none
     http_host: str | None = None  # where it binds; None: ``host``
+    health_interval_s: float = 0.5  # the controller looks at its groups 10 times in this
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -158,6 +159,7 @@ class Server:
             o.topology,
             str(self.model_dir),
             o.dtype,
+            health_interval_s=o.health_interval_s,
             model_name=self.model_name,
             metrics_host=o.rank_metrics_host,
             detached=o.detach,

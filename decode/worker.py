@@ -17,6 +17,7 @@ deadline, then sends prefill jobs for new reservations; ``step`` runs one decode
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -170,7 +171,8 @@ class DecodeWorker(RankWorker):
             r.sampling.validate()
             prompt = list(r.prompt_token_ids)
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
-            request = Request(r.request_id, prompt, r.sampling, eos, cfg.max_position_embeddings)
+            # the frontend seeds every request; one submitted without gets its own seed here
+            request = Request(r.request_id, prompt, r.sampling.seeded(), eos, cfg.max_position_embeddings)
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
             if r.resume_output_ids:
                 request.output_token_ids = resumed_outputs(r, cfg.vocab_size, cfg.max_position_embeddings)
@@ -285,10 +287,12 @@ class DecodeWorker(RankWorker):
             self.abort_frontend(frontend)
 
     def fail_all(self, reason: str) -> list[RequestResult]:
-        """End every request this rank holds with ``reason`` (its group is going down)."""
+        """End every request this rank holds with ``reason`` (its group is going down), each
+        result marked as the rank's failure, not the request's, so its frontend moves it."""
         for request_id, track in list(self._tracks.items()):
             request = self.scheduler.get(request_id)
-            self._report(track, self._result(request_id, request, track, FinishReason.ERROR, reason))
+            result = self._result(request_id, request, track, FinishReason.ERROR, reason)
+            self._report(track, dataclasses.replace(result, rank_failure=reason))
         self._tracks.clear()
         return self.take_results()
 

@@ -84,7 +84,7 @@ class ColocatedWorker(RankWorker):
             r.sampling.validate()
             prompt = list(r.prompt_token_ids)
             engine.validate_prompt(prompt, "prompt")
-            request = Request(r.request_id, prompt, engine.seeded(r.sampling), eos, engine.max_model_len)
+            request = Request(r.request_id, prompt, r.sampling.seeded(), eos, engine.max_model_len)
             admit_new_request(request, engine.max_model_len, config.page_size, config.num_pages)
             if r.resume_output_ids:
                 request.output_token_ids = resumed_outputs(r, cfg.vocab_size, engine.max_model_len)
@@ -179,7 +179,7 @@ class ColocatedWorker(RankWorker):
         scheduler = self.engine.scheduler
         for request in scheduler.unfinished_requests():
             scheduler.abort_request(request.request_id)
-            self._finish(request, FinishReason.ERROR, reason)
+            self._finish(request, FinishReason.ERROR, reason, rank_failure=True)
         return self.take_results()  # pushed results leave with the loop's last publish
 
     def stats(self, loop: LoopStats) -> RankStats:
@@ -216,7 +216,10 @@ class ColocatedWorker(RankWorker):
         columns.add(request.request_id, track.streamed, new, times, (now_unix_s,) * len(new))
         track.streamed = len(outputs)
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self, request: Request, reason: FinishReason, error: str | None = None, rank_failure: bool = False
+    ) -> None:
+        """Report how ``request`` ended; ``rank_failure``: this rank failed, not the request."""
         track = self._tracks.pop(request.request_id, None)
         now = time.monotonic()
         result = RequestResult(
@@ -227,6 +230,7 @@ class ColocatedWorker(RankWorker):
             self.rank_id,
             self.rank_id if track is not None and track.token_at else None,
             error=error,
+            rank_failure=error if rank_failure else None,
         )
         if track is None or track.frontend is None:
             self._results.append(result)

@@ -140,6 +140,7 @@ class Bill:
     output_tokens: int = 0
     preemptions: int = 0
     migrations: int = 0  # set by the frontend: decode ranks it moved away from (theirs failed)
+    seed: int | None = None  # set by the frontend: the seed of every draw (the client's, or drawn)
     attempts: tuple[PrefillAttempt, ...] = ()
     pickup_s: float = 0.0
     reservation_wait_s: float = 0.0
@@ -196,6 +197,9 @@ class RequestResult:
     decode_rank: RankId | None = None
     prefill_rank: RankId | None = None
     error: str | None = None
+    # set when the rank failed, not the request (its loop raised, a collective of its group broke,
+    # the group is going down): the frontend moves the request to another rank instead of ending it
+    rank_failure: str | None = None
 
 
 @dataclass(frozen=True)

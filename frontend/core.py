@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -237,6 +238,8 @@ class FrontendCore:
             )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
+        if spec.sampling.seed is None:  # drawn once: every rank and every attempt use it
+            spec = dataclasses.replace(spec, sampling=spec.sampling.seeded())
         stream = RequestStream(
             spec.request_id,
             len(prompt),
@@ -244,6 +247,7 @@ class FrontendCore:
             spec.arrival_s,
             detokenizer_cache=self.detokenizer_cache,
             stream_interval=self.config.limits.stream_interval,
+            seed=spec.sampling.seed,
         )
         running, submit = self._route_and_submit(spec, stream, view)
         self._per_client[spec.client] = self._per_client.get(spec.client, 0) + 1
@@ -398,7 +402,10 @@ class FrontendCore:
             running = self._by_rank_id.get(result.request_id)
             if running is not None and not running.stream.finished:
                 self.router.prefill_done(result.request_id)
-                running.stream.on_result(result)
+                if result.rank_failure is not None:  # the rank failed, not the request: move it
+                    self._rank_lost(running, result.rank_failure)
+                else:
+                    running.stream.on_result(result)
 
     def _abort_orphans(self, rank: RankId, request_ids: list[str]) -> None:
         """Tokens of requests no stream here waits for (this frontend restarted and lost them,

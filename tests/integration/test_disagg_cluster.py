@@ -4,6 +4,7 @@ dying prefill rank never leaves a request hanging."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -64,9 +65,18 @@ def _all_pages_free(server: Server) -> None:
     _check_all_free(ray.get(server.controller.stats.remote()))
 
 
-def _serve(topology: Topology, tiny: Path, max_running_requests: int = 256) -> Server:
+def _serve(
+    topology: Topology, tiny: Path, max_running_requests: int = 256, health_interval_s: float = 0.5
+) -> Server:
     """The cluster behind its frontend: requests take the path gRPC requests take."""
-    options = ServeOptions(topology, tiny, port=0, dtype="float64", max_running_requests=max_running_requests)
+    options = ServeOptions(
+        topology,
+        tiny,
+        port=0,
+        dtype="float64",
+        max_running_requests=max_running_requests,
+        health_interval_s=health_interval_s,
+    )
     server = Server(options)
     server.start()
     return server
@@ -361,6 +371,57 @@ def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_another_and_they_f
         while not all(s.startswith("ready") for s in ray.get(server.controller.status.remote()).values()):
             assert time.monotonic() < deadline
             time.sleep(0.5)
+        _all_pages_free(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("dep", [2, 4])
+def test_a_rank_killed_in_a_dep_decode_group_loses_no_stream_of_its_peers(tiny: Path, dep: int) -> None:
+    """One decode group of ``dep`` ranks, two long streams on each rank (one greedy, one unseeded
+    at temperature 1); one rank is killed. The controller looks at its groups only every 3 s, so
+    the peers' loops fail on the broken collective and report it first: that is their rank's
+    failure, not their requests', and their streams wait for the group's rebuild and resume there
+    like the killed rank's. Every stream ends without an error and with the tokens of an
+    undisturbed run (an unseeded one with the seed its bill reports)."""
+    import threading
+
+    t = _topology("local").model_copy(
+        update={
+            "prefill": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=200),
+            "decode": PoolSpec(groups=1, dep=dep, page_size=PAGE, num_pages=200),
+        }
+    )
+    server = _serve(t, tiny, health_interval_s=30.0)
+    rng = random.Random(dep)
+    requests = [
+        (
+            [rng.randrange(256) for _ in range(rng.randrange(5, 20))],
+            SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0 if i % 2 else 0.0),
+        )
+        for i in range(2 * dep)
+    ]
+    try:
+        done: list[StreamSummary] = []
+        prompts, samplings = [p for p, _ in requests], [s for _, s in requests]
+        thread = threading.Thread(target=lambda: done.extend(server.generate(prompts, samplings)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while True:  # every rank of the group streams
+            decode = [s for s in ray.get(server.controller.stats.remote()) if s.role.value == "decode"]
+            if len(decode) == dep and all(s.running for s in decode):
+                break
+            assert time.monotonic() < deadline and thread.is_alive(), decode
+            time.sleep(0.05)
+        view = ray.get(server.controller.routing_view.remote())
+        ray.kill(view.decode[RankId("decode0", 0)])
+        thread.join(timeout=400)
+        assert [d.error for d in done] == [None] * len(requests)
+        assert all(d.bill.migrations == 1 for d in done)  # the peers' streams moved too
+        replayed = [
+            (p, dataclasses.replace(s, seed=d.bill.seed)) for (p, s), d in zip(requests, done, strict=True)
+        ]
+        assert [d.token_ids for d in done] == _expected(tiny, replayed)
         _all_pages_free(server)
     finally:
         server.stop()
