@@ -179,13 +179,19 @@ class _Edge:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
-        body = await request.body()
-        if len(body) > limit:
-            raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
+        # counted as it arrives: a chunked body declares no length, and is refused at the limit
+        # without waiting for (or holding) the rest
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._refused(OpenAIError.invalid(None, f"the body is not JSON: {exc}")) from None
+        except RecursionError:
+            raise self._refused(OpenAIError.invalid(None, "the body's JSON nests too deeply")) from None
 
     async def _prepare(self, prepare: Callable[[], Prepared], request: Request) -> Prepared:
         """Validate and tokenise (a long body on a thread: the loop keeps the streams going)."""
@@ -322,7 +328,8 @@ async def _sse(
                 yield _event(shape.chunk(shape.choice(text, None, item.token_ids if ids else None)))
             if stopper.stopped:
                 summary = await _stopped(core, prepared, items)
-                yield _event(shape.chunk(shape.choice("", "stop", [] if ids else None)))
+                seed = summary.bill.seed if summary is not None else None
+                yield _event(shape.chunk(shape.choice("", "stop", [] if ids else None), seed))
                 break
         else:
             summary = item
@@ -331,7 +338,8 @@ async def _sse(
                 yield b"data: [DONE]\n\n"
                 return
             finish = finish_reason(summary.finish_reason, False)
-            yield _event(shape.chunk(shape.choice(stopper.flush(), finish, [] if ids else None)))
+            choice = shape.choice(stopper.flush(), finish, [] if ids else None)
+            yield _event(shape.chunk(choice, summary.bill.seed))
             break
         item = await anext(items)
     if prepared.include_usage:
@@ -366,7 +374,8 @@ async def _whole(
         finish = finish_reason(summary.finish_reason, False)
     bill = summary.bill if summary is not None else Bill()
     used = usage(len(prepared.spec.prompt_token_ids), len(token_ids), bill)
-    return shape.response("".join(text), finish, token_ids if prepared.return_token_ids else None, used)
+    ids = token_ids if prepared.return_token_ids else None
+    return shape.response("".join(text), finish, ids, used, bill.seed)
 
 
 # ---- the server -----------------------------------------------------------------------------

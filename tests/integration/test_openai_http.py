@@ -26,6 +26,7 @@ from tandem.cli.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.request import SamplingParams
+from tandem.frontend.limits import EdgeLimits
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 PAGE = 8
@@ -296,3 +297,27 @@ def test_a_client_that_goes_away_before_a_whole_response_frees_the_pages(served:
         time.sleep(0.1)
     assert _requests_counted(served, "abort", "CANCELLED") == cancelled + 1
     _wait_all_pages_free(served)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(served: Served) -> None:
+    """A body with no Content-Length (chunked) is counted as it arrives: once it passes
+    ``max_request_bytes`` the server answers 413 while the client still holds the rest back,
+    and the refusal is counted; a body nested too deeply for the parser is a 400, not a 500."""
+    limit = EdgeLimits().max_request_bytes
+    refused = _requests_counted(served, "rejected", "RESOURCE_EXHAUSTED")
+    host, port = served.server.http_address.rsplit(":", 1)  # type: ignore[union-attr]
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        part = b"[" + b" " * limit  # one byte past the limit, and no end of the body yet
+        sock.sendall(head.encode() + f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        reply = sock.recv(65536)  # the last chunk is never sent: only a refusal at the limit answers
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert _requests_counted(served, "rejected", "RESOURCE_EXHAUSTED") == refused + 1
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    deep = httpx.post(
+        f"{served.base_url}/completions", content=b"[" * 1000 + b"]" * 1000, headers=headers, timeout=30
+    )
+    assert deep.status_code == 400 and "nests too deeply" in deep.json()["error"]["message"]
