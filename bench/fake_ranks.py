@@ -2,25 +2,33 @@
 real frontend can be driven as hard as it can go (``bench/host_frontend.py``).
 
 A :class:`FakeDecodeRank` takes the frontend's submits (on a submit socket as a decode rank's,
-``cluster/submit_listener.py``, or as actor calls), and after each of its steps
-pushes the frontend one :class:`StreamBatch` with one new token for every running request and
-the :class:`RequestResult` (with its :class:`Bill`) of each request that reached its
-``max_tokens``: the message, the path (the frontend's stream socket, as a decode rank's outbox
-uses once connected) and the one batch a step per frontend are those of ``decode/worker.py``'s
-``publish``. A step takes at least ``step_s`` (the stand-in for a decode forward: every running
-stream gets its token a step, as on a deployment, so a push carries a token of each), and waits
-while the socket holds back bytes the frontend has not read: with a short ``step_s`` the ranks
-offer more tokens than the frontend takes, and the frontend is what limits the tokens per second.
+``cluster/submit_listener.py``, or as actor calls), sends each request's prompt as a
+:class:`PrefillJob` to the prefill rank the router chose (as ``decode/worker.py`` does, an actor
+call ``submit([job])``), and after each of its steps pushes the frontend one :class:`StreamBatch`
+with one new token for every running request and the :class:`RequestResult` (with its
+:class:`Bill`) of each request that reached its ``max_tokens``: the message, the path (the
+frontend's stream socket, as a decode rank's outbox uses once connected) and the one batch a
+step per frontend are those of ``decode/worker.py``'s ``publish``. A request's tokens are the
+workload's output for its prompt (``bench/frontend_workload.py``). A step takes at least
+``step_s`` (the stand-in for a decode forward: every running stream gets its token a step, as on
+a deployment, so a push carries a token of each), and waits while the socket holds back bytes the
+frontend has not read: with a short ``step_s`` the ranks offer more tokens than the frontend
+takes, and the frontend is what limits the tokens per second.
+
+A :class:`FakePrefillRank` computes no KV but keeps a real prefix cache (``PrefixCache``) of a
+fixed number of pages: each job's new full pages are cached under their block hashes, the least
+recently used evicted when the pool is full, and the cache's KV events (``BlockStored``,
+``BlockRemoved``) go to every subscribed frontend as a prefill rank's do (``prefill/worker.py``
+``publish``: a ``KVEventBatch`` by ``push_kv_events`` through a ``RayOutbox``), so the frontend's
+router indexes what the ranks hold and its prefix matches are real.
 
 ::
 
-    frontend ──submit([RankRequest])──▶ FakeDecodeRank ─┐ step: one token per running request
-        ▲                                               │
-        └──── StreamBatch on the stream socket ◀────────┘
-    frontend ──routing_view──▶ FakeController    frontend ──subscribe──▶ FakePrefillRank
-
-The fake prefill rank only answers the frontend's KV event subscription (an empty snapshot) and
-its stats: no prompt is computed, and the router sees an empty cache.
+    frontend ──submit([RankRequest])──▶ FakeDecodeRank ──submit([PrefillJob])──▶ FakePrefillRank
+      ▲ ▲                                      │ each step, a                           │ a prefix cache,
+      │ └──── StreamBatch on the stream socket ◀┘ token a stream                       │ no compute
+      └──────────────────── push_kv_events(KVEventBatch) ◀──────────────────────────────┘
+    frontend ──subscribe──▶ FakePrefillRank     frontend ──routing_view──▶ FakeController
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from typing import Any
 
 import ray
 
+from tandem.bench.frontend_workload import FrontendWorkload
 from tandem.cluster.controller import FrontendInfo, GroupView, RoutingView
+from tandem.cluster.outbox import RayOutbox
 from tandem.cluster.stream_socket import SocketStream
 from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.messages import (
@@ -46,11 +56,21 @@ from tandem.engine.messages import (
     Role,
     StreamBatch,
     StreamColumns,
+    TransferId,
 )
+from tandem.engine.page_allocator import PageAllocator
+from tandem.engine.prefix_cache import BlockRemoved, BlockStored, PrefixCache
 from tandem.engine.request import FinishReason
-from tandem.prefill.kv_events import AllBlocksCleared, KVEventBatch
+from tandem.kvtransfer.types import KVDestination
+from tandem.prefill.job import PrefillJob
+from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 
 FAKE_TOTAL_PAGES = 1 << 20  # a decode rank that never runs out of pages
+# a prefill rank's prefix cache: 262,144 tokens, which a few rounds of 256 prompts of 1-4k fill
+FAKE_PREFILL_PAGES = 4096
+PAGE_SIZE = 64
+INCARNATION = 1  # of every fake rank: the controller's view says so, and the KV events
+KV_DEADLINE_S = 30.0
 
 
 @dataclass
@@ -59,6 +79,7 @@ class _Stream:
 
     request: RankRequest
     arrival_s: float
+    start: int  # of its output in the workload's stream
     times_s: list[float] = field(default_factory=list)
     aborted: bool = False
 
@@ -83,26 +104,39 @@ def _check(items: list[RankRequest]) -> None:
             raise ValueError(f"request {request.request_id}: frontend: expected the frontend's name")
 
 
+@dataclass(frozen=True)
+class FakePrefillCounts:
+    """What a fake prefill rank did: jobs taken, KV event batches pushed (one per subscriber and
+    submit with events), and blocks its cache stored and removed."""
+
+    jobs: int
+    event_batches: int
+    blocks_stored: int
+    blocks_removed: int
+
+
 @ray.remote(num_cpus=0)
 class FakeDecodeRank:
-    """A decode rank without a model: token ``i`` of every request is ``token_ids[i % len]``."""
+    """A decode rank without a model: the tokens of each request are the workload's output for
+    its prompt; its prompt goes to its prefill rank as a job."""
 
     def __init__(
         self,
         rank: RankId,
-        prefill_rank: RankId,
-        token_ids: tuple[int, ...],
+        prefill: dict[RankId, Any],
+        workload: FrontendWorkload,
         window: int = 2,
         step_s: float = 0.0,
     ) -> None:
-        if not token_ids:
-            raise ValueError("token_ids: expected at least one token id")
+        if not workload.stream_token_ids:
+            raise ValueError("workload: expected a stream of at least one token id")
         if window < 1:
             raise ValueError(f"window: must be at least 1, got {window}")
         if not 0 <= step_s <= 1:
             raise ValueError(f"step_s: expected 0 to 1 seconds, got {step_s}")
-        self.rank, self.prefill_rank = rank, prefill_rank
-        self.token_ids, self.window, self.step_s = token_ids, window, step_s
+        self.rank, self.prefill = rank, prefill
+        self.workload, self.window, self.step_s = workload, window, step_s
+        self.token_ids = workload.stream_token_ids
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._handles: dict[str, Any] = {}  # frontend name -> its actor
@@ -133,9 +167,27 @@ class FakeDecodeRank:
     def _take(self, items: list[RankRequest], now: float) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop().create_task(self._run())
+        jobs: dict[RankId, list[PrefillJob]] = {}
         for request in items:
-            self._streams[request.request_id] = _Stream(request, now)
+            start = self.workload.output_start(request.prompt_token_ids)
+            self._streams[request.request_id] = _Stream(request, now, start)
+            prefill_rank = request.prefill_rank
+            if prefill_rank is not None and prefill_rank in self.prefill:
+                jobs.setdefault(prefill_rank, []).append(self._job(request))
+        for prefill_rank, batch in jobs.items():
+            self.prefill[prefill_rank].submit.remote(batch)  # no wait, as decode/dispatch.py
         self._wake.set()
+
+    def _job(self, request: RankRequest) -> PrefillJob:
+        """The job a decode rank sends for a new request, into pages it "reserved"."""
+        pages = -(-len(request.prompt_token_ids) // PAGE_SIZE)
+        return PrefillJob(
+            request_id=TransferId(request.request_id, 1).key,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            destination=KVDestination(self.rank.name, INCARNATION, tuple(range(pages))),
+            deadline_s=time.time() + KV_DEADLINE_S,
+        )
 
     async def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -148,7 +200,7 @@ class FakeDecodeRank:
         return RankStats(
             self.rank,
             Role.DECODE,
-            incarnation=1,
+            incarnation=INCARNATION,
             running=len(self._streams),
             free_pages=FAKE_TOTAL_PAGES,
             total_pages=FAKE_TOTAL_PAGES,
@@ -197,7 +249,8 @@ class FakeDecodeRank:
                 index = stream.produced
                 stream.times_s.append(now)
                 columns = deltas.get(frontend) or deltas.setdefault(frontend, StreamColumns())
-                columns.add(request_id, index, (tokens[index % len(tokens)],), (now,), (now_unix_s,))
+                token = tokens[(stream.start + index) % len(tokens)]
+                columns.add(request_id, index, (token,), (now,), (now_unix_s,))
                 self._tokens += 1
             if stream.aborted or stream.produced >= stream.request.sampling.max_tokens:
                 del self._streams[request_id]
@@ -212,10 +265,11 @@ class FakeDecodeRank:
     def _result(self, stream: _Stream, now: float) -> RequestResult:
         """The result and bill a decode rank reports, with the figures it would fill in."""
         request, produced = stream.request, stream.produced
-        tokens = tuple(self.token_ids[i % len(self.token_ids)] for i in range(produced))
+        tokens = tuple(self.token_ids[(stream.start + i) % len(self.token_ids)] for i in range(produced))
         prompt = len(request.prompt_token_ids)
         times = tuple(t - stream.arrival_s for t in stream.times_s)
-        attempt = PrefillAttempt(1, self.prefill_rank, delivered=True, prompt_tokens=prompt)
+        prefill_rank = request.prefill_rank or next(iter(self.prefill))
+        attempt = PrefillAttempt(1, prefill_rank, delivered=True, prompt_tokens=prompt)
         bill = Bill(
             prompt_tokens=prompt,
             new_prompt_tokens=prompt,
@@ -227,7 +281,7 @@ class FakeDecodeRank:
             token_times_s=times,
         )
         reason = FinishReason.ABORT if stream.aborted else FinishReason.LENGTH
-        return RequestResult(request.request_id, tokens, reason, bill, self.rank, self.prefill_rank)
+        return RequestResult(request.request_id, tokens, reason, bill, self.rank, prefill_rank)
 
     async def _push(self, frontend: str, batch: StreamBatch) -> None:
         """The batch on the frontend's stream socket, as a decode rank's outbox sends it once
@@ -256,29 +310,89 @@ class FakeDecodeRank:
 
 @ray.remote(num_cpus=0)
 class FakePrefillRank:
-    """A prefill rank that computes nothing: an empty KV event snapshot and idle stats."""
+    """A prefill rank that computes nothing and caches what it is sent (the module's docstring).
 
-    def __init__(self, rank: RankId) -> None:
+    A job's pages are the cache's only while it is "computed": matched, new ones allocated (the
+    least recently used evictable ones first when none is free), its full pages cached, and all
+    freed at once, as after its KV transfer; so every page is evictable between calls. A
+    threaded actor of one thread: calls run one at a time, as on a rank's loop thread, so no
+    event falls between a subscriber's snapshot and its next batch."""
+
+    def __init__(self, rank: RankId, num_pages: int = FAKE_PREFILL_PAGES, page_size: int = PAGE_SIZE) -> None:
         self.rank = rank
+        self.page_size = page_size
+        self.cache = PrefixCache(PageAllocator(num_pages), page_size)
+        self.kv_events = KVEventPublisher(rank.name, page_size, INCARNATION)
+        self.outbox = RayOutbox(rank.name)
+        self._jobs = self._batches = self._stored = self._removed = 0
 
-    async def subscribe(self, subscriber: str) -> KVEventBatch:
-        return KVEventBatch(self.rank.name, 1, 0, True, [AllBlocksCleared()])
+    def subscribe(self, subscriber: str) -> KVEventBatch:
+        return self.kv_events.subscribe(subscriber, self.cache.cached_block_hashes())
 
-    async def unsubscribe(self, subscriber: str) -> None:
-        return None
+    def unsubscribe(self, subscriber: str) -> None:
+        self.kv_events.unsubscribe(subscriber)
 
-    async def stats(self) -> RankStats:
-        return RankStats(self.rank, Role.PREFILL, incarnation=1)
+    def submit(self, jobs: list[PrefillJob]) -> None:
+        for job in jobs:
+            self._prefill(job.prompt_token_ids)
+            self._jobs += 1
+        self._publish()
+
+    def _prefill(self, prompt: tuple[int, ...]) -> None:
+        page_ids, _ = self.cache.match_prefix(prompt)
+        matched = len(page_ids)
+        fresh = self.cache.allocate(-(-len(prompt) // self.page_size) - matched)
+        if fresh is None:  # longer than the whole pool: computed, not cached
+            self.cache.free(page_ids)
+            return
+        page_ids += fresh
+        self.cache.cache_full_pages(prompt, page_ids, len(prompt), matched)
+        self.cache.free(page_ids)
+
+    def _publish(self) -> None:
+        """Each subscriber's batch of the cache's events, as ``prefill/worker.py`` ``publish``."""
+        events = self.cache.take_events()
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._removed += len(event.block_hashes)
+        for subscriber, batch in self.kv_events.publish(events).items():
+            if self.outbox.send(subscriber, "push_kv_events", batch):
+                self._batches += 1
+            else:
+                self.kv_events.unsubscribe(subscriber)
+
+    def stats(self) -> RankStats:
+        cache = self.cache
+        return RankStats(
+            self.rank,
+            Role.PREFILL,
+            incarnation=INCARNATION,
+            free_pages=cache.num_free_pages,
+            total_pages=cache.num_total_pages,
+            cached_pages=cache.num_cached_pages,
+            prefix_queried_tokens=cache.num_queried_tokens,
+            prefix_hit_tokens=cache.num_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def counts(self) -> FakePrefillCounts:
+        return FakePrefillCounts(self._jobs, self._batches, self._stored, self._removed)
 
 
 @ray.remote(num_cpus=0)
 class FakeController:
     """The controller's side of a frontend's life: the routing view, and its registration."""
 
-    def __init__(self, prefill: dict[RankId, Any], decode: dict[RankId, Any], page_size: int = 64) -> None:
+    def __init__(
+        self, prefill: dict[RankId, Any], decode: dict[RankId, Any], page_size: int = PAGE_SIZE
+    ) -> None:
         groups = (
-            GroupView("prefill0", Role.PREFILL, "ready", 1, tuple(sorted(prefill))),
-            GroupView("decode0", Role.DECODE, "ready", 1, tuple(sorted(decode))),
+            GroupView("prefill0", Role.PREFILL, "ready", INCARNATION, tuple(sorted(prefill))),
+            GroupView("decode0", Role.DECODE, "ready", INCARNATION, tuple(sorted(decode))),
         )
         capacity = FAKE_TOTAL_PAGES * page_size
         self._view = RoutingView(prefill, decode, groups, page_size, capacity, capacity)

@@ -2,11 +2,13 @@
 torch) so that their CPU is not the frontend's.
 
 :func:`run_round` opens ``streams`` ``Generate`` calls at once over open connections
-(``grpc.aio``), each asking for ``output_tokens`` tokens, and checks every stream as it ends: its
-tokens are ``expected_token_ids`` in order (token ``i`` is ``expected[i % len]``), every chunk
-starts at the next output index with a timing per token, and the chunks' text joined is the
-summary's text. Wall time is
-read on this process's monotonic clock, from the first call sent to the last summary received.
+(``grpc.aio``), stream ``i`` with the workload's prompt ``i`` of the round
+(``bench/frontend_workload.py``), each asking for ``output_tokens`` tokens, and checks every
+stream as it ends: its tokens are the workload's output for its prompt, in order; every chunk
+starts at the next output index with a timing per token; the chunks' text joined and the
+summary's text are the tokenizer's text of those tokens (decoded here, in one call). Prompts and
+what to expect are made before the first call is sent. Wall time is read on this process's
+monotonic clock, from the first call sent to the last summary received.
 
 :func:`client_process` is the process's entry: it connects once, then waits for each round's
 orders on a pipe (``None`` ends it) and answers with :class:`LoadResult`.
@@ -21,17 +23,28 @@ from typing import Any
 
 import grpc
 
+from tandem.bench.frontend_workload import FrontendWorkload
+from tandem.model.tokenizer import Tokenizer
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
 
 @dataclass(frozen=True)
 class LoadOrder:
-    """One round: ``streams`` concurrent requests of ``output_tokens`` tokens each."""
+    """One round: ``streams`` concurrent requests of ``output_tokens`` tokens each, with the
+    workload's prompts of ``round_id``."""
 
     streams: int
     output_tokens: int
-    prompt_token_ids: tuple[int, ...]
     round_id: str
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """One stream's prompt, and the tokens and text it must get back."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: list[int]
+    text: str
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class _Seen:
     client_ttft_s: float = 0.0
 
 
-async def _one_stream(stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...]) -> _Seen:
+async def _one_stream(stub: Any, order: LoadOrder, index: int, expected: _Expected) -> _Seen:
     """One ``Generate`` call: what the client saw, and what went wrong (``error``) if anything."""
     seen = _Seen()
     sent_s = time.monotonic()
@@ -69,11 +82,11 @@ async def _one_stream(stub: Any, order: LoadOrder, index: int, expected: tuple[i
 
 
 async def _check_stream(
-    stub: Any, order: LoadOrder, index: int, expected: tuple[int, ...], seen: _Seen, sent_s: float
+    stub: Any, order: LoadOrder, index: int, expected: _Expected, seen: _Seen, sent_s: float
 ) -> str | None:
     sampling = tandem_pb2.SamplingParams(max_tokens=order.output_tokens, ignore_eos=True)
     request = tandem_pb2.GenerateRequest(request_id=f"{order.round_id}-{index}", sampling=sampling)
-    request.token_ids.ids.extend(order.prompt_token_ids)
+    request.token_ids.ids.extend(expected.prompt_token_ids)
     tokens: list[int] = []
     texts: list[str] = []
     messages, timing_index = 0, 0
@@ -99,22 +112,39 @@ async def _check_stream(
     if summary.error:
         return f"error: {summary.error}"
     seen.frontend_ttft_s = summary.bill.latency.ttft_s
-    want = [expected[i % len(expected)] for i in range(order.output_tokens)]
+    want = expected.token_ids
     if tokens != want:
         wrong = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), len(tokens))
         return f"{len(tokens)} tokens, first wrong at {wrong}"
     if list(summary.token_ids) != tokens:
         return "summary tokens differ from the streamed ones"
-    if "".join(texts) != summary.text:
-        return "streamed text differs from the summary's"
+    if summary.text != expected.text:
+        return f"the summary's text is not the tokens' text: {summary.text[:40]!r} for {expected.text[:40]!r}"
+    streamed, want_text = "".join(texts), expected.text
+    if streamed != want_text:
+        pairs = enumerate(zip(streamed, want_text, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), min(len(streamed), len(want_text)))
+        return f"streamed text differs from the tokens' from character {at}: {streamed[at : at + 20]!r}"
     return None
 
 
-async def run_round(stubs: list[Any], order: LoadOrder, expected_token_ids: tuple[int, ...]) -> LoadResult:
+def _expectations(workload: FrontendWorkload, tokenizer: Tokenizer, order: LoadOrder) -> list[_Expected]:
+    out = []
+    for index in range(order.streams):
+        prompt = workload.prompt(order.round_id, index)
+        tokens = list(workload.output_token_ids(prompt, order.output_tokens))
+        out.append(_Expected(prompt, tokens, tokenizer.decode(tokens)))
+    return out
+
+
+async def run_round(
+    stubs: list[Any], order: LoadOrder, workload: FrontendWorkload, tokenizer: Tokenizer
+) -> LoadResult:
     """One round over open channels' stubs (stream ``i`` on stub ``i % len(stubs)``)."""
+    expected = _expectations(workload, tokenizer, order)
     start, cpu_start = time.monotonic(), time.process_time()
     outcomes = await asyncio.gather(
-        *(_one_stream(stubs[i % len(stubs)], order, i, expected_token_ids) for i in range(order.streams)),
+        *(_one_stream(stubs[i % len(stubs)], order, i, expected[i]) for i in range(order.streams)),
         return_exceptions=True,
     )
     wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
@@ -146,7 +176,8 @@ async def run_round(stubs: list[Any], order: LoadOrder, expected_token_ids: tupl
     )
 
 
-async def _serve_orders(address: str, expected_token_ids: tuple[int, ...], channels: int, pipe: Any) -> None:
+async def _serve_orders(address: str, workload: FrontendWorkload, channels: int, pipe: Any) -> None:
+    tokenizer = Tokenizer.from_dir(workload.model_dir)
     chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
     try:
         for chan in chans:
@@ -157,13 +188,13 @@ async def _serve_orders(address: str, expected_token_ids: tuple[int, ...], chann
             order = await asyncio.to_thread(pipe.recv)
             if order is None:
                 return
-            pipe.send(await run_round(stubs, order, expected_token_ids))
+            pipe.send(await run_round(stubs, order, workload, tokenizer))
     finally:
         for chan in chans:
             await chan.close()
 
 
-def client_process(address: str, expected_token_ids: tuple[int, ...], channels: int, pipe: Any) -> None:
+def client_process(address: str, workload: FrontendWorkload, channels: int, pipe: Any) -> None:
     """The clients' process: connects ``channels`` channels, says ``"ready"``, then answers each
     :class:`LoadOrder` read from ``pipe`` with a :class:`LoadResult`, until ``None``."""
-    asyncio.run(_serve_orders(address, expected_token_ids, channels, pipe))
+    asyncio.run(_serve_orders(address, workload, channels, pipe))

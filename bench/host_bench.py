@@ -9,8 +9,9 @@
                the UCX transports selected (``bench/kvtransfer_bench.py``)
 
 Each part starts its own Ray and stops it. ``--json`` carries every part's figures and, at its
-top, ``decode_itl_over_forward`` (concurrency 1), ``frontend_tokens_per_s_per_core`` (256 streams)
-and ``nixl_over_memcpy`` (whole-request).
+top, ``decode_itl_over_forward`` (concurrency 1), ``frontend_tokens_per_s_per_core`` (256 streams,
+the first workload of ``--workload``: realistic, easy or both) and ``nixl_over_memcpy``
+(whole-request).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="64,256", help="frontend: concurrent streams")
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="frontend: tokens a stream's message waits for"
+    )
+    parser.add_argument(
+        "--workload",
+        default="realistic",
+        help="frontend: realistic (a 100k-id tokenizer, 1-4k-token prompts with shared prefixes, KV "
+        "events, a passage of real text per stream), easy (the demo tokenizer, one short prompt and "
+        "one cyclic stream), or both side by side",
     )
     parser.add_argument("--size-mib", type=int, default=256, help="transfer: bytes of one request's KV")
     parser.add_argument("--repeats", type=int, default=3, help="runs (decode: rounds) per figure (median)")
@@ -71,6 +79,13 @@ def check_args(args: argparse.Namespace) -> tuple[str, ...]:
     streams = _counts("--streams", args.streams)
     if "frontend" in parts and 256 not in streams:
         raise InvalidRequestError("--streams", "must include 256 (the headline figure's)")
+    if "frontend" in parts:
+        from tandem.bench.frontend_workload import WORKLOADS  # here: it loads the tokenizer library
+
+        if args.workload not in (*WORKLOADS, "both"):
+            raise InvalidRequestError(
+                "--workload", f"expected one of {', '.join(WORKLOADS)} or both, got {args.workload!r}"
+            )
     for flag in ("output_tokens", "size_mib", "repeats", "stream_interval"):
         if getattr(args, flag) < 1:
             raise InvalidRequestError(
@@ -106,6 +121,7 @@ def _runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]
             streams=_counts("--streams", args.streams),
             repeats=args.repeats,
             stream_interval=args.stream_interval,
+            workload=args.workload,
         )
 
     def transfer() -> dict[str, Any]:
@@ -144,6 +160,11 @@ def format_host(result: dict[str, Any]) -> str:
                 f"    C={point['concurrency']}: ITL P50 {point['itl_p50_ms']} ms, bare forward "
                 f"{point['bare_forward_ms']} ms ({point['itl_over_forward']}x); {split}"
             )
+    side = (result.get("frontend") or {}).get("side_by_side")
+    if side:
+        for workload, figures in side.items():
+            at = ", ".join(f"{n} streams {v}" for n, v in figures.items())
+            lines.append(f"  frontend tokens/s/core, {workload}: {at}")
     for part in ("frontend", "transfer"):
         if part in result:
             lines.append(f"  {part}: {json.dumps(result[part])}")

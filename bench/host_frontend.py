@@ -1,20 +1,44 @@
 """The frontend's capacity: streamed tokens per second per core through the real frontend actor
-(gRPC server, routing, pushes from the ranks, incremental detokenisation, chunks, bills and
-metrics) with decode ranks that make tokens without a model (``bench/fake_ranks.py``) and real
-``grpc.aio`` streaming clients in a process of their own (``bench/frontend_load.py``).
+(gRPC server, routing over the prefill ranks' KV events, pushes from the ranks, incremental
+detokenisation, chunks, bills and metrics) with ranks that make tokens without a model
+(``bench/fake_ranks.py``) and real ``grpc.aio`` streaming clients in a process of their own
+(``bench/frontend_load.py``).
+
+What is sent and streamed is a workload (``bench/frontend_workload.py``): ``realistic`` (the
+default) with the bench tokenizer's 100,000 ids trained here on real text
+(``bench/bench_tokenizer.py``), prompts of 1-4k tokens of real text behind four shared prefixes
+of 512-2,048 tokens, which the frontend hashes by page and routes on the prefix index its prefill
+ranks' KV events keep (each fake prefill rank caches what it is sent in a prefix cache of a fixed
+size, evicting, and publishes the events as a real one), and every stream a passage of its own
+of English, other languages (characters split across tokens) or code; ``easy``, the case
+measured before, with the demo's 258 ids, one 32-token prompt (no page to hash) and one cyclic
+stream for all, on which the detokeniser's caches hit almost always. ``workload="both"`` runs
+both, one after the other in one Ray, and reports both figures side by side.
 
 For each concurrency the clients run ``streams`` requests of ``output_tokens`` tokens at once;
 the fake ranks make no step until every one of them runs (a deployment at steady state holds
 its streams however fast its frontend admitted them), then a step of each rank every
 ``step_ms`` gives every stream it holds a token. The frontend's CPU is read inside its process
-before and after (``Frontend.clock``: ``time.process_time``, every thread). The figure to read
-is ``tokens_per_s_per_core = tokens / frontend CPU seconds`` of a round (the median of
-``repeats`` rounds: one round's figure moves by a fifth on a small, shared machine);
-``tokens_per_s`` is the clients' rate on their own clock (on a small machine the clients and the
-fake ranks take cores too, so it is the lesser figure). A further round at the same concurrency
-runs with the frontend's event loop thread under cProfile and says where its time went, by
-category of each function's own time; cProfile slows what it watches, so no rate is taken
-from that round.
+before and after (``Frontend.clock``: ``time.process_time``, every thread): a round's CPU holds
+its admissions (prompts parsed, hashed, routed, submitted) and the KV events applied as well as
+the streaming. The figure to read is ``tokens_per_s_per_core = tokens / frontend CPU seconds``
+of a round (the median of ``repeats`` rounds: one round's figure moves by a fifth on a small,
+shared machine); ``tokens_per_s`` is the clients' rate on their own clock (on a small machine
+the clients and the fake ranks take cores too, so it is the lesser figure). The router's
+counters (``ClusterStatus``, read outside the timed span) give each round's blocks hashed and
+matched, and KV events applied. A further round at the same concurrency runs with the
+frontend's event loop thread under cProfile and says where its time went, by category of each
+function's own time; cProfile slows what it watches, so no rate is taken from that round.
+
+What it still leaves out: a model (outputs are passages of the corpus at a fixed step, never a
+stop string or EOS: every stream runs to ``max_tokens``, none is cancelled); arrivals over time
+(each round's streams start together and end together); prefill compute and KV transfer (a
+prefill rank answers at once and the bill's figures are the fake ranks'); text prompts (no
+encoding or chat template at the frontend), the OpenAI HTTP server, TLS and auth; rank
+failures, drains and resumed requests; more than one frontend. The tokenizer learnt its merges
+from this machine's text, much of it Python source, so they are not a production tokenizer's
+(the report gives its size and the corpus's shares). The clients and fake ranks share the
+machine's cores with the frontend.
 
 ``python -c "from tandem.bench.host_frontend import measure_frontend; print(measure_frontend())"``
 """
@@ -29,38 +53,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import ray
 
-from tandem.bench.fake_ranks import FakeController, FakeDecodeRank, FakePrefillRank, FakeRankCounts
+from tandem.bench.fake_ranks import (
+    FAKE_PREFILL_PAGES,
+    FakeController,
+    FakeDecodeRank,
+    FakePrefillCounts,
+    FakePrefillRank,
+    FakeRankCounts,
+)
 from tandem.bench.frontend_load import LoadOrder, LoadResult, client_process
+from tandem.bench.frontend_workload import WORKLOADS, FrontendWorkload, build_workload, prompt_facts
 from tandem.bench.serve_stats import percentile
 from tandem.cluster.ray_bootstrap import init_ray
-from tandem.cluster.serve import demo_model_dir
 from tandem.engine.messages import RankId
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FrontendConfig
 from tandem.frontend.diagnostics import ProcessClock, ProfileRow
 from tandem.frontend.limits import EdgeLimits
-from tandem.model.tokenizer import Tokenizer
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
 
-# what the fake ranks stream: English with a few multi-byte characters, so that incremental
-# detokenisation holds back partial characters as it would on a real model's output
-SAMPLE_TEXT = (
-    "In the beginning the frontend took every token the decode ranks pushed, turned it into text "
-    "and sent it on \u2014 chunk after chunk, stream after stream \u2014 to clients near and far: "
-    "caf\u00e9, na\u00efve, \u00fcber, \u6570\u636e. "
-)
-PROMPT_TOKENS = 32
 # each fake decode rank's step: with two ranks at 256 streams they offer 128,000 tokens/s, more
 # than a frontend core takes, while every stream runs at once as on a deployment
 STEP_MS = 2.0
+WARMUP_TOKENS = 4
 
 # a function's own time goes to the first category one of whose markers is in "file:function"
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("detokenisation", ("tokenizer.py", "tokenizers.")),
+    # the edge's checks of each prompt, token by token (its isinstance calls fall in "other")
+    ("prompt_checks", ("engine/request.py",)),
     ("bills_metrics", ("prometheus_client", "/metrics/")),
     ("grpc_send", ("grpc", "protobuf", "_pb2")),
-    ("routing", ("/router/", "prefix_cache.py", "_route_and_submit", "hashlib", "_blake")),
+    (
+        "routing",
+        (
+            "/router/",
+            "prefix_cache.py",
+            "_route_and_submit",
+            "hashlib",
+            "_blake",
+            "kv_event_feed.py",
+            "push_kv_events",
+            "on_kv_events",
+        ),
+    ),
     (
         "push_handling",
         ("request_stream.py", "core.py:on_stream", "push_stream", "/ray/", "pickle", "_raylet"),
@@ -80,43 +119,54 @@ def categorise(rows: list[ProfileRow]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class RouterReading:
+    """The frontend's router as its ``ClusterStatus`` reports it: totals since it started."""
+
+    requests_routed: int
+    blocks_hashed: int  # full pages of the routed prompts, each hashed by the frontend
+    blocks_matched: int  # of those, found on the chosen prefill rank by the router's index
+    events_applied: int  # KV events from the prefill ranks applied to the index
+    indexed_blocks: int  # blocks the index holds now, over every prefill rank
+
+
 @dataclass
 class _Bench:
+    workload: FrontendWorkload
     frontend: Any
     ranks: list[Any]
+    prefill: list[Any]
     actors: list[Any]
     pipe: Any
     process: Any
-
-
-def _expected_tokens(tokenizer: Tokenizer) -> tuple[int, ...]:
-    special = {tokenizer.bos_token_id, tokenizer.eos_token_id}
-    return tuple(t for t in tokenizer.encode(SAMPLE_TEXT) if t not in special)
+    status: Any  # the frontend's gRPC stub, for ClusterStatus
+    channel: Any
 
 
 def _start(
-    model_dir: Path,
+    workload: FrontendWorkload,
     decode_ranks: int,
+    prefill_ranks: int,
+    prefill_pages: int,
     window: int,
     step_s: float,
     stream_interval: int,
     channels: int,
-    stream_tokens: tuple[int, ...],
 ) -> _Bench:
     suffix = uuid.uuid4().hex[:8]
-    prefill_id = RankId(f"bench-prefill-{suffix}", 0)
-    prefill = FakePrefillRank.remote(prefill_id)  # type: ignore[attr-defined]
+    prefill_ids = [RankId(f"bench-prefill-{suffix}", r) for r in range(prefill_ranks)]
+    prefill = {r: FakePrefillRank.remote(r, prefill_pages) for r in prefill_ids}  # type: ignore[attr-defined]
     decode_ids = [RankId(f"bench-decode-{suffix}", r) for r in range(decode_ranks)]
     ranks = [
-        FakeDecodeRank.remote(r, prefill_id, stream_tokens, window, step_s)  # type: ignore[attr-defined]
+        FakeDecodeRank.remote(r, prefill, workload, window, step_s)  # type: ignore[attr-defined]
         for r in decode_ids
     ]
     controller_name = f"tandem-bench-controller-{suffix}"
     controller = FakeController.options(name=controller_name).remote(  # type: ignore[attr-defined]
-        {prefill_id: prefill}, dict(zip(decode_ids, ranks, strict=True))
+        prefill, dict(zip(decode_ids, ranks, strict=True))
     )
     config = FrontendConfig(
-        str(model_dir),
+        workload.model_dir,
         "bench",
         port=0,
         controller=controller_name,
@@ -129,13 +179,15 @@ def _start(
         raise RuntimeError("the frontend did not become ready over the fake ranks within 30 s")
     context = multiprocessing.get_context("spawn")
     pipe, child = context.Pipe()
-    process = context.Process(
-        target=client_process, args=(f"127.0.0.1:{port}", stream_tokens, channels, child), daemon=True
-    )
+    address = f"127.0.0.1:{port}"
+    process = context.Process(target=client_process, args=(address, workload, channels, child), daemon=True)
     process.start()
     if not pipe.poll(60) or pipe.recv() != "ready":
         raise RuntimeError("the client process did not connect to the frontend within 60 s")
-    return _Bench(frontend, ranks, [prefill, controller, *ranks, frontend], pipe, process)
+    channel = grpc.insecure_channel(address)
+    actors = [*prefill.values(), controller, *ranks, frontend]
+    stub = tandem_pb2_grpc.TandemStub(channel)
+    return _Bench(workload, frontend, ranks, list(prefill.values()), actors, pipe, process, stub, channel)
 
 
 def _round(bench: _Bench, order: LoadOrder, timeout_s: float) -> LoadResult:
@@ -167,7 +219,29 @@ def _counts(bench: _Bench) -> FakeRankCounts:
     )
 
 
+def _prefill_counts(bench: _Bench) -> FakePrefillCounts:
+    counts: list[FakePrefillCounts] = ray.get([r.counts.remote() for r in bench.prefill])
+    fields = ("jobs", "event_batches", "blocks_stored", "blocks_removed")
+    return FakePrefillCounts(*(sum(getattr(c, f) for c in counts) for f in fields))
+
+
+def read_router(bench: _Bench) -> RouterReading:
+    """The router's counters and the blocks it indexes, by ``ClusterStatus`` (frontend CPU of
+    its own: read outside a round's timed span)."""
+    status = bench.status.ClusterStatus(tandem_pb2.ClusterStatusRequest(), timeout=30)
+    counters = dict(status.router_counters)
+    indexed = sum(r.indexed_blocks for g in status.groups for r in g.ranks if r.role == "prefill")
+    return RouterReading(
+        counters.get("requests_routed", 0),
+        counters.get("queried_blocks", 0),
+        counters.get("matched_blocks", 0),
+        counters.get("events_applied", 0),
+        indexed,
+    )
+
+
 def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, Any]:
+    router0, prefill0 = read_router(bench), _prefill_counts(bench)
     ranks0 = _counts(bench)
     submits0: dict[str, int] = ray.get(bench.frontend.submits.remote())
     clock0: ProcessClock = ray.get(bench.frontend.clock.remote())
@@ -175,6 +249,7 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
     clock1: ProcessClock = ray.get(bench.frontend.clock.remote())
     submits1: dict[str, int] = ray.get(bench.frontend.submits.remote())
     ranks1 = _counts(bench)
+    router1, prefill1 = read_router(bench), _prefill_counts(bench)
     cpu_s = clock1.process_cpu_s - clock0.process_cpu_s
     wall_s = clock1.monotonic_s - clock0.monotonic_s
     pushes = ranks1.pushes - ranks0.pushes
@@ -201,6 +276,15 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
         "tokens_per_push": round((ranks1.tokens - ranks0.tokens) / max(pushes, 1), 1),
         "frontend_ttft_ms": _percentiles_ms(result.frontend_ttft_s),
         "client_ttft_ms": _percentiles_ms(result.client_ttft_s),
+        **prompt_facts(bench.workload, [(order.round_id, order.streams)]),
+        "requests_routed": router1.requests_routed - router0.requests_routed,
+        "blocks_hashed": router1.blocks_hashed - router0.blocks_hashed,
+        "blocks_matched": router1.blocks_matched - router0.blocks_matched,
+        "kv_events_applied": router1.events_applied - router0.events_applied,
+        "kv_event_batches_pushed": prefill1.event_batches - prefill0.event_batches,
+        "kv_blocks_stored": prefill1.blocks_stored - prefill0.blocks_stored,
+        "kv_blocks_removed": prefill1.blocks_removed - prefill0.blocks_removed,
+        "indexed_blocks": router1.indexed_blocks,
     }
 
 
@@ -228,6 +312,22 @@ def _profiled(bench: _Bench, order: LoadOrder, timeout_s: float, top: int) -> di
     }
 
 
+@dataclass(frozen=True)
+class _Plan:
+    streams: tuple[int, ...]
+    output_tokens: int
+    decode_ranks: int
+    prefill_ranks: int
+    prefill_pages: int
+    window: int
+    step_ms: float
+    repeats: int
+    stream_interval: int
+    profile: bool
+    top: int
+    timeout_s: float
+
+
 def measure_frontend(
     streams: tuple[int, ...] = (64, 256),
     output_tokens: int = 256,
@@ -239,11 +339,15 @@ def measure_frontend(
     stream_interval: int = 1,
     profile: bool = True,
     top: int = 15,
-    model_dir: Path | None = None,
+    workload: str = "realistic",
+    prefill_ranks: int = 2,
+    prefill_pages: int = FAKE_PREFILL_PAGES,
     timeout_s: float = 300.0,
 ) -> dict[str, Any]:
-    """Streamed tokens per second per frontend core at each concurrency in ``streams``;
-    ``frontend_tokens_per_s_per_core`` is the figure at 256 streams (else at the largest)."""
+    """Streamed tokens per second per frontend core at each concurrency in ``streams``, for
+    ``workload`` (``realistic``, ``easy`` or ``both``); ``frontend_tokens_per_s_per_core`` is
+    the figure at 256 streams (else at the largest). With ``both``, the result is the realistic
+    workload's with the easy one's under ``easy`` and both figures under ``side_by_side``."""
     if not streams or any(s < 1 for s in streams):
         raise ValueError(f"streams: expected concurrencies of at least 1, got {streams}")
     if output_tokens < 1:
@@ -257,51 +361,114 @@ def measure_frontend(
         raise ValueError(
             f"streams: at most {FrontendConfig.max_running_requests} (the frontend's max_running_requests)"
         )
+    names = WORKLOADS if workload == "both" else (workload,)
+    if any(name not in WORKLOADS for name in names):
+        raise ValueError(f"workload: expected one of {', '.join(WORKLOADS)} or both, got {workload!r}")
+    if decode_ranks < 1 or prefill_ranks < 1:
+        raise ValueError(f"decode_ranks, prefill_ranks: at least 1 each, got {decode_ranks}, {prefill_ranks}")
+    plan = _Plan(
+        streams,
+        output_tokens,
+        decode_ranks,
+        prefill_ranks,
+        prefill_pages,
+        window,
+        step_ms,
+        repeats,
+        stream_interval,
+        profile,
+        top,
+        timeout_s,
+    )
     started_ray = not ray.is_initialized()
     init_ray(address)
-    model_dir = model_dir or demo_model_dir()
-    stream_tokens = _expected_tokens(Tokenizer.from_dir(model_dir))
-    prompt = stream_tokens[:PROMPT_TOKENS]
-    channels = max(1, max(streams) // 64)
-    bench = _start(model_dir, decode_ranks, window, step_ms / 1e3, stream_interval, channels, stream_tokens)
     try:
-        # first contacts: channels, actor handles, the ranks' loops
-        _round(bench, LoadOrder(min(streams), 4, prompt, "warmup"), timeout_s)
+        results = {name: _measure_workload(build_workload(name), plan) for name in names}
+    finally:
+        if started_ray:
+            ray.shutdown()
+    out = results[names[0]]
+    if len(results) > 1:
+        out = out | {
+            "easy": results["easy"],
+            "side_by_side": {
+                name: {n: r["by_streams"][n]["tokens_per_s_per_core"] for n in r["by_streams"]}
+                for name, r in results.items()
+            },
+        }
+    return out
+
+
+def _measure_workload(workload: FrontendWorkload, plan: _Plan) -> dict[str, Any]:
+    streams, timeout_s = plan.streams, plan.timeout_s
+    channels = max(1, max(streams) // 64)
+    bench = _start(
+        workload,
+        plan.decode_ranks,
+        plan.prefill_ranks,
+        plan.prefill_pages,
+        plan.window,
+        plan.step_ms / 1e3,
+        plan.stream_interval,
+        channels,
+    )
+    measured: list[tuple[str, int]] = []
+    try:
+        # first contacts: channels, actor handles, the ranks' loops; the shared prefixes cached
+        _round(bench, LoadOrder(min(streams), WARMUP_TOKENS, "warmup"), timeout_s)
         rounds: dict[str, Any] = {}
         for n in streams:
-            runs = [
-                _measured(bench, LoadOrder(n, output_tokens, prompt, f"s{n}-{i}"), timeout_s)
-                for i in range(repeats)
-            ]
+            orders = [LoadOrder(n, plan.output_tokens, f"s{n}-{i}") for i in range(plan.repeats)]
+            runs = [_measured(bench, order, timeout_s) for order in orders]
+            measured += [(order.round_id, n) for order in orders]
             # the round with the median figure stands for the concurrency; every round's figure is kept
             runs.sort(key=lambda r: r["tokens_per_s_per_core"])
             figures = runs[len(runs) // 2] | {
                 "rounds_tokens_per_s_per_core": [r["tokens_per_s_per_core"] for r in runs]
             }
-            if profile:
-                figures["profile"] = _profiled(
-                    bench, LoadOrder(n, output_tokens, prompt, f"p{n}"), timeout_s, top
-                )
+            if plan.profile:
+                order = LoadOrder(n, plan.output_tokens, f"p{n}")
+                figures["profile"] = _profiled(bench, order, timeout_s, plan.top)
             rounds[str(n)] = figures
+        router = read_router(bench)
+        prefill = _prefill_counts(bench)
     finally:
         _stop(bench)
-        if started_ray:
-            ray.shutdown()
     at = "256" if "256" in rounds else str(max(streams))
+    prompts = prompt_facts(workload, measured)
     return {
         "frontend_tokens_per_s_per_core": rounds[at]["tokens_per_s_per_core"],
         "at_streams": int(at),
-        "output_tokens": output_tokens,
-        "prompt_tokens": len(prompt),
-        "decode_ranks": decode_ranks,
-        "push_window": window,
-        "rank_step_ms": step_ms,
-        "stream_interval": stream_interval,
+        "workload": workload.name,
+        "vocab_size": workload.vocab_size,
+        "output_tokens": plan.output_tokens,
+        "prompt_tokens": round(prompts["prompt_tokens"]["mean"]),
+        "decode_ranks": plan.decode_ranks,
+        "prefill_ranks": plan.prefill_ranks,
+        "prefill_cache_pages": plan.prefill_pages,
+        "push_window": plan.window,
+        "rank_step_ms": plan.step_ms,
+        "stream_interval": plan.stream_interval,
+        # what was sent and streamed, over the measured rounds; the router's and the prefill
+        # ranks' totals over the whole run (warm-up and profiled rounds too)
+        "workload_facts": workload.facts | prompts,
+        "routing": {
+            "requests_routed": router.requests_routed,
+            "blocks_hashed": router.blocks_hashed,
+            "blocks_matched": router.blocks_matched,
+            "kv_events_applied": router.events_applied,
+            "indexed_blocks": router.indexed_blocks,
+            "prefill_jobs": prefill.jobs,
+            "kv_event_batches_pushed": prefill.event_batches,
+            "kv_blocks_stored": prefill.blocks_stored,
+            "kv_blocks_removed": prefill.blocks_removed,
+        },
         "by_streams": rounds,
     }
 
 
 def _stop(bench: _Bench) -> None:
+    bench.channel.close()
     with contextlib.suppress(OSError):
         bench.pipe.send(None)
     bench.process.join(10)
