@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from string import Template
 
 from tandem.autoscaler.signals import MetricSource, PoolSignals
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 
 def _p90(histogram: str) -> str:

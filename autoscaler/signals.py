@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 
 @dataclass(frozen=True)

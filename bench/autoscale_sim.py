@@ -30,7 +30,7 @@ from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import PoolSignals
 from tandem.bench.router_bench import TraceRequest
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,8 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from tandem.model.tokenizer import byte_level_alphabet
+
 BENCH_VOCAB_SIZE = 100_000  # ids, the two special tokens included
 MAX_TRAIN_CHARS = 40_000_000  # 11-20 s of training on two cores; 33 million gave 116,692 ids
 CONTEXT_TOKENS = 16_384  # the bench model's context: the longest prompt (4,096) and its output
@@ -228,7 +230,7 @@ def train(texts: list[Text], vocab_size: int, special: tuple[str, str]) -> Token
 
 def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
     """Each id's bytes (special tokens: their text's), from the byte-level alphabet."""
-    byte_of = {char: byte for byte, char in enumerate(_byte_level_alphabet())}
+    byte_of = {char: byte for byte, char in enumerate(byte_level_alphabet())}
     out = [b""] * tokenizer.get_vocab_size(with_added_tokens=True)
     for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
         if all(c in byte_of for c in token):
@@ -236,19 +238,3 @@ def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
         else:
             out[token_id] = token.encode()
     return out
-
-
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's byte -> printable character map, indexed by byte (``tokenizers``' ByteLevel)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]

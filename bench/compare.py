@@ -24,12 +24,12 @@ from typing import Any
 
 from tandem.bench.serve_bench import Plan, add_workload_arguments, plan_from_args, run_plan
 from tandem.bench.serve_report import to_json
-from tandem.cli.client import ClientOptions
-from tandem.cli.output import emit
+from tandem.client.grpc_client import ClientOptions
+from tandem.client.output import emit
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology, TopologyError
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 WARMUP_PROMPT_TOKENS = 64
 

@@ -16,8 +16,8 @@ from tandem.cluster.group import GroupConfig, RankGroup
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankRequest
-from tandem.engine.request import SamplingParams
+from tandem.wire.messages import RankRequest
+from tandem.wire.request_params import SamplingParams
 
 
 def run_dep_bench(

@@ -20,9 +20,10 @@ from tandem.bench.random_prompts import RandomPrompts
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
-from tandem.engine.colocated import DTYPES, ColocatedEngine
+from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
+from tandem.model.dtypes import DTYPES
+from tandem.wire.request_params import SamplingParams
 
 
 def _summary(ttft: list[float], itl: list[float], exposed: list[float] | None = None) -> dict[str, Any]:

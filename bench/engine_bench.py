@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.colocated import DTYPES, ColocatedEngine
+from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
+from tandem.model.dtypes import DTYPES
+from tandem.wire.request_params import SamplingParams
 
 
 def run_batch(

@@ -42,11 +42,15 @@ from typing import Any
 import ray
 
 from tandem.bench.frontend_workload import FrontendWorkload
-from tandem.cluster.controller import FrontendInfo, GroupView, RoutingView
 from tandem.cluster.outbox import RayOutbox
 from tandem.cluster.stream_socket import SocketStream
 from tandem.cluster.submit_listener import SubmitListener
-from tandem.engine.messages import (
+from tandem.engine.kv_event_publisher import KVEventPublisher
+from tandem.engine.page_allocator import PageAllocator
+from tandem.engine.prefix_cache import PrefixCache
+from tandem.kvtransfer.types import KVDestination
+from tandem.wire.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from tandem.wire.messages import (
     Bill,
     PrefillAttempt,
     RankId,
@@ -58,12 +62,9 @@ from tandem.engine.messages import (
     StreamColumns,
     TransferId,
 )
-from tandem.engine.page_allocator import PageAllocator
-from tandem.engine.prefix_cache import BlockRemoved, BlockStored, PrefixCache
-from tandem.engine.request import FinishReason
-from tandem.kvtransfer.types import KVDestination
-from tandem.prefill.job import PrefillJob
-from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
+from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.request_params import FinishReason
+from tandem.wire.routing_view import FrontendInfo, GroupState, GroupView, RoutingView
 
 FAKE_TOTAL_PAGES = 1 << 20  # a decode rank that never runs out of pages
 # a prefill rank's prefix cache: 262,144 tokens, which a few rounds of 256 prompts of 1-4k fill
@@ -391,8 +392,8 @@ class FakeController:
         self, prefill: dict[RankId, Any], decode: dict[RankId, Any], page_size: int = PAGE_SIZE
     ) -> None:
         groups = (
-            GroupView("prefill0", Role.PREFILL, "ready", INCARNATION, tuple(sorted(prefill))),
-            GroupView("decode0", Role.DECODE, "ready", INCARNATION, tuple(sorted(decode))),
+            GroupView("prefill0", Role.PREFILL, GroupState.READY, INCARNATION, tuple(sorted(prefill))),
+            GroupView("decode0", Role.DECODE, GroupState.READY, INCARNATION, tuple(sorted(decode))),
         )
         capacity = FAKE_TOTAL_PAGES * page_size
         self._view = RoutingView(prefill, decode, groups, page_size, capacity, capacity)

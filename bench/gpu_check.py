@@ -120,7 +120,6 @@ def _paged(
 
 def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     from tandem.model.attention_metadata import AttentionMetadata
-    from tandem.model.kernels.backend import get_backend
     from tandem.model.kernels.mla_attention import (
         decode_attention_torch,
         extend_attention_torch,
@@ -128,6 +127,7 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     )
     from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
     from tandem.model.kernels.norm import rms_norm_torch
+    from tandem.model.kernels.registry import get_backend
     from tandem.model.kernels.rope import apply_rope_torch
 
     tri = get_backend(device, "triton")

@@ -19,10 +19,10 @@ import torch
 from tandem.bench.engine_bench import run_batch
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.static_decode import StaticDecode
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.wire.request_params import SamplingParams
 
 BATCHES = (1, 64)
 

@@ -19,8 +19,8 @@ import torch
 
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.wire.request_params import SamplingParams
 
 
 def main() -> int:

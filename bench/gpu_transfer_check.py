@@ -32,8 +32,7 @@ from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
@@ -43,9 +42,11 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.make_tiny import make_tiny_checkpoint
-from tandem.prefill.job import PrefillJob
 from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tandem.prefill.worker import PrefillWorker
+from tandem.wire.messages import RankId
+from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.request_params import SamplingParams
 
 PAGE, PREFILL_PAGES, DECODE_PAGES = 8, 128, 128
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)

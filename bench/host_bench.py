@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.request import InvalidRequestError
+from tandem.wire.request_params import InvalidRequestError
 
 PARTS = ("decode", "frontend", "transfer")
 HEADLINES = {

@@ -18,7 +18,7 @@ frontend to every core but the decode rank's (``frontend_cores``), as a deployme
 frontend off its ranks' cores; this process runs its served rounds (the gRPC client) on the
 frontend's cores and its bare rounds on the decode rank's core, so both sides of a ratio run on
 the same core. Unpinned, a token push wakes the frontend on the decode rank's core, where it
-preempts the step loop while it handles the push (``cluster/cpu_affinity.py``).
+preempts the step loop while it handles the push (``engine/cpu_affinity.py``).
 
 The decode rank's step split over the same point comes from its own counters (each piece timed
 around itself on the rank's clock, differences of two readings of the rank's stats): forward,
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.cluster.cpu_affinity import node_cores, pin_process
-from tandem.engine.messages import RankStats, Role
+from tandem.engine.cpu_affinity import node_cores, pin_process
+from tandem.wire.messages import RankStats, Role
 
 PROMPT_TOKENS, OUTPUT_TOKENS, ROUNDS = 32, 256, 3
 
@@ -75,8 +75,9 @@ class BareForward:
     def __init__(self, options: DecodeOptions, threads: int) -> None:
         from tandem.bench.engine_bench import run_batch
         from tandem.cluster.serve import demo_model_dir
-        from tandem.engine.colocated import DTYPES, ColocatedEngine
+        from tandem.engine.colocated import ColocatedEngine
         from tandem.engine.engine_config import EngineConfig
+        from tandem.model.dtypes import DTYPES
 
         self.options, self.threads, self._run_batch = options, threads, run_batch
         with self._threads():
@@ -148,7 +149,7 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
     """The ``decode`` part of ``tandem bench host``: bare and served rounds, alternating."""
     from tandem.bench.serve_bench import Plan, run_plan
     from tandem.bench.serve_workload import SyntheticWorkload
-    from tandem.cli.client import ClientOptions
+    from tandem.client.grpc_client import ClientOptions
     from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
     from tandem.cluster.serve import ServeOptions, Server
     from tandem.cluster.topology import PoolSpec, Topology

@@ -68,12 +68,12 @@ from tandem.bench.frontend_load import LoadOrder, LoadResult, client_process
 from tandem.bench.frontend_workload import WORKLOADS, FrontendWorkload, build_workload, prompt_facts
 from tandem.bench.serve_stats import percentile
 from tandem.cluster.ray_bootstrap import init_ray
-from tandem.engine.messages import RankId
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FrontendConfig
 from tandem.frontend.diagnostics import ProcessClock, ProfileRow
 from tandem.frontend.limits import EdgeLimits
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.messages import RankId
 
 # each fake decode rank's step: with two ranks at 256 streams they offer 128,000 tokens/s, more
 # than a frontend core takes, while every stream runs at once as on a deployment

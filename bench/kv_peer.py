@@ -14,7 +14,8 @@ import torch
 
 from tandem.engine.page_allocator import PageAllocator
 from tandem.kvtransfer.metadata import RayMetadataStore
-from tandem.kvtransfer.transport import TransferFailure, TransportEvents, transport_class
+from tandem.kvtransfer.registry import transport_class
+from tandem.kvtransfer.transport import TransferFailure, TransportEvents
 from tandem.kvtransfer.types import KVDestination, KVNotification, TransferStats
 from tandem.model.kv_pool import pool_layout
 

@@ -21,7 +21,7 @@ from tandem.bench.random_prompts import RandomPrompts
 from tandem.cluster.ray_bootstrap import init_ray
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
-from tandem.engine.request import SamplingParams
+from tandem.wire.request_params import SamplingParams
 
 
 class _Scraper:

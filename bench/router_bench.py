@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.prefix_cache import BlockRemoved, BlockStored, KVEvent
 from tandem.router.policy import PolicyConfig
 from tandem.router.registry import DEFAULT_POLICY, PREFILL_POLICIES, UnknownPolicy
 from tandem.router.router import Router, RouterConfig
+from tandem.wire.kv_events import BlockRemoved, BlockStored, KVEvent
 
 BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_BLOCKS = 1_600

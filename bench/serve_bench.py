@@ -30,11 +30,11 @@ import grpc
 from tandem.bench.router_bench import TraceError, read_trace
 from tandem.bench.serve_stats import Pools, RequestRecord, point_stats
 from tandem.bench.serve_workload import BenchRequest, SyntheticWorkload, TraceReplay
-from tandem.cli.client import ClientOptions, channel, message_dict, metadata, request_message
-from tandem.cli.output import emit
-from tandem.cli.prompts import PromptSpec
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.client.grpc_client import ClientOptions, channel, message_dict, metadata, request_message
+from tandem.client.output import emit
+from tandem.client.prompts import PromptSpec
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 TINY_VOCAB_SIZE = 256  # the tiny model's byte tokens (its two special tokens above them)
 TINY_CONTEXT_TOKENS = 2048

@@ -17,7 +17,7 @@ from typing import Any
 
 from tandem.bench.serve_report import point_name
 from tandem.bench.serve_stats import TTFT_PARTS
-from tandem.engine.request import InvalidRequestError
+from tandem.wire.request_params import InvalidRequestError
 
 
 def check_matplotlib() -> None:

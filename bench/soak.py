@@ -32,17 +32,18 @@ from typing import Any
 import grpc
 import ray
 
-from tandem.cli.client import ClientOptions, channel, request_message
-from tandem.cli.prompts import PromptSpec
-from tandem.cluster.controller import RoutingView
+from tandem.client.grpc_client import ClientOptions, channel, request_message
+from tandem.client.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
-from tandem.engine.colocated import DTYPES, ColocatedEngine
+from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankStats
-from tandem.engine.request import SamplingParams
+from tandem.model.dtypes import DTYPES
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.protos import tandem_pb2_grpc
+from tandem.wire.messages import RankStats
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.routing_view import RoutingView
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tandem.cli.output import emit
-from tandem.engine.request import InvalidRequestError
+from tandem.client.output import emit
+from tandem.wire.request_params import InvalidRequestError
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 

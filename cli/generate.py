@@ -14,9 +14,9 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId, RankRequest, RequestResult
-from tandem.engine.request import SamplingParams
-from tandem.frontend.request_stream import StreamSummary
+from tandem.wire.messages import RankId, RankRequest, RequestResult
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.stream_summary import StreamSummary
 
 
 def generate_on_dep_group(

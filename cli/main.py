@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.cli.output import command_output, emit
-from tandem.cli.prompts import PromptSpec
+from tandem.client.output import command_output, emit
+from tandem.client.prompts import PromptSpec
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.model.tokenizer import Tokenizer
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tandem.cluster.topology import TopologyError
     from tandem.model.errors import ModelFileError
-    from tandem.model.kernels.backend import UnknownKernelBackend
+    from tandem.model.kernels.registry import UnknownKernelBackend
     from tandem.model.make_tiny import TinyCheckpointError
 
     args = build_parser().parse_args(argv)
@@ -377,8 +377,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tandem.cli.prompts import parse_prompt_ids, read_prompts_file
-    from tandem.engine.colocated import DTYPES, ColocatedEngine
+    from tandem.client.prompts import parse_prompt_ids, read_prompts_file
+    from tandem.engine.colocated import ColocatedEngine
+    from tandem.model.dtypes import DTYPES
 
     base = _sampling(args)
     if args.prompts_file is not None:
@@ -431,9 +432,9 @@ def _generate_disaggregated(
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
     from tandem.cluster.topology import Topology
-    from tandem.engine.request import check_prompt
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
+    from tandem.wire.request_params import check_prompt
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
     cfg = check_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
@@ -464,9 +465,9 @@ def _generate_disaggregated(
 
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
     from tandem.cli.generate import generate_on_dep_group
-    from tandem.engine.request import check_prompt
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
+    from tandem.wire.request_params import check_prompt
 
     if args.dep < 1:
         raise InvalidRequestError("--dep", f"must be at least 1, got {args.dep}")

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.cli.output import emit
-from tandem.cli.prompts import PromptSpec
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.client.output import emit
+from tandem.client.prompts import PromptSpec
 from tandem.frontend.limits import EdgeLimits
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 
 def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -350,8 +350,8 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
 
     import grpc
 
-    from tandem.cli.client import ClientOptions, run_generate, status, wait_serving
-    from tandem.cli.prompts import read_prompts_file
+    from tandem.client.grpc_client import ClientOptions, run_generate, status, wait_serving
+    from tandem.client.prompts import read_prompts_file
 
     options = ClientOptions(
         args.addr, _read_secret(args.token_file, "--token-file"), args.tls_ca, timeout_s=args.timeout
@@ -362,7 +362,7 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
             emit("SERVING" if ok else "NOT_SERVING")
             return 0 if ok else 1
         if args.client_command == "status":
-            from tandem.cli.client import message_dict
+            from tandem.client.grpc_client import message_dict
 
             reply = asyncio.run(status(options, args.check_integrity))
             emit(json.dumps(message_dict(reply), indent=2))

@@ -13,9 +13,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from tandem.autoscaler.policy import Autoscaler, Decision
+from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import MetricSource
-from tandem.engine.messages import Role
+from tandem.wire.autoscaler_decision import Decision
+from tandem.wire.messages import Role
 
 log = logging.getLogger(__name__)
 

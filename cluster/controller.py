@@ -14,75 +14,33 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import ray
 
-from tandem.autoscaler.policy import Autoscaler, Decision
+from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop
-from tandem.cluster.group import GroupConfig, GroupFailed, GroupState, RankGroup, parse_rank_actor_name
-from tandem.cluster.placement import RankResources, this_place
-from tandem.cluster.rank_actor import MetricsSpec
+from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name
+from tandem.cluster.placement import RankResources
+from tandem.cluster.rank_spec import MetricsSpec
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.decode.role import DecodeRole
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import ProcessPlace, RankId, RankStats, Role
+from tandem.engine.process_place import this_place
 from tandem.engine.role_spec import RoleSpec
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
-from tandem.metrics.discovery import ScrapeTarget
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
 from tandem.prefill.role import PrefillRole
+from tandem.wire.autoscaler_decision import Decision
+from tandem.wire.messages import RankId, RankStats, Role
+from tandem.wire.routing_view import FrontendInfo, GroupState, GroupView, RoutingView
+from tandem.wire.scrape_target import ScrapeTarget
 
-CONTROLLER_NAME = "tandem-controller"
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GroupView:
-    group_id: str
-    role: Role
-    state: str  # starting, ready, draining, failed or stopped
-    incarnation: int
-    ranks: tuple[RankId, ...]
-    places: tuple[ProcessPlace, ...] = ()  # each rank's node and pid, while started
-    failure: str | None = None  # why it failed (a rebuild that cannot be placed says so here)
-    unplaceable: bool = False  # its last start found no room on the nodes of its role
-
-
-@dataclass(frozen=True)
-class FrontendInfo:
-    """A frontend as it registers with the controller: its gRPC address, its metrics target and
-    where it runs."""
-
-    name: str
-    address: str  # host:port of its gRPC server
-    place: ProcessPlace
-    metrics_target: ScrapeTarget | None = None
-
-
-@dataclass(frozen=True)
-class RoutingView:
-    """What a frontend routes over: the rank actors of groups that take work, by role, and
-    every group's state. A rebuilt group's ranks keep their ids and get new handles."""
-
-    prefill: dict[RankId, Any]
-    decode: dict[RankId, Any]
-    groups: tuple[GroupView, ...]
-    page_size: int
-    prefill_capacity_tokens: int  # KV one prefill rank holds: a prompt's ceiling
-    decode_capacity_tokens: int  # KV one decode rank holds: prompt + output's ceiling
-    # every /metrics of the cluster: the controller's and each rank's of every started group
-    metrics_targets: tuple[ScrapeTarget, ...] = ()
-    # the autoscaler's latest decisions, (Unix time, decision), oldest first; empty when it is off
-    autoscaler_decisions: tuple[tuple[float, Decision], ...] = ()
-    frontends: tuple[FrontendInfo, ...] = ()  # every frontend that registered
-    controller: ProcessPlace | None = None
-    deployment: str = ""  # the deployment's name (its Ray namespace)
-    colocated: bool = False  # its ranks prefill and decode: each is in `prefill` and in `decode`
 
 
 class Cluster:
@@ -207,9 +165,9 @@ class Cluster:
         )
 
     def routing_view(self) -> RoutingView:
-        def state(g: RankGroup) -> str:
+        def state(g: RankGroup) -> GroupState:
             draining = g.group_id in self._draining and g.state is GroupState.READY
-            return "draining" if draining else g.state.value
+            return GroupState.DRAINING if draining else g.state
 
         live = [g for g in self.groups if self._takes_work(g)]
         views = tuple(
@@ -533,8 +491,8 @@ class Controller:
 
         def groups(pool: Role) -> tuple[int, int]:
             views = [g for g in self._view.groups if g.role is pool]
-            ready = sum(g.state == "ready" for g in views)
-            return ready, sum(g.state in ("starting", "draining") for g in views)
+            ready = sum(g.state is GroupState.READY for g in views)
+            return ready, sum(g.state in (GroupState.STARTING, GroupState.DRAINING) for g in views)
 
         def remove(pool: Role) -> str:
             with self._lock:

@@ -15,12 +15,12 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group_table
 
-from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
 from tandem.cluster.group import parse_rank_actor_name
 from tandem.cluster.node_roles import GroupPlan, plan
 from tandem.cluster.placement import RankResources, live_nodes
 from tandem.cluster.topology import Topology
-from tandem.engine.messages import ProcessPlace
+from tandem.wire.messages import ProcessPlace
+from tandem.wire.routing_view import CONTROLLER_NAME, GroupState, RoutingView
 
 
 class NoDeployment(LookupError):
@@ -114,7 +114,7 @@ def stop(name: str, address: str, timeout_s: float = 120.0) -> dict[str, int]:
         time.sleep(0.2)
     if left:
         raise TimeoutError(f"placement groups of {name} still exist after {timeout_s:.0f} s: {left}")
-    ranks = sum(len(g.ranks) for g in view.groups if g.state not in ("stopped", "failed"))
+    ranks = sum(len(g.ranks) for g in view.groups if g.state not in (GroupState.STOPPED, GroupState.FAILED))
     return {"frontends": len(frontends), "ranks": ranks}
 
 

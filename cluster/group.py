@@ -10,7 +10,6 @@ placement group. (Requests streamed to a frontend end there: it sees the group f
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 import time
@@ -32,20 +31,15 @@ from tandem.cluster.placement import (
     placement_group_by_id,
     release_group,
 )
-from tandem.cluster.rank_actor import MetricsSpec, RankActor, RankSpec
+from tandem.cluster.rank_actor import RankActor
+from tandem.cluster.rank_spec import MetricsSpec, RankSpec
 from tandem.cluster.topology import PlacementSpec
-from tandem.engine.messages import Bill, ProcessPlace, RankId, RankRequest, RankStats, RequestResult, Role
-from tandem.engine.request import FinishReason
 from tandem.engine.role_spec import RoleSpec
+from tandem.wire.messages import Bill, ProcessPlace, RankId, RankRequest, RankStats, RequestResult, Role
+from tandem.wire.request_params import FinishReason
+from tandem.wire.routing_view import GroupState
 
 log = logging.getLogger(__name__)
-
-
-class GroupState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 class GroupNotReady(RuntimeError):

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.cluster.topology import PlacementSpec, Topology
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,13 @@ from typing import Any
 import ray
 
 from tandem.cluster.stream_socket import SocketStream
+from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import StreamBatch
 
 log = logging.getLogger(__name__)
 
 STREAM_METHOD = "push_stream"
+KV_EVENTS_METHOD = "push_kv_events"
 
 
 class RayOutbox:
@@ -41,6 +44,12 @@ class RayOutbox:
         self._endpoints: dict[str, Any] = {}  # actor name -> its stream_endpoint() reply, coming
         self._sockets: dict[str, SocketStream] = {}
         self._no_socket: set[str] = set()  # actors that offer none: actor calls only
+
+    def push_stream(self, frontend: str, batch: StreamBatch) -> bool:
+        return self.send(frontend, STREAM_METHOD, batch)
+
+    def push_kv_events(self, subscriber: str, batch: KVEventBatch) -> bool:
+        return self.send(subscriber, KV_EVENTS_METHOD, batch)
 
     def send(self, actor: str, method: str, payload: Any) -> bool:
         """``actor.method(payload)`` without waiting; False when no such actor lives."""

@@ -10,7 +10,6 @@ made them, and ``tandem stop`` removes them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import ray
@@ -18,7 +17,6 @@ from ray import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from tandem.cluster.node_roles import NodeInfo, describe_selector
-from tandem.engine.messages import ProcessPlace
 
 
 class PlacementTimeout(TimeoutError):
@@ -31,14 +29,6 @@ class PlacementTimeout(TimeoutError):
             f"placement group {group_id}: {size} bundles of {bundle}{where} not placed within "
             f"{waited_s:.0f}s; the cluster has {free} free"
         )
-
-
-def this_place() -> ProcessPlace:
-    """Where the calling process runs (it must be connected to Ray)."""
-    context = ray.get_runtime_context()
-    labels = {k: str(v) for k, v in (context.get_node_labels() or {}).items() if not k.startswith("ray.io/")}
-    address = ray.util.get_node_ip_address()
-    return ProcessPlace(context.get_node_id(), address, tuple(sorted(labels.items())), os.getpid())
 
 
 def live_nodes() -> list[NodeInfo]:

@@ -18,42 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from tandem.cluster.placement import this_place
+from tandem.cluster.rank_spec import RankSpec
 from tandem.cluster.submit_listener import SubmitListener
-from tandem.engine.messages import ProcessPlace, RankId, RankStats, RequestResult
+from tandem.engine.process_place import this_place
 from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
-from tandem.engine.role_spec import RoleSpec
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import RankLabels
 from tandem.metrics.rank import RankMetrics
-
-
-@dataclass(frozen=True)
-class MetricsSpec:
-    """Serve the rank's Prometheus metrics, labelled with ``model``, on ``host`` (empty: the
-    node's address, which the rest of the cluster reaches) and a port the OS picks."""
-
-    model: str
-    host: str = ""
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    rank_id: RankId
-    incarnation: int
-    world_size: int
-    model_dir: str
-    dtype: str
-    role: RoleSpec
-    collective_timeout_s: float = 60.0
-    metrics: MetricsSpec | None = None
-    cores: tuple[int, int] | None = None  # (its ordinal in the deployment, cores per rank): pinned
+from tandem.wire.messages import ProcessPlace, RankId, RankStats, RequestResult
 
 
 class ModelFilesMissing(FileNotFoundError):

@@ -5,7 +5,6 @@ import this module (it loads torch)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -13,54 +12,18 @@ import ray
 import torch
 import torch.distributed as dist
 
-from tandem.cluster.cpu_affinity import node_cores, pin_process
-from tandem.engine.colocated import DTYPES
+from tandem.engine.cpu_affinity import node_cores, pin_process
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
-from tandem.engine.messages import RankId
+from tandem.engine.rank_context import RankContext
 from tandem.engine.rank_loop import RankLoop
-from tandem.engine.runner import ModelRunner
-from tandem.engine.static_decode import StaticDecode, static_decode_enabled
-from tandem.kvtransfer.metadata import RayMetadataStore
-from tandem.kvtransfer.nixl_transport import NixlTransport
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
-from tandem.model.kv_pool import KVPool
+from tandem.model.dtypes import DTYPES
 
 if TYPE_CHECKING:
     from tandem.cluster.outbox import RayOutbox
-    from tandem.cluster.rank_actor import RankSpec
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """What a role builds its worker from: the rank's id, its model and device, and its outbox."""
-
-    rank_id: RankId
-    incarnation: int
-    model_config: ModelConfig
-    model: DeepseekV3
-    dispatcher: ExpertParallelDispatcher
-    device: torch.device
-    dtype: torch.dtype
-    outbox: RayOutbox
-
-    def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
-        return KVPool(self.model_config, num_pages, page_size, self.dtype, self.device)
-
-    def runner(self, pool: KVPool, max_batch: int | None = None) -> ModelRunner:
-        """The model over ``pool``, stepping in lockstep with the group; a role that decodes
-        gives its ``max_batch``, and its decode batches run at static shapes where that is on
-        (``static_decode_enabled``: CUDA graphs on a GPU)."""
-        static = None
-        if max_batch is not None and static_decode_enabled(self.device.type, self.dispatcher.world_size):
-            cfg = self.model_config
-            static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
-        return ModelRunner(self.model, pool, lockstep=True, static=static)
-
-    def transport(self, pool: KVPool) -> NixlTransport:
-        """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""
-        return NixlTransport(self.rank_id.name, self.incarnation, pool.layout, RayMetadataStore())
+    from tandem.cluster.rank_spec import RankSpec
 
 
 def pin_cores(ordinal: int, cores_per_rank: int) -> tuple[int, ...]:

@@ -26,18 +26,20 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tandem.cluster.controller import CONTROLLER_NAME, Controller
-from tandem.cluster.cpu_affinity import check_cores
+from tandem.cluster.controller import Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import Topology, TopologyError
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.engine.cpu_affinity import check_cores
 from tandem.frontend.actor import Frontend
-from tandem.frontend.core import FRONTEND_NAME, FrontendConfig, GenerateSpec
+from tandem.frontend.core import FRONTEND_NAME, FrontendConfig
 from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.openai_http import HttpConfig
-from tandem.frontend.request_stream import StreamSummary
+from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
+from tandem.wire.routing_view import CONTROLLER_NAME
+from tandem.wire.stream_summary import StreamSummary
 
 DEFAULT_DEPLOYMENT = "tandem"
 log = logging.getLogger(__name__)

@@ -7,11 +7,10 @@ frontend that stops reading for long is treated as gone once ``max_buffered_byte
 
 from __future__ import annotations
 
-import pickle
 import socket
 from typing import Any
 
-LENGTH_BYTES = 8
+from tandem.wire.framing import frame
 
 
 class StreamBackedUp(ConnectionError):
@@ -43,9 +42,7 @@ class SocketStream:
         frontend is gone (checked before anything is written: a frontend never writes back, so
         a readable socket is one its peer closed) or has stopped reading."""
         self._check_open()
-        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        self._pending += len(data).to_bytes(LENGTH_BYTES, "big")
-        self._pending += data
+        self._pending += frame(payload)
         self.flush()
 
     def flush(self) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import pickle
 import secrets
 import socket
 import threading
@@ -32,20 +31,14 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from tandem.engine.rank_loop import RankDraining
+from tandem.wire.framing import LENGTH_BYTES, MAX_FRAME_BYTES, frame, unframe
 
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 16
-LENGTH_BYTES = 8
-MAX_FRAME_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 5.0
 
 Refusal = tuple[bool, str]  # (the rank is being drained, why it refused)
-
-
-def frame(payload: Any) -> bytes:
-    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-    return len(data).to_bytes(LENGTH_BYTES, "big") + data
 
 
 class SubmitListener:
@@ -124,7 +117,7 @@ class SubmitListener:
                 return
             body = reader.read(length)
             try:
-                seq, items = pickle.loads(body)
+                seq, items = unframe(body)
                 if not isinstance(seq, int) or not isinstance(items, list):
                     raise ValueError(f"expected (seq, list of items), got ({type(seq)}, {type(items)})")
             except Exception as exc:

@@ -6,10 +6,10 @@ import itertools
 from typing import Any
 
 from tandem.decode.worker import PrefillDispatcher
-from tandem.engine.messages import RankId
 from tandem.engine.prefix_cache import block_hash
 from tandem.engine.request import Request
-from tandem.prefill.job import PrefillJob
+from tandem.wire.messages import RankId
+from tandem.wire.prefill_job import PrefillJob
 
 
 class NoPrefillRank(RuntimeError):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from tandem.engine.messages import Role
 from tandem.engine.role_spec import PooledRole
+from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
-    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_context import RankContext
     from tandem.engine.rank_loop import RankWorker
 
 

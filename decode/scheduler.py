@@ -46,15 +46,12 @@ from tandem.decode.types import (
     KVNotificationError,
     Reservation,
 )
+from tandem.engine.admission import admit_new_request
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.request import FINISHED_STATUS, FinishReason, InvalidRequestError, Request, RequestStatus
-from tandem.engine.scheduler import (
-    ScheduledChunk,
-    SchedulerOutput,
-    StaleSchedulerOutputError,
-    admit_new_request,
-)
+from tandem.engine.request import FINISHED_STATUS, Request, RequestStatus
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.request_params import FinishReason, InvalidRequestError
 
 
 @dataclass(eq=False)

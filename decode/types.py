@@ -12,8 +12,9 @@ from tandem.engine.config_checks import (
     check_positive_ints,
     check_seconds,
 )
-from tandem.engine.request import FinishReason, Request
+from tandem.engine.request import Request
 from tandem.kvtransfer.types import KVDestination
+from tandem.wire.request_params import FinishReason
 
 
 class AbortAction(enum.Enum):

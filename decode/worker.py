@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
-from tandem.engine.messages import (
+from tandem.engine.admission import admit_new_request, resumed_outputs
+from tandem.engine.rank_loop import RankDraining, RankWorker
+from tandem.engine.request import Request
+from tandem.engine.runner import ModelRunner
+from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
+from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
+from tandem.wire.messages import (
     Bill,
     LoopStats,
     PrefillAttempt,
@@ -38,16 +44,11 @@ from tandem.engine.messages import (
     StreamColumns,
     TransferId,
 )
-from tandem.engine.rank_loop import RankDraining, RankWorker
-from tandem.engine.request import FinishReason, InvalidRequestError, Request, check_prompt
-from tandem.engine.runner import ModelRunner
-from tandem.engine.scheduler import admit_new_request, resumed_outputs
-from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
-from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
-from tandem.prefill.job import PrefillJob
+from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.request_params import FinishReason, InvalidRequestError, check_prompt
 
 if TYPE_CHECKING:
-    from tandem.cluster.outbox import RayOutbox
+    from tandem.engine.outbox import Outbox
     from tandem.model.config import ModelConfig
 
 
@@ -135,7 +136,7 @@ class DecodeWorker(RankWorker):
         dispatcher: PrefillDispatcher,
         kv_timeout_s: float = 30.0,
         model_config: ModelConfig | None = None,
-        outbox: RayOutbox | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.scheduler = scheduler
@@ -281,7 +282,7 @@ class DecodeWorker(RankWorker):
         if self.outbox is None:
             return
         for frontend, batch in self.take_pushes().items():
-            if not self.outbox.send(frontend, "push_stream", batch):
+            if not self.outbox.push_stream(frontend, batch):
                 self.abort_frontend(frontend)
         for frontend in self.outbox.flush():
             self.abort_frontend(frontend)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import FinishReason, Request, SamplingParams, check_prompt
+from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.model.checkpoint import load_checkpoint
@@ -22,13 +22,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.tokenizer import Tokenizer
-
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+from tandem.wire.request_params import FinishReason, SamplingParams, check_prompt
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import Role
 from tandem.engine.role_spec import RoleSpec
+from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
-    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_context import RankContext
     from tandem.engine.rank_loop import RankWorker
 
 

@@ -16,9 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.admission import admit_new_request, resumed_outputs
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.dep import ExpertParallelDispatcher
-from tandem.engine.messages import (
+from tandem.engine.kv_event_publisher import KVEventPublisher
+from tandem.engine.rank_loop import RankDraining, RankWorker
+from tandem.engine.request import Request
+from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import (
     Bill,
     LoopStats,
     PrefillAttempt,
@@ -29,13 +34,10 @@ from tandem.engine.messages import (
     Role,
     StreamColumns,
 )
-from tandem.engine.rank_loop import RankDraining, RankWorker
-from tandem.engine.request import FinishReason, Request
-from tandem.engine.scheduler import admit_new_request, resumed_outputs
-from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
+from tandem.wire.request_params import FinishReason
 
 if TYPE_CHECKING:
-    from tandem.cluster.outbox import RayOutbox
+    from tandem.engine.outbox import Outbox
 
 
 @dataclass
@@ -57,7 +59,7 @@ class ColocatedWorker(RankWorker):
         incarnation: int,
         engine: ColocatedEngine,
         dispatcher: ExpertParallelDispatcher,
-        outbox: RayOutbox | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.engine = engine
@@ -157,12 +159,12 @@ class ColocatedWorker(RankWorker):
         pushes, self._pushes = self._pushes, {}
         for frontend, (columns, results) in pushes.items():
             batch = columns.batch(self.rank_id, tuple(results))
-            if not self.outbox.send(frontend, "push_stream", batch):
+            if not self.outbox.push_stream(frontend, batch):
                 self.abort_frontend(frontend)
         for frontend in self.outbox.flush():
             self.abort_frontend(frontend)
         for subscriber, events_batch in self.kv_events.publish(events).items():
-            if not self.outbox.send(subscriber, "push_kv_events", events_batch):
+            if not self.outbox.push_kv_events(subscriber, events_batch):
                 self.kv_events.unsubscribe(subscriber)
 
     def subscribe(self, subscriber: str) -> KVEventBatch:

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from tandem.model.expert_dispatch import ExpertDispatcher
 
 if TYPE_CHECKING:
+    from tandem.model.expert_dispatch import ExpertWeights
     from tandem.model.kernels.backend import KernelBackend
-    from tandem.model.layers import MoE
 
 
 @dataclass
@@ -72,7 +72,12 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         self.stats.all_to_all_s += time.perf_counter() - t0
 
     def routed_experts(
-        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+        self,
+        moe: ExpertWeights,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         n, per_rank, top_k = self.world_size, len(self.local), ids.shape[1]
         if n == 1:  # a group of one holds every expert: nothing to exchange, no host sync

@@ -25,10 +25,9 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
 
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _ROOT_MARKER = b"\x00"
 _CHILD_MARKER = b"\x01"
@@ -56,30 +55,6 @@ def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
         parent = block_hash(parent, token_ids[start : start + page_size])
         hashes.append(parent)
     return hashes
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """Consecutive pages of one prefix became cached; the first one's parent is ``parent_block_hash``."""
-
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    page_size: int
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    """These hashes are no longer cached on this rank."""
-
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """Every hash this rank cached is gone."""
-
-
-KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class PrefixCache:

@@ -24,14 +24,32 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from tandem.engine.messages import LoopStats, RankStats, RequestResult
-
-if TYPE_CHECKING:
-    from tandem.metrics.rank import RankMetrics
+from tandem.wire.messages import LoopStats, RankStats, RequestResult
 
 T = TypeVar("T")
+
+
+class Observer(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class RankHistograms(Protocol):
+    """The histograms a rank's loop and workers observe where their events happen
+    (``metrics/rank.py``'s ``RankMetrics`` is the one the rank serves)."""
+
+    @property
+    def step_seconds(self) -> Observer: ...
+
+    @property
+    def batch_tokens(self) -> Observer: ...
+
+    @property
+    def kv_transfer_seconds(self) -> Observer: ...
+
+    @property
+    def kv_transfer_exposed_seconds(self) -> Observer: ...
 
 
 class RoleMismatch(RuntimeError):
@@ -44,7 +62,7 @@ class RankWorker(ABC):
     the histograms the worker observes where their events happen."""
 
     name: str
-    metrics: RankMetrics | None = None
+    metrics: RankHistograms | None = None
     draining: bool = False  # set by the controller: the rank's group is being removed
 
     @abstractmethod

@@ -14,11 +14,10 @@ never decodes). Statuses are ordered with the terminal ones last, so ``is_finish
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import math
-import secrets
 from dataclasses import dataclass, field
+
+from tandem.wire.request_params import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,15 +32,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 8
 
 
-class FinishReason(enum.StrEnum):
-    """Why a request ended; the one definition every rank, the frontend and the API use."""
-
-    STOP = "stop"  # an end-of-sequence or stop token
-    LENGTH = "length"  # max_tokens, or the context is full
-    ABORT = "abort"  # the client or the operator ended it
-    ERROR = "error"  # something failed; the result's ``error`` says what
-
-
 FINISHED_STATUS = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
@@ -49,90 +39,6 @@ FINISHED_STATUS = {
     FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {status: reason for reason, status in FINISHED_STATUS.items()}
-
-
-class InvalidRequestError(ValueError):
-    """Bad user input; ``field`` names what was wrong."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries intact
-        return (type(self), (self.field, self.message))
-
-
-def check_prompt(
-    prompt_token_ids: list[int], vocab_size: int, max_model_len: int, field: str = "prompt_ids"
-) -> None:
-    """Reject an empty prompt, a token id outside the vocabulary, or a prompt that leaves no room
-    for one generated token; the error names the field."""
-    if not prompt_token_ids:
-        raise InvalidRequestError("prompt", "is empty")
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt",
-            f"{len(prompt_token_ids)} tokens do not fit the context of {max_model_len} tokens "
-            "(the prompt plus at least one generated token)",
-        )
-
-
-MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
-# A temperature below this is greedy (vLLM's bound too): float32 logits divided by a smaller one
-# overflow to +-inf, and the draw is then no longer the argmax it tends to
-GREEDY_TEMPERATURE = 1e-5
-
-
-def draw_seed() -> int:
-    """A fresh 63-bit seed from the OS, for a request that brought none."""
-    return secrets.randbits(63)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. A temperature below ``GREEDY_TEMPERATURE`` (0 included) is greedy;
-    ``top_k == 0`` disables top-k.
-
-    With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
-    random draw for output token ``i`` is keyed by ``(seed, i)``.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def seeded(self) -> SamplingParams:
-        """The same sampling with a seed: its own, or a fresh one (``draw_seed``). Every draw of a
-        request is keyed by its seed, so one without would share every other's draws."""
-        return self if self.seed is not None else dataclasses.replace(self, seed=draw_seed())
-
-    def canonical(self) -> SamplingParams:
-        """The same sampling with a greedy temperature written as 0, as the edges pass it on."""
-        return dataclasses.replace(self, temperature=0.0) if self.greedy and self.temperature else self
 
 
 @dataclass

@@ -9,10 +9,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
-    from tandem.cluster.rank_setup import RankContext
+    from tandem.engine.rank_context import RankContext
     from tandem.engine.rank_loop import RankWorker
 
 

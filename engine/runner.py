@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.messages import StepSplit
-from tandem.engine.request import SamplingParams
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.scheduler_output import SchedulerOutput
 from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.sampler import sample
+from tandem.wire.messages import StepSplit
+from tandem.wire.request_params import SamplingParams
 
 
 @dataclass

@@ -25,17 +25,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.engine.admission import admit_new_request
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache, block_hashes
-from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.request_params import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tandem.engine.messages import RankRequest
-
-
-class StaleSchedulerOutputError(RuntimeError):
-    """``update`` got an output that does not follow from the requests' current state."""
+    pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,35 +53,6 @@ class SchedulerConfig:
             self, "num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"
         )
         check_context(self.max_model_len)
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute KV for positions ``start_position .. start_position + len(token_ids) - 1``.
-
-    ``page_ids`` is the request's whole page table, covering every position up to the chunk's
-    end. With ``sample`` the request has then computed all its known tokens and the runner
-    samples output token number ``output_index`` from the last position's logits.
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_position: int
-    page_ids: tuple[int, ...]
-    sample: bool
-    sampling: SamplingParams
-    output_index: int
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    num_batched_tokens: int
-    preempted_request_ids: tuple[str, ...]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -328,58 +298,3 @@ class Scheduler:
         request.status = status
         del self._requests[request.request_id]
         del self._arrival[request.request_id]
-
-
-def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int) -> int:
-    """Pages a request holds at its longest. The last sampled token's KV is never computed,
-    hence the - 1."""
-    return math.ceil((min(prompt_tokens + max_tokens, max_model_len) - 1) / page_size)
-
-
-def admit_new_request(
-    request: Request, max_model_len_cap: int, page_size: int, num_pages: int, resumed: bool = False
-) -> None:
-    """Check a new request against a rank's limits (``InvalidRequestError`` naming the field) and
-    prepare it: its context capped at ``max_model_len_cap``, nothing computed yet. A ``resumed``
-    request (moved from a failed decode rank) may come with the outputs its client already has."""
-    request.sampling.validate()
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise InvalidRequestError("prompt", "must contain at least one token")
-    if any(not isinstance(t, int) or t < 0 for t in prompt):
-        raise InvalidRequestError("prompt", "token ids must be integers >= 0")
-    max_model_len = min(request.max_model_len or max_model_len_cap, max_model_len_cap)
-    if len(prompt) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"has {len(prompt)} tokens; max_model_len {max_model_len} leaves no room for output"
-        )
-    if (
-        request.status != RequestStatus.WAITING
-        or request.page_ids
-        or (request.output_token_ids and not resumed)
-    ):
-        raise InvalidRequestError("request", "must be new: WAITING, with no outputs or pages")
-    pages_needed = max_kv_pages(len(prompt), request.sampling.max_tokens, max_model_len, page_size)
-    if pages_needed > num_pages:
-        raise InvalidRequestError(
-            "prompt",
-            f"prompt plus max_tokens needs {pages_needed} pages but the pool has only "
-            f"{num_pages}; shorten the prompt or lower max_tokens",
-        )
-    request.max_model_len = max_model_len
-    request.num_computed_tokens = 0
-
-
-def resumed_outputs(r: RankRequest, vocab_size: int, max_model_len: int) -> list[int]:
-    """The outputs a resumed request already has, checked: token ids of the vocabulary, fewer
-    than ``max_tokens`` (one is still to come), and room for the next one in the context."""
-    outputs = list(r.resume_output_ids)
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in outputs):
-        raise InvalidRequestError("resume_output_ids", f"must be token ids in [0, {vocab_size})")
-    if len(outputs) >= r.sampling.max_tokens:
-        raise InvalidRequestError("resume_output_ids", f"{len(outputs)} is not below max_tokens")
-    if len(r.prompt_token_ids) + len(outputs) >= max_model_len:
-        raise InvalidRequestError(
-            "resume_output_ids", f"prompt and outputs fill the context of {max_model_len}"
-        )
-    return outputs

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.scheduler_output import SchedulerOutput
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool

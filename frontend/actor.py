@@ -15,20 +15,23 @@ from typing import Any
 
 import ray
 
-from tandem.cluster.controller import FrontendInfo
-from tandem.cluster.cpu_affinity import check_cores, pin_process
-from tandem.cluster.placement import this_place
-from tandem.engine.messages import StreamBatch
-from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec, StreamBuffer, last_line
+from tandem.engine.cpu_affinity import check_cores, pin_process
+from tandem.engine.process_place import this_place
+from tandem.frontend.core import FrontendConfig, FrontendCore, StreamBuffer
 from tandem.frontend.diagnostics import GcClock, LoopProfiler, ProcessClock, ProfileRow, read_clock, tune_gc
 from tandem.frontend.grpc_auth import exposure_warning
 from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.openai_http import HttpConfig, OpenAIServer
-from tandem.frontend.request_stream import StreamSummary
+from tandem.frontend.rank_channel import last_line
+from tandem.frontend.running import GenerateSpec
 from tandem.frontend.stream_listener import StreamListener
-from tandem.metrics.discovery import ScrapeTarget, sd_document
+from tandem.metrics.discovery import sd_document
 from tandem.metrics.http import MetricsServer
-from tandem.prefill.kv_events import KVEventBatch
+from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import StreamBatch
+from tandem.wire.routing_view import FrontendInfo
+from tandem.wire.scrape_target import ScrapeTarget
+from tandem.wire.stream_summary import StreamSummary
 
 log = logging.getLogger(__name__)
 EVERY_INTERFACE = ("", "0.0.0.0", "::")  # bind addresses others reach at the node's address
@@ -169,7 +172,7 @@ class Frontend:
         """Submits to decode ranks so far, by way: ``socket`` (``frontend/rank_channel.py``) or
         ``actor`` (an actor call, while a rank's socket is not open); ``open_channels``: the
         decode ranks whose socket is open now."""
-        return self.core.submits | {"open_channels": self.core.open_channels()}
+        return self.core.membership.submits | {"open_channels": self.core.membership.open_channels()}
 
     async def clock(self) -> ProcessClock:
         """This process's wall and CPU clocks, the event loop thread's CPU clock, and the cyclic
@@ -211,7 +214,7 @@ class Frontend:
         if self._http is not None:
             await self._http.stop()
         await self._streams.stop()
-        self.core.close_channels()
+        self.core.membership.close_channels()
         if self._metrics is not None:
             self._metrics.close()
 

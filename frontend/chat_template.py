@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tandem.engine.request import InvalidRequestError
 from tandem.model.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer
+from tandem.wire.request_params import InvalidRequestError
 
 
 class ChatTemplateError(ValueError):

@@ -1,18 +1,20 @@
 """The frontend's core: everything but the gRPC server and the actor around it. It tokenises,
-routes and streams; the gRPC service (``grpc_service``) and ``tandem generate`` on a cluster
-both call :meth:`FrontendCore.generate`, so every request takes this one path.
+admits, routes and streams; the gRPC service (``grpc_service``), the OpenAI edge and
+``tandem generate`` on a cluster all call :meth:`FrontendCore.generate`, so every request takes
+this one path.
 
 ::
 
-    Generate ─▶ validate (grpc_service) ─▶ route (router/) ─▶ decode rank.submit
+    Generate ─▶ validate (edges) ─▶ admit ─▶ route (router/) ─▶ decode rank.submit (membership)
                                                                    │ one StreamBatch a step
-    client ◀── chunks + summary ◀── RequestStream ◀── push_stream ◀┘
+    client ◀── chunks + summary ◀── RequestStream ◀── on_stream ◀──┘
     prefill ranks ── push_kv_events ─▶ the router's block-hash index
 
-A refresh task asks the controller for the ranks that take work (``routing_view``), subscribes
-to every new prefill rank's KV events, reads the decode ranks' free pages for the router, ends
-the streams of ranks whose group failed, and keeps the health service in step: SERVING only
-while both pools have a rank that takes work and every prefill rank's index is loaded.
+Its parts: ``membership.py`` (the controller's view, the ranks' loads and submit channels, read
+every ``refresh_s``), ``migration.py`` (requests whose decode rank failed move to another), and
+this file: admission, the one route-and-submit (``_send``, for a new request and a moved one),
+streams, aborts. Health is SERVING only while both pools have a rank that takes work and a
+prefill rank's index is loaded.
 
 Invariant: a stream is in ``running`` from admission until its generator ends; when it ends
 before the ranks reported the end (client cancel, deadline) the decode rank is told to abort,
@@ -21,7 +23,7 @@ for (a frontend that restarted has lost its streams) get that request aborted th
 
 Request ids are the client's: ``running`` is keyed by :class:`RequestKey` (the authenticated
 client and its id), so two clients may use one id and ``abort`` reaches only the caller's
-request. The ranks know a request by an id of the frontend's own making (``_Running``).
+request. The ranks know a request by an id of the frontend's own making (``Running``).
 """
 
 from __future__ import annotations
@@ -38,53 +40,37 @@ from typing import Any
 
 import ray
 
-from tandem.cluster.controller import CONTROLLER_NAME, RoutingView
-from tandem.engine.messages import Bill, RankId, RankRequest, RankStats, RequestResult, StreamBatch
+from tandem.engine.admission import max_kv_pages
 from tandem.engine.prefix_cache import block_hashes
-from tandem.engine.rank_loop import RankDraining
-from tandem.engine.request import FinishReason, InvalidRequestError, SamplingParams
-from tandem.engine.scheduler import max_kv_pages
 from tandem.frontend.detokenizer import PairCache
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.limits import EdgeLimits
-from tandem.frontend.rank_channel import RankChannel, SubmitRefused
-from tandem.frontend.request_stream import RequestStream, Route, StreamChunk, StreamSummary
+from tandem.frontend.membership import Membership
+from tandem.frontend.migration import Migration
+from tandem.frontend.rank_channel import SUBMIT_ERRORS, refusal
+from tandem.frontend.request_stream import RequestStream, StreamChunk
+from tandem.frontend.running import GenerateSpec, RequestKey, Running
 from tandem.frontend.status import StatusView, read_status
 from tandem.metrics.frontend import FrontendMetrics
 from tandem.metrics.labels import FrontendLabels
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
-from tandem.prefill.kv_events import KVEventBatch
 from tandem.router.router import NoRankAvailable, Router, RouterConfig
+from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, StreamBatch
+from tandem.wire.request_params import FinishReason, InvalidRequestError
+from tandem.wire.routing_view import CONTROLLER_NAME, RoutingView
+from tandem.wire.stream_summary import Route, StreamSummary
 
 log = logging.getLogger(__name__)
 
 
-# what a submit's answer raises: an actor call's error, a refusal or a lost connection (the socket)
-SUBMIT_ERRORS = (ray.exceptions.RayError, SubmitRefused, ConnectionError)
-
-
-def refusal(error: Exception) -> tuple[bool, str]:
-    """Whether a decode rank refused a submit because it is being drained, and why it refused."""
-    if isinstance(error, SubmitRefused):
-        return error.draining, str(error)
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, RankDraining):
-        return True, str(cause)
-    return False, last_line(error)
-
-
-async def _abort_after(submit: Any, running: _Running) -> None:
+async def _abort_after(submit: Any, running: Running) -> None:
     """Abort once the submit has landed (an abort that overtook it would find nothing)."""
     with contextlib.suppress(*SUBMIT_ERRORS):
         await submit
     running.send_abort()
-
-
-def last_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[-1] if lines else type(error).__name__
 
 
 FRONTEND_NAME = "tandem-frontend"
@@ -122,25 +108,6 @@ class FrontendConfig:
 
 
 @dataclass(frozen=True)
-class GenerateSpec:
-    """A validated request (the servicer builds it from the protobuf)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    arrival_s: float = field(default_factory=time.monotonic)  # reached the server, this process's clock
-    client: str = ANONYMOUS  # whose request id it is (``grpc_auth``)
-
-
-@dataclass(frozen=True)
-class RequestKey:
-    """A running request as its client names it."""
-
-    client: str
-    request_id: str
-
-
-@dataclass(frozen=True)
 class StreamBuffer:
     """What a running request's stream holds for its client now (see ``RequestStream``)."""
 
@@ -161,30 +128,6 @@ class DuplicateRequest(Exception):
     """A running request has this id (ALREADY_EXISTS)."""
 
 
-@dataclass
-class _Running:
-    """A request from admission to the end of its stream. ``rank_request_id`` is the id the
-    ranks know it by: the client's id plus a unique suffix, so that a client may reuse an id the
-    moment its stream ends while the ranks still wind the old one down."""
-
-    stream: RequestStream
-    rank_request_id: str
-    decode_rank: RankId
-    incarnation: int  # of the decode rank it was sent to
-    handle: Any  # the decode rank's actor
-    spec: GenerateSpec | None = None  # as the client sent it (a migration resumes from it)
-    submitting: bool = True
-    abort_requested: bool = False
-    # its decode rank failed and no other took it yet: waits for one until then (monotonic)
-    parked_until: float | None = None
-    parked_why: str = ""
-    lost: tuple[str, int] = ("", -1)  # the group and incarnation it was lost with
-
-    def send_abort(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            self.handle.abort.remote([self.rank_request_id])
-
-
 class FrontendCore:
     """Everything but the gRPC server: tokenizer, router, streams, rank handles."""
 
@@ -194,25 +137,31 @@ class FrontendCore:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
         self.router = Router(RouterConfig(tie_break_salt=config.name))
-        self.view: RoutingView | None = None
-        self.running: dict[RequestKey, _Running] = {}  # by the client's request id
+        self.running: dict[RequestKey, Running] = {}  # by the client's request id
         self._per_client: dict[str, int] = {}  # running requests of each client
-        self._by_rank_id: dict[str, _Running] = {}  # by the ranks' request id
+        self._by_rank_id: dict[str, Running] = {}  # by the ranks' request id
         self.ready = False
         self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
-        self._incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
-        self._rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
         self.kv_events = KVEventFeed(self.router, config.name)
-        # each decode rank's submit socket, by (rank, incarnation); those that offer none
-        self._channels: dict[tuple[RankId, int], RankChannel] = {}
-        self._no_channel: set[tuple[RankId, int]] = set()
-        self._opening: set[tuple[RankId, int]] = set()
-        self.submits = {"socket": 0, "actor": 0}  # submits made each way
         self._tasks: set[asyncio.Future[None]] = set()
+        self.membership = Membership(self.router, self.kv_events, self._tasks)
         self.metrics: FrontendMetrics | None = None
         if config.metrics:
             labels = FrontendLabels(config.model_name, config.name)
             self.metrics = FrontendMetrics(labels, streams_open=lambda: len(self.running))
+        self.migration = Migration(
+            self.router,
+            self.membership,
+            self._send,
+            config.max_migrations,
+            config.migration_wait_s,
+            self.metrics,
+            self._tasks,
+        )
+
+    @property
+    def view(self) -> RoutingView | None:
+        return self.membership.view
 
     # ---- requests -------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -249,7 +198,7 @@ class FrontendCore:
             stream_interval=self.config.limits.stream_interval,
             seed=spec.sampling.seed,
         )
-        running, submit = self._route_and_submit(spec, stream, view)
+        running, submit = self._admit(spec, stream, view)
         self._per_client[spec.client] = self._per_client.get(spec.client, 0) + 1
         try:
             for retry in range(1, _DRAIN_RETRIES + 1):
@@ -269,7 +218,7 @@ class FrontendCore:
                 await asyncio.sleep(2 * self.config.refresh_s)
                 if self.view is None:
                     raise FrontendUnavailable("the cluster is not ready")
-                running, submit = self._route_and_submit(spec, stream, self.view)
+                running, submit = self._admit(spec, stream, self.view)
             running.submitting = False
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
@@ -298,53 +247,73 @@ class FrontendCore:
             else:
                 del self._per_client[spec.client]
 
-    def _route_and_submit(
-        self, spec: GenerateSpec, stream: RequestStream, view: RoutingView
-    ) -> tuple[_Running, Any]:
-        """Route the request over ``view``, record it as running and send it to its decode rank;
-        the record and the submit call."""
-        prompt = spec.prompt_token_ids
-        rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
+    def _admit(self, spec: GenerateSpec, stream: RequestStream, view: RoutingView) -> tuple[Running, Any]:
+        """Route a new request over ``view``, record it as running and submit it; the record
+        and the submit's awaitable."""
         routed_at = time.monotonic()
         try:
-            decision = self.router.route(
-                rank_request_id,
-                block_hashes(prompt, view.page_size),
-                len(prompt),
-                view.page_size,
-                spec.sampling.max_tokens,
-                same_rank=view.colocated,
-            )
+            running, submit = self._send(None, (), spec, stream, view)
         except NoRankAvailable as exc:
             raise FrontendUnavailable(str(exc)) from None
-        routed_s = time.monotonic() - routed_at
-        if self.metrics is not None:
-            self.metrics.routed(decision.branch, decision.predicted_cached_tokens)
-        rank, prefill_rank = self._rank_ids[decision.decode_rank], self._rank_ids[decision.prefill_rank]
-        stream.route = Route(
-            prefill_rank,
-            rank,
-            decision.predicted_cached_tokens,
-            decision.branch,
-            queue_s=routed_at - stream.arrival_s,
-            routing_s=routed_s,
-        )
-        running = _Running(
-            stream, rank_request_id, rank, self._incarnations.get(rank, -1), view.decode[rank], spec
-        )
-        self.running[RequestKey(spec.client, spec.request_id)] = self._by_rank_id[rank_request_id] = running
-        request = RankRequest(rank_request_id, tuple(prompt), spec.sampling, prefill_rank, self.config.name)
-        return running, self._submit(running, [request])
+        route = stream.route
+        assert route is not None
+        stream.route = dataclasses.replace(route, queue_s=routed_at - stream.arrival_s)
+        self.running[running.key] = running
+        return running, submit
 
-    def _submit(self, running: _Running, requests: list[RankRequest]) -> Any:
-        """Send ``requests`` to ``running``'s decode rank: over its submit socket once open, as an
-        actor call until then; the awaitable of the rank's answer (``SUBMIT_ERRORS``)."""
-        channel = self._channels.get((running.decode_rank, running.incarnation))
-        if channel is not None and channel.is_open:
-            self.submits["socket"] += 1
-            return channel.submit(requests)
-        self.submits["actor"] += 1
-        return running.handle.submit.remote(requests)
+    def _send(
+        self,
+        running: Running | None,
+        resumed_from: tuple[int, ...],
+        spec: GenerateSpec | None = None,
+        stream: RequestStream | None = None,
+        view: RoutingView | None = None,
+    ) -> tuple[Running, Any]:
+        """The one route-and-submit: choose a prefill and a decode rank for the request's prompt
+        (and the outputs it resumes from, for a moved request), point its record at them under a
+        new rank request id, and submit it. A new request (``running`` None) gets its record and
+        its route; a moved one keeps its first route. ``NoRankAvailable`` when no rank takes it
+        (nothing changed then)."""
+        view = view or self.view
+        spec = spec or (running.spec if running is not None else None)
+        assert view is not None and spec is not None
+        prompt = [*spec.prompt_token_ids, *resumed_from]
+        rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
+        routed_at = time.monotonic()
+        decision = self.router.route(
+            rank_request_id,
+            block_hashes(prompt, view.page_size),
+            len(prompt),
+            view.page_size,
+            spec.sampling.max_tokens - len(resumed_from),
+            same_rank=view.colocated,
+        )
+        routed_s = time.monotonic() - routed_at
+        ids = self.membership.rank_ids
+        rank, prefill_rank = ids[decision.decode_rank], ids[decision.prefill_rank]
+        incarnation, handle = self.membership.incarnations.get(rank, -1), view.decode[rank]
+        if running is None:
+            assert stream is not None
+            if self.metrics is not None:
+                self.metrics.routed(decision.branch, decision.predicted_cached_tokens)
+            stream.route = Route(
+                prefill_rank, rank, decision.predicted_cached_tokens, decision.branch, 0.0, routed_s
+            )
+            running = Running(stream, rank_request_id, rank, incarnation, handle, spec)
+        else:
+            self._by_rank_id.pop(running.rank_request_id, None)
+            running.rank_request_id, running.decode_rank = rank_request_id, rank
+            running.incarnation, running.handle = incarnation, handle
+        self._by_rank_id[rank_request_id] = running
+        request = RankRequest(
+            rank_request_id,
+            tuple(spec.prompt_token_ids),
+            spec.sampling,
+            prefill_rank,
+            self.config.name,
+            resume_output_ids=resumed_from,
+        )
+        return running, self.membership.submit(rank, incarnation, handle, [request])
 
     def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
         """A request no rank could ever hold is refused here, naming the field to change."""
@@ -403,7 +372,7 @@ class FrontendCore:
             if running is not None and not running.stream.finished:
                 self.router.prefill_done(result.request_id)
                 if result.rank_failure is not None:  # the rank failed, not the request: move it
-                    self._rank_lost(running, result.rank_failure)
+                    self.migration.rank_lost(running, result.rank_failure)
                 else:
                     running.stream.on_result(result)
 
@@ -426,210 +395,32 @@ class FrontendCore:
         ]
 
     def fail_rank(self, rank: RankId, why: str) -> None:
-        """Every stream a decode rank held (it is gone and will report nothing) resumes on a
-        decode rank of another group, or waits for one (its own group rebuilt) and ends with
-        ``why`` if none comes in time."""
+        """Every stream a decode rank held (it is gone and will report nothing) moves to
+        another (``migration``)."""
         for running in list(self.running.values()):
             if running.decode_rank == rank and not running.stream.finished:
-                self._rank_lost(running, why)
-
-    def _rank_lost(self, running: _Running, why: str) -> None:
-        """Resume the request on a decode rank of another group; where none takes work, it
-        waits ``migration_wait_s`` for one (its own group rebuilt) before it ends with ``why``."""
-        if running.parked_until is not None or self._resume_elsewhere(running, running.decode_rank.group_id):
-            return
-        running.lost = (running.decode_rank.group_id, running.incarnation)
-        may_wait = (
-            running.spec is not None
-            and not running.abort_requested
-            and not running.submitting
-            and running.stream.migrations < self.config.max_migrations
-            and self.config.migration_wait_s > 0
-        )
-        if not may_wait:
-            running.stream.fail(why, running.decode_rank)
-            return
-        running.parked_until, running.parked_why = time.monotonic() + self.config.migration_wait_s, why
-        self.router.finished(running.rank_request_id)  # no rank holds it while it waits
-
-    def _resume_parked(self) -> None:
-        """Requests waiting for a decode rank: resumed on one of the view's (a rebuilt group's
-        too), or ended once they have waited ``migration_wait_s``."""
-        now = time.monotonic()
-        for running in list(self.running.values()):
-            if running.parked_until is None or running.stream.finished:
-                continue
-            # on any rank but the failed incarnation's (the view may list it a while longer)
-            if self._resume_elsewhere(running, *running.lost):
-                running.parked_until = None
-            elif now >= running.parked_until:
-                running.parked_until = None
-                running.stream.fail(running.parked_why, running.decode_rank)
-
-    def _resume_elsewhere(self, running: _Running, failed_group: str, incarnation: int | None = None) -> bool:
-        """Move a request whose decode rank failed to a decode rank of another group: it resumes
-        there from its prompt and the tokens its client already has (the prefill rank recomputes
-        their KV, or finds it cached), its stream goes on from the next token, and seeded or
-        greedy sampling gives the tokens an undisturbed run would. False (nothing changed) when
-        the request may not move again, was being aborted, or no other group takes work."""
-        spec, view, stream = running.spec, self.view, running.stream
-        if spec is None or view is None or running.abort_requested or running.submitting:
-            return False
-        if stream.migrations >= self.config.max_migrations:
-            return False
-        ids, incarnations = self._rank_ids, self._incarnations
-
-        def excluded(rank: RankId) -> bool:  # the failed group (at that incarnation, if given)
-            return rank.group_id == failed_group and incarnation in (None, incarnations.get(rank))
-
-        left = [r for r in self.router.decode_ranks if r in ids and not excluded(ids[r])]
-        tokens = stream.tokens
-        if not left or len(tokens) >= spec.sampling.max_tokens:
-            return False
-        # until the next view drops it (a colocated rank is a prefill rank too)
-        self.router.set_ranks(left if view.colocated else self.router.prefill_ranks, left)
-        self.router.finished(running.rank_request_id)
-        self._by_rank_id.pop(running.rank_request_id, None)
-        resumed = [*spec.prompt_token_ids, *tokens]
-        rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
-        try:
-            decision = self.router.route(
-                rank_request_id,
-                block_hashes(resumed, view.page_size),
-                len(resumed),
-                view.page_size,
-                spec.sampling.max_tokens - len(tokens),
-                same_rank=view.colocated,
-            )
-        except NoRankAvailable:
-            return False
-        rank, prefill_rank = self._rank_ids[decision.decode_rank], self._rank_ids[decision.prefill_rank]
-        running.rank_request_id, running.decode_rank = rank_request_id, rank
-        running.incarnation, running.handle = self._incarnations.get(rank, -1), view.decode[rank]
-        self._by_rank_id[rank_request_id] = running
-        stream.migrated()
-        if self.metrics is not None:
-            self.metrics.migrations.inc()
-        request = RankRequest(
-            rank_request_id,
-            tuple(spec.prompt_token_ids),
-            spec.sampling,
-            prefill_rank,
-            self.config.name,
-            resume_output_ids=tuple(tokens),
-        )
-        submit = self._submit(running, [request])
-        self._tasks.add(task := asyncio.ensure_future(self._resumed(submit, running, rank)))
-        task.add_done_callback(self._tasks.discard)
-        log.warning("request %s moved to decode rank %s after %d tokens", spec.request_id, rank, len(tokens))
-        return True
-
-    async def _resumed(self, submit: Any, running: _Running, rank: RankId) -> None:
-        """A resumed request the new decode rank refuses ends with its error."""
-        try:
-            await submit
-        except SUBMIT_ERRORS as exc:
-            if running.decode_rank == rank and not running.stream.finished:
-                running.stream.fail(
-                    f"decode rank {rank} did not take the resumed request: {refusal(exc)[1]}", rank
-                )
+                self.migration.rank_lost(running, why)
 
     def on_kv_events(self, batch: KVEventBatch) -> None:
         self.kv_events.on_batch(batch)
 
-    # ---- membership -----------------------------------------------------------------------
     async def refresh(self, controller: Any) -> None:
-        """One look at the controller's view: ranks to route over, KV subscriptions to start
-        (in the background: a busy rank answers late), decode ranks' free pages, and the streams
-        of decode ranks that went down."""
+        """One look at the controller's view: ranks to route over (``membership``), their loads,
+        and the streams of decode ranks that went down, which move (``migration``)."""
         view: RoutingView = await controller.routing_view.remote()
-        incarnations = {rank: g.incarnation for g in view.groups for rank in g.ranks}
-        states = {rank: g.state for g in view.groups for rank in g.ranks}
-        self.view, self._incarnations = view, incarnations
-        self._rank_ids = {rank.name: rank for g in view.groups for rank in g.ranks}
-        self.router.set_ranks(sorted(r.name for r in view.prefill), sorted(r.name for r in view.decode))
-        self.kv_events.keep_only({r.name for r in view.prefill})
-        for rank, handle in view.prefill.items():
-            if self.kv_events.needs_subscription(rank.name, incarnations[rank]):
-                subscribe = self.kv_events.subscribe(rank.name, incarnations[rank], handle)
-                self._tasks.add(task := asyncio.ensure_future(subscribe))
-                task.add_done_callback(self._tasks.discard)
-        self._keep_channels(view, incarnations)
-        await self._read_rank_stats(view)
+        self.membership.apply(view)
+        for rank in await self.membership.read_rank_stats(view):
+            self.fail_rank(rank, f"decode rank {rank} died while serving the request")
         # a stream whose decode rank went down (failed group, or rebuilt under it) never ends
-        # by itself: end it here
+        # by itself: it moves, or ends here
         for running in list(self.running.values()):
-            rank, incarnation = running.decode_rank, running.incarnation
-            gone = (
-                states.get(rank) in ("failed", "stopped")
-                or incarnations.get(rank, incarnation) != incarnation
-            )
+            gone = self.membership.gone(running.decode_rank, running.incarnation)
             if gone and not running.stream.finished:
-                self._rank_lost(running, f"decode rank {rank} failed while serving the request")
-        self._resume_parked()
-        # routing to a prefill rank whose index is still loading costs cache hits, not tokens
-        self.ready = (
-            bool(view.prefill)
-            and bool(view.decode)
-            and bool(self.kv_events.following.keys() & {r.name for r in view.prefill})
-        )
-
-    def _keep_channels(self, view: RoutingView, incarnations: dict[RankId, int]) -> None:
-        """A submit socket to every decode rank of the view (opened in the background: until it
-        is, submits are actor calls); those that ended are dropped, and those of ranks that left
-        the view once no submit waits on them (a rank being drained answers its last submits
-        with a refusal, and their requests are routed again)."""
-        current = {(rank, incarnations[rank]) for rank in view.decode}
-        for key, channel in list(self._channels.items()):
-            if not channel.is_open or (key not in current and not channel.waiting):
-                self._channels.pop(key).close()
-        self._no_channel &= current
-        for key in current - self._channels.keys() - self._no_channel - self._opening:
-            handle = view.decode[key[0]]
-            if not hasattr(handle, "submit_endpoint"):
-                self._no_channel.add(key)
-                continue
-            self._opening.add(key)
-            self._tasks.add(task := asyncio.ensure_future(self._open_channel(key, handle)))
-            task.add_done_callback(self._tasks.discard)
-
-    async def _open_channel(self, key: tuple[RankId, int], handle: Any) -> None:
-        try:
-            channel = await RankChannel.open(await handle.submit_endpoint.remote())
-        except (ray.exceptions.RayError, OSError, TimeoutError, TypeError, ValueError) as exc:
-            # no route to it: actor calls it is (a rank that failed is rebuilt with a new key)
-            log.info("decode rank %s: submits stay actor calls: %s", key[0], exc)
-            self._no_channel.add(key)
-            return
-        finally:
-            self._opening.discard(key)
-        if self.view is not None and key[0] in self.view.decode and self._incarnations.get(key[0]) == key[1]:
-            self._channels[key] = channel
-        else:  # the rank left the view meanwhile
-            channel.close()
-
-    def open_channels(self) -> int:
-        return sum(channel.is_open for channel in self._channels.values())
-
-    def close_channels(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-
-    async def _read_rank_stats(self, view: RoutingView) -> None:
-        """Every rank's report: decode ranks' free pages and requests, prefill ranks' pending
-        tokens (loads that include the other frontends' requests)."""
-        handles = view.decode | view.prefill
-        ranks = sorted(handles)
-        replies = await asyncio.gather(*[handles[r].stats.remote() for r in ranks], return_exceptions=True)
-        for rank, stats in zip(ranks, replies, strict=True):
-            if isinstance(stats, ray.exceptions.RayActorError) and rank in view.decode:
-                self.fail_rank(rank, f"decode rank {rank} died while serving the request")
-            elif isinstance(stats, RankStats) and rank in view.decode:
-                running = stats.running + stats.waiting_for_kv
-                self.router.update_decode_stats(rank.name, stats.free_pages, running, stats.total_pages)
-            elif isinstance(stats, RankStats):
-                self.router.update_prefill_stats(rank.name, stats.pending_tokens)
+                self.migration.rank_lost(
+                    running, f"decode rank {running.decode_rank} failed while serving the request"
+                )
+        self.migration.resume_parked(list(self.running.values()))
+        self.ready = self.membership.ready
 
     async def status(self, check_integrity: bool) -> StatusView:
         return await read_status(

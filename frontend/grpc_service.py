@@ -8,7 +8,7 @@ UNAUTHENTICATED (``grpc_auth``). The server also carries ``grpc.health.v1`` and 
 Every size a client controls is capped here, before any work is done on it: the request's bytes
 (``limits.max_request_bytes``, gRPC's RESOURCE_EXHAUSTED), the text's characters and the prompt's
 tokens (within the model's context), ``sampling.max_tokens`` (the context minus the prompt),
-``sampling.stop_token_ids`` (at most :data:`MAX_STOP_TOKEN_IDS`, each in the vocabulary) and the
+``sampling.stop_token_ids`` (``request_checks.MAX_STOP_TOKEN_IDS`` at most, each in the vocabulary) and the
 request id (:data:`REQUEST_ID`). Bytes that do not parse, and fields this server does not know
 (a newer client's: silently ignoring, say, a sampling option would change what the client gets),
 are INVALID_ARGUMENT too; no client input ends a call with INTERNAL or UNKNOWN. Values echoed in an
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -33,19 +32,20 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.engine.messages import ProcessPlace, RankId
-from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
-from tandem.frontend.core import FrontendCore, GenerateSpec
+from tandem.frontend.core import FrontendCore
 from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth, BearerTokenInterceptor, server_credentials
-from tandem.frontend.request_stream import StreamChunk, StreamSummary
+from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
+from tandem.frontend.request_stream import StreamChunk
+from tandem.frontend.running import GenerateSpec
 from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.messages import ProcessPlace, RankId
+from tandem.wire.request_params import InvalidRequestError, SamplingParams, check_prompt
+from tandem.wire.stream_summary import StreamSummary
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 MAX_REQUEST_ID_CHARS = 128
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]*")  # what a request id may hold (uuids, base64, paths)
-MAX_STOP_TOKEN_IDS = 64
-TEXT_CHARS_PER_TOKEN = 16  # a text longer than this many characters per context token cannot fit
 INLINE_TOKENIZE_CHARS = 16384
 SHOWN_CHARS = 64  # of a client's value quoted in an error
 
@@ -234,12 +234,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         if which == "text":
             if not request.text:
                 raise InvalidRequestError("text", "is empty")
-            if len(request.text) > TEXT_CHARS_PER_TOKEN * context:
-                raise InvalidRequestError(
-                    "text",
-                    f"{len(request.text)} characters cannot fit the context of {context} tokens "
-                    f"(at most {TEXT_CHARS_PER_TOKEN * context} characters)",
-                )
+            check_text_fits("text", len(request.text), context)
             if len(request.text) > INLINE_TOKENIZE_CHARS:  # keep the event loop for the streams
                 prompt = await asyncio.to_thread(core.tokenizer.encode, request.text)
             else:
@@ -247,8 +242,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             field = "text"
         elif which == "token_ids":
             field = "token_ids"
-            if len(request.token_ids.ids) >= context:  # before any scan of the ids
-                raise InvalidRequestError(field, _too_long(len(request.token_ids.ids), context))
+            check_ids_fit(field, len(request.token_ids.ids), context)
             prompt = list(request.token_ids.ids)
         else:
             raise InvalidRequestError("prompt", "expected text or token_ids")
@@ -270,13 +264,6 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return GenerateSpec(request_id, prompt, sampling, arrival_s, client)
 
 
-def _too_long(prompt_tokens: int, context: int) -> str:
-    return (
-        f"{prompt_tokens} tokens do not fit the context of {context} tokens "
-        "(the prompt plus at least one generated token)"
-    )
-
-
 def _check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
@@ -295,18 +282,7 @@ def _check_request_id(request_id: str) -> None:
 def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: int) -> SamplingParams:
     if message is None:
         raise InvalidRequestError("sampling", "is missing (sampling.max_tokens is required)")
-    if not math.isfinite(message.temperature):
-        raise InvalidRequestError("sampling.temperature", f"must be finite, got {message.temperature}")
-    if len(message.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
-            "sampling.stop_token_ids", f"{len(message.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
-        )
-    stops = tuple(dict.fromkeys(message.stop_token_ids))  # each once, in order
-    bad = [t for t in stops if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            "sampling.stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        )
+    stops = stop_token_ids("sampling.stop_token_ids", message.stop_token_ids, vocab_size)
     sampling = SamplingParams(
         max_tokens=message.max_tokens,
         temperature=float(message.temperature),
@@ -316,11 +292,7 @@ def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: i
         stop_token_ids=stops,
         ignore_eos=message.ignore_eos,
     )
-    try:
-        sampling.validate()
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
-    return sampling.canonical()
+    return checked_sampling(sampling, "sampling.")
 
 
 # ---- protobuf out ---------------------------------------------------------------------------

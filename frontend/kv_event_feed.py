@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tandem.prefill.kv_events import KVEventBatch
 from tandem.router.router import Router
+from tandem.wire.kv_events import KVEventBatch
 
 log = logging.getLogger(__name__)
 

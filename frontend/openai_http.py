@@ -38,8 +38,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from tandem.engine.messages import Bill
-from tandem.engine.request import FinishReason, InvalidRequestError
 from tandem.frontend.chat_template import ChatTemplate
 from tandem.frontend.core import (
     DuplicateRequest,
@@ -63,7 +61,10 @@ from tandem.frontend.openai_protocol import (
     prepare_completion,
     usage,
 )
-from tandem.frontend.request_stream import StreamChunk, StreamSummary
+from tandem.frontend.request_stream import StreamChunk
+from tandem.wire.messages import Bill
+from tandem.wire.request_params import FinishReason, InvalidRequestError
+from tandem.wire.stream_summary import StreamSummary
 
 log = logging.getLogger(__name__)
 STOP_ABORT_WAIT_S = 30.0  # for the rank's report of a request a stop string ended

@@ -16,18 +16,24 @@ it in ``param``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tandem.engine.messages import Bill
-from tandem.engine.request import MAX_SEED, FinishReason, InvalidRequestError, SamplingParams, check_prompt
 from tandem.frontend.chat_template import ChatTemplate
-from tandem.frontend.core import GenerateSpec
 from tandem.frontend.grpc_auth import ANONYMOUS
-from tandem.frontend.grpc_service import MAX_STOP_TOKEN_IDS, TEXT_CHARS_PER_TOKEN
+from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
+from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
+from tandem.wire.messages import Bill
+from tandem.wire.request_params import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    check_prompt,
+)
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the room left
 MAX_STOP_STRINGS = 16
@@ -157,6 +163,7 @@ class ChatRequest(_GenerateRequest):
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatRequest)
+T = TypeVar("T")
 
 
 def parse_request(model: type[RequestT], body: Any) -> RequestT:
@@ -227,16 +234,10 @@ def prepare_completion(
         context = model.context_tokens
         if not prompt:
             raise OpenAIError.invalid("prompt", "is empty")
-        if len(prompt) > TEXT_CHARS_PER_TOKEN * context:
-            raise OpenAIError.invalid(
-                "prompt",
-                f"{len(prompt)} characters cannot fit the context of {context} tokens "
-                f"(at most {TEXT_CHARS_PER_TOKEN * context} characters)",
-            )
+        _edge(check_text_fits, "prompt", len(prompt), context)
         token_ids = model.tokenizer.encode(prompt)
     else:
-        if len(prompt) >= model.context_tokens:  # before any scan of the ids
-            raise OpenAIError.invalid("prompt", _too_long(len(prompt), model.context_tokens))
+        _edge(check_ids_fit, "prompt", len(prompt), model.context_tokens)
         token_ids = list(prompt)  # type: ignore[arg-type]  # one prompt of token ids, by now
     return _prepared(
         request, model, token_ids, "prompt", COMPLETION_MAX_TOKENS, request_id, client, arrival_s
@@ -267,10 +268,7 @@ def prepare_chat(
         for m in request.messages
     ]
     total_chars = sum(len(m["content"]) for m in messages)
-    if total_chars > TEXT_CHARS_PER_TOKEN * model.context_tokens:
-        raise OpenAIError.invalid(
-            "messages", f"{total_chars} characters cannot fit the context of {model.context_tokens} tokens"
-        )
+    _edge(check_text_fits, "messages", total_chars, model.context_tokens)
     try:
         token_ids = model.chat_template.prompt_token_ids(messages, model.tokenizer)
     except InvalidRequestError as exc:
@@ -350,17 +348,7 @@ def _max_tokens(request: _GenerateRequest, default: int) -> tuple[int, str]:
 
 
 def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_field: str) -> SamplingParams:
-    stop_ids = request.stop_token_ids or []
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise OpenAIError.invalid("stop_token_ids", f"{len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
-    stops = tuple(dict.fromkeys(stop_ids))
-    bad = [t for t in stops if not 0 <= t < vocab_size]
-    if bad:
-        raise OpenAIError.invalid(
-            "stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        )
-    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
-        raise OpenAIError.invalid("seed", f"must be an integer in [0, {MAX_SEED}], got {request.seed}")
+    stops = _edge(stop_token_ids, "stop_token_ids", request.stop_token_ids or [], vocab_size)
     top_k = request.top_k if request.top_k is not None else 0
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -372,10 +360,9 @@ def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_f
         ignore_eos=request.ignore_eos,
     )
     try:
-        sampling.validate()
+        return checked_sampling(sampling)
     except InvalidRequestError as exc:
         raise OpenAIError.from_invalid(exc, {"max_tokens": max_field}) from None
-    return sampling.canonical()
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -392,11 +379,12 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _too_long(prompt_tokens: int, context: int) -> str:
-    return (
-        f"{prompt_tokens} tokens do not fit the context of {context} tokens "
-        "(the prompt plus at least one generated token)"
-    )
+def _edge(check: Callable[..., T], *args: Any) -> T:
+    """A shared check (``request_checks``) with its refusal in this API's shape."""
+    try:
+        return check(*args)
+    except InvalidRequestError as exc:
+        raise OpenAIError.from_invalid(exc) from None
 
 
 # ---- stop strings ---------------------------------------------------------------------------

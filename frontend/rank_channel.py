@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
 import socket
 from typing import Any
 
-from tandem.cluster.submit_listener import LENGTH_BYTES, MAX_FRAME_BYTES, frame
+import ray
+
+from tandem.engine.rank_loop import RankDraining
+from tandem.wire.framing import LENGTH_BYTES, FrameTooLarge, frame, frame_length, unframe
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,25 @@ class SubmitRefused(Exception):
     def __init__(self, why: str, draining: bool) -> None:
         super().__init__(why)
         self.draining = draining
+
+
+# what a submit's answer raises: an actor call's error, a refusal or a lost connection (the socket)
+SUBMIT_ERRORS = (ray.exceptions.RayError, SubmitRefused, ConnectionError)
+
+
+def refusal(error: Exception) -> tuple[bool, str]:
+    """Whether a decode rank refused a submit because it is being drained, and why it refused."""
+    if isinstance(error, SubmitRefused):
+        return error.draining, str(error)
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, RankDraining):
+        return True, str(cause)
+    return False, last_line(error)
+
+
+def last_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
 
 
 class RankChannel:
@@ -77,11 +98,12 @@ class RankChannel:
         why = "the decode rank closed the submit connection"
         try:
             while True:
-                length = int.from_bytes(await self._reader.readexactly(LENGTH_BYTES), "big")
-                if length > MAX_FRAME_BYTES:
-                    why = f"the decode rank sent a frame of {length} bytes"
+                try:
+                    length = frame_length(await self._reader.readexactly(LENGTH_BYTES))
+                except FrameTooLarge as exc:
+                    why = f"the decode rank sent {exc}"
                     return
-                seq, refusal = pickle.loads(await self._reader.readexactly(length))
+                seq, refusal = unframe(await self._reader.readexactly(length))
                 answer = self._pending.pop(seq, None)
                 if answer is None or answer.done():
                     continue

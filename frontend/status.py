@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from tandem.autoscaler.policy import Decision
-from tandem.cluster.controller import FrontendInfo, RoutingView
-from tandem.engine.messages import ProcessPlace, RankId, RankStats
 from tandem.router.router import Router
+from tandem.wire.autoscaler_decision import Decision
+from tandem.wire.messages import ProcessPlace, RankId, RankStats
+from tandem.wire.routing_view import FrontendInfo, RoutingView
 
 
 @dataclass

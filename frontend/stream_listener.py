@@ -19,16 +19,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import pickle
 import secrets
 from collections.abc import Callable
 from typing import Any
 
+from tandem.wire.framing import LENGTH_BYTES, FrameTooLarge, frame_length, unframe
+
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 16
-LENGTH_BYTES = 8
-MAX_FRAME_BYTES = 1 << 30
 
 
 class StreamListener:
@@ -67,12 +66,13 @@ class StreamListener:
                 self.refused += 1
                 return
             while True:
-                length = int.from_bytes(await reader.readexactly(LENGTH_BYTES), "big")
-                if length > MAX_FRAME_BYTES:
+                try:
+                    length = frame_length(await reader.readexactly(LENGTH_BYTES))
+                except FrameTooLarge as exc:
                     self.refused += 1
-                    log.warning("stream listener: a frame of %d bytes, closing the connection", length)
+                    log.warning("stream listener: %s; closing the connection", exc)
                     return
-                batch = pickle.loads(await reader.readexactly(length))
+                batch = unframe(await reader.readexactly(length))
                 try:
                     self.on_batch(batch)
                 except Exception:  # one bad batch is that batch's problem, not the stream's

@@ -53,7 +53,6 @@ from tandem.kvtransfer.transport import (
     ReceivedKV,
     TransferFailure,
     TransportEvents,
-    register_transport,
 )
 from tandem.kvtransfer.types import (
     ABORT,
@@ -129,7 +128,6 @@ def progress_thread_enabled(mem_type: str) -> bool:
     return choice == "1" if choice else mem_type == "VRAM"
 
 
-@register_transport
 class NixlTransport(KVTransport):
     name = "nixl"
     layerwise = True

@@ -137,19 +137,3 @@ class KVTransport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-
-_REGISTRY: dict[str, type[KVTransport]] = {}
-
-
-def register_transport(cls: type[KVTransport]) -> type[KVTransport]:
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def transport_class(name: str) -> type[KVTransport]:
-    if name == "nixl" and name not in _REGISTRY:
-        from tandem.kvtransfer import nixl_transport  # noqa: F401  (registers "nixl")
-    if name not in _REGISTRY:
-        raise ValueError(f"KV transport {name!r} is not known; known: {sorted(_REGISTRY) or ['nixl']}")
-    return _REGISTRY[name]

@@ -88,7 +88,7 @@ class KVDestination:
 @dataclass(frozen=True)
 class KVNotification:
     """Sent once, after the last write of a request landed. ``timings`` are the sender's own
-    figures (seconds on its clock, see ``engine/messages.py`` ``PrefillAttempt``); ``kv_bytes`` is
+    figures (seconds on its clock, see ``wire/messages.py`` ``PrefillAttempt``); ``kv_bytes`` is
     what its write descriptors covered."""
 
     request_id: str

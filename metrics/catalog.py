@@ -7,11 +7,11 @@ import functools
 
 from prometheus_client import CollectorRegistry
 
-from tandem.engine.messages import RankId, RankStats, Role
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.frontend import FrontendMetrics
 from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
 from tandem.metrics.rank import RankMetrics
+from tandem.wire.messages import RankId, RankStats, Role
 
 
 def _same(stats: RankStats) -> RankStats:

@@ -11,15 +11,9 @@ their new incarnation and new ports, and Prometheus follows at its next refresh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class ScrapeTarget:
-    address: str  # host:port of a /metrics endpoint
-    process: str  # frontend, controller or rank
-    labels: dict[str, str] = field(default_factory=dict)
+from tandem.wire.scrape_target import ScrapeTarget
 
 
 def sd_document(targets: list[ScrapeTarget]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tandem.metrics.labels import FrontendLabels
 
 if TYPE_CHECKING:
-    from tandem.frontend.request_stream import StreamSummary
+    from tandem.wire.stream_summary import StreamSummary
 
 # vLLM's boundaries, so that panels and habits carry over
 TTFT_BUCKETS = (

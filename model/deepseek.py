@@ -15,7 +15,8 @@ from torch import nn
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.expert_dispatch import ExpertDispatcher, LocalExperts
-from tandem.model.kernels.backend import KernelBackend, get_backend
+from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.registry import get_backend
 from tandem.model.kernels.rope import rope_cos_sin_table
 from tandem.model.kv_pool import KVPool
 from tandem.model.layers import DenseMLP, MLAttention, MoE, RMSNorm

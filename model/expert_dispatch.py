@@ -9,25 +9,47 @@ own their experts and back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.model.kernels.backend import KernelBackend
-    from tandem.model.layers import MoE
+from tandem.model.kernels.backend import KernelBackend
+
+
+class ExpertWeights(Protocol):
+    """What a dispatcher reads of a MoE layer (``layers.MoE``): the routed experts this rank
+    holds, ``first_expert`` onwards, with their stacked gate/up and down projections."""
+
+    @property
+    def w_gate_up(self) -> torch.Tensor: ...
+
+    @property
+    def w_down(self) -> torch.Tensor: ...
+
+    @property
+    def first_expert(self) -> int: ...
 
 
 class ExpertDispatcher(ABC):
     @abstractmethod
     def routed_experts(
-        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+        self,
+        moe: ExpertWeights,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``x [T, D]``."""
 
 
 class LocalExperts(ExpertDispatcher):
     def routed_experts(
-        self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: KernelBackend
+        self,
+        moe: ExpertWeights,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert)

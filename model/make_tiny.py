@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from tandem.model.checkpoint import INDEX_FILE, SINGLE_FILE
 from tandem.model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.tokenizer import byte_level_alphabet
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -164,22 +165,6 @@ def byte_level_tokenizer() -> Tokenizer:
         special_tokens=[(BOS_TOKEN, BOS_ID)],
     )
     return tokenizer
-
-
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's byte -> printable character map, indexed by byte (``tokenizers``' ByteLevel)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 # DeepSeek's chat format, cut down: BOS, the system text, then each turn behind its role marker,

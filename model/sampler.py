@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.request import SamplingParams
+from tandem.wire.request_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

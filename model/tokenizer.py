@@ -133,3 +133,19 @@ def _resolve(backend: HFTokenizer, model_dir: Path, token: Any, fallback_id: Any
     if isinstance(fallback_id, list):
         fallback_id = fallback_id[0] if fallback_id else None
     return None if fallback_id is None else int(fallback_id)
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map, indexed by byte (``tokenizers``' ByteLevel)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]

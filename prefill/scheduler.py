@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import KVEvent, PrefixCache, block_hashes
-from tandem.engine.request import InvalidRequestError, RequestStatus
-from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
-from tandem.prefill.job import PrefillDone, PrefillExpired, PrefillJob, PrefillTimings
+from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.engine.request import RequestStatus
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.kv_events import KVEvent
+from tandem.wire.prefill_job import PrefillDone, PrefillExpired, PrefillJob, PrefillTimings
+from tandem.wire.request_params import InvalidRequestError
 
 # Token ids are hashed as signed 64-bit integers; without a vocabulary that is the bound.
 _MAX_TOKEN_ID = 2**63 - 1

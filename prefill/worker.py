@@ -23,9 +23,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tandem.engine.messages import LoopStats, RankId, RankStats, RequestResult, Role
+from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.rank_loop import RankWorker
-from tandem.engine.request import InvalidRequestError
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
 from tandem.kvtransfer.types import (
@@ -36,12 +35,14 @@ from tandem.kvtransfer.types import (
     ReadyEvent,
     TransferStats,
 )
-from tandem.prefill.job import PrefillJob
-from tandem.prefill.kv_events import KVEventBatch, KVEventPublisher
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
+from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role
+from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.request_params import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tandem.cluster.outbox import RayOutbox
+    from tandem.engine.outbox import Outbox
     from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class PrefillWorker(RankWorker):
         layerwise: bool = True,
         transfer_timeout_s: float = 30.0,
         model_config: ModelConfig | None = None,
-        outbox: RayOutbox | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
@@ -154,7 +155,7 @@ class PrefillWorker(RankWorker):
         if self.outbox is None:
             return
         for subscriber, batch in self.kv_events.publish(events).items():
-            if not self.outbox.send(subscriber, "push_kv_events", batch):
+            if not self.outbox.push_kv_events(subscriber, batch):
                 self.kv_events.unsubscribe(subscriber)
 
     def transfers_in_flight(self) -> bool:

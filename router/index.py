@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class IndexIntegrityError(AssertionError):

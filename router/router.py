@@ -18,12 +18,12 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine.prefix_cache import KVEvent
 from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
 from tandem.router.index import BlockIndex, IndexIntegrityError
 from tandem.router.load import LoadTracker
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
 from tandem.router.registry import DEFAULT_POLICY, make_prefill_policy
+from tandem.wire.kv_events import KVEvent
 
 
 class NoRankAvailable(RuntimeError):

@@ -5,7 +5,7 @@ changes the outputs."""
 from __future__ import annotations
 
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.scheduler_output import ScheduledChunk
 
 
 class SimulatedKV:

@@ -7,7 +7,6 @@ registers under another name. ``TANDEM_KERNELS`` overrides the default choice.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -93,35 +92,3 @@ class KernelBackend(ABC):
         ``w_gate_up [E_local, 2I, D]`` and ``w_down [E_local, D, I]`` hold experts
         ``first_expert .. first_expert + E_local - 1``; other experts contribute nothing.
         """
-
-
-_REGISTRY: dict[str, type[KernelBackend]] = {}
-
-
-def register_backend(cls: type[KernelBackend]) -> type[KernelBackend]:
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-class UnknownKernelBackend(ValueError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"TANDEM_KERNELS={name!r} is not a kernel backend; known: {sorted(_REGISTRY)}")
-
-
-def get_backend(device: torch.device | str = "cpu", name: str | None = None) -> KernelBackend:
-    """The backend named by ``name`` or ``TANDEM_KERNELS``; else ``triton`` on CUDA, ``torch`` elsewhere.
-
-    ``triton`` on a machine without CUDA runs the kernels in Triton's interpreter: it is chosen when
-    a kernel is defined, so it is switched on here, before the kernel modules are imported.
-    """
-    from tandem.model.kernels import torch_backend  # noqa: F401  (registers "torch")
-
-    is_cuda = torch.device(device).type == "cuda"
-    chosen = name or os.environ.get("TANDEM_KERNELS") or ("triton" if is_cuda else "torch")
-    if chosen == "triton" and chosen not in _REGISTRY:
-        if not is_cuda:
-            os.environ["TRITON_INTERPRET"] = "1"
-        from tandem.model.kernels import triton_backend  # noqa: F401  (registers "triton")
-    if chosen not in _REGISTRY:
-        raise UnknownKernelBackend(chosen)
-    return _REGISTRY[chosen]()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from tandem.model.kernels.backend import KernelBackend, register_backend
+from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
 from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
 from tandem.model.kernels.norm import rms_norm_torch
 from tandem.model.kernels.rope import apply_rope_torch
 
 
-@register_backend
 class TorchBackend(KernelBackend):
     name = "torch"
     rms_norm = staticmethod(rms_norm_torch)

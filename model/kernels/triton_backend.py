@@ -3,7 +3,7 @@ Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
 
-from tandem.model.kernels.backend import KernelBackend, register_backend
+from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.kv_store_triton import kv_store_triton
 from tandem.model.kernels.mla_decode_triton import decode_attention_triton
 from tandem.model.kernels.mla_extend_triton import extend_attention_triton
@@ -13,7 +13,6 @@ from tandem.model.kernels.norm_triton import rms_norm_triton
 from tandem.model.kernels.rope_triton import apply_rope_triton
 
 
-@register_backend
 class TritonBackend(KernelBackend):
     name = "triton"
     rms_norm = staticmethod(rms_norm_triton)

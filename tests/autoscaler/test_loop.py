@@ -10,7 +10,7 @@ from tandem.autoscaler.config import AutoscalingConfig
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import MetricSource, PoolSignals
 from tandem.cluster.autoscaling import AutoscalerLoop
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 SLOW_TTFT = {
     Role.PREFILL: PoolSignals(ready_groups=9, latency_p90_s=5.0),  # the scrape's group count lags

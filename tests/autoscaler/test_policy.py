@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
-from tandem.autoscaler.policy import Autoscaler, Decision
+from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import PoolSignals
-from tandem.engine.messages import Role
+from tandem.wire.autoscaler_decision import Decision
+from tandem.wire.messages import Role
 
 P, D = Role.PREFILL, Role.DECODE
 CONFIG = AutoscalingConfig(

@@ -11,8 +11,8 @@ import pytest
 
 from tandem.cli.main import main
 from tandem.engine.colocated import ColocatedEngine
-from tandem.engine.request import SamplingParams
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.wire.request_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tandem.cli.output import command_output, emit
+from tandem.client.output import command_output, emit
 
 
 def test_log_lines_printed_meanwhile_go_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from tandem.cluster.cpu_affinity import check_cores, node_cores, pin_process
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import Topology, TopologyError
+from tandem.engine.cpu_affinity import check_cores, node_cores, pin_process
 
 
 def test_a_core_the_node_lacks_is_refused_by_name() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.cluster.node_roles import NodeInfo, admits, label_selector, plan
 from tandem.cluster.topology import PlacementSpec, PoolSpec, Topology, TopologyError
-from tandem.engine.messages import Role
+from tandem.wire.messages import Role
 
 KEY = "tandem.io/role"
 GPU_RANK = {"GPU": 1.0, "CPU": 1.0}

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from tandem.cluster.submit_listener import LENGTH_BYTES, SubmitListener, frame
+from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.rank_loop import RankDraining
-from tandem.engine.request import InvalidRequestError
-from tandem.frontend.core import refusal
-from tandem.frontend.rank_channel import RankChannel, SubmitRefused
+from tandem.frontend.rank_channel import RankChannel, SubmitRefused, refusal
+from tandem.wire.framing import LENGTH_BYTES, frame
+from tandem.wire.request_params import InvalidRequestError
 
 
 def _listener(submit: Callable[[list[Any]], None], **kwargs: Any) -> SubmitListener:

@@ -17,9 +17,10 @@ from tandem.decode.types import (
     KVNotificationError,
     Reservation,
 )
-from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler_output import SchedulerOutput, StaleSchedulerOutputError
 from tandem.kvtransfer.types import KVDestination
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 PAGE = 4
 TIMEOUT_S = 5.0

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
 from tandem.model.config import ModelConfig
 from tandem.model.expert_dispatch import LocalExperts
-from tandem.model.kernels.backend import get_backend
+from tandem.model.kernels.registry import get_backend
 from tandem.model.layers import MoE
 from tandem.model.make_tiny import tiny_config_dict
 

@@ -6,14 +6,8 @@ import sys
 import pytest
 
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    PrefixCache,
-    block_hash,
-    block_hashes,
-)
+from tandem.engine.prefix_cache import PrefixCache, block_hash, block_hashes
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 PAGE = 4
 

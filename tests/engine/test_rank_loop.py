@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Any
 
-from tandem.engine.messages import LoopStats, RankId, RankStats, RequestResult, Role
 from tandem.engine.rank_loop import RankLoop, RankWorker
+from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role
 
 
 class _Worker(RankWorker):

@@ -9,14 +9,12 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from tandem.engine.prefix_cache import BlockStored, block_hashes
-from tandem.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from tandem.engine.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    StaleSchedulerOutputError,
-)
+from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.scheduler_output import SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.kv_events import BlockStored
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 from tests.simulated_kv import SimulatedKV
 
 PAGE = 4

@@ -9,10 +9,10 @@ import torch
 from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.engine.runner import ModelRunner
-from tandem.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.static_decode import StaticDecode, default_buckets, static_decode_enabled
+from tandem.wire.request_params import SamplingParams
 
 SEEDS = (1, 2, 3)
 PROMPTS = [[5, 9, 13, 40, 41, 42, 7], [100, 101], [3] * 70]  # the last one spans two pages

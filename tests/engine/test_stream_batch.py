@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from tandem.engine.messages import RankId, StreamBatch, StreamColumns, TokenDelta
+from tandem.wire.messages import RankId, StreamBatch, StreamColumns, TokenDelta
 
 RANK = RankId("decode0", 0)
 

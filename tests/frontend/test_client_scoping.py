@@ -9,19 +9,14 @@ from typing import Any
 
 import pytest
 
-from tandem.cluster.controller import GroupView, RoutingView
-from tandem.engine.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
-from tandem.engine.request import FinishReason, SamplingParams
-from tandem.frontend.core import (
-    DuplicateRequest,
-    FrontendConfig,
-    FrontendCore,
-    FrontendOverloaded,
-    GenerateSpec,
-    RequestKey,
-)
+from tandem.frontend.core import DuplicateRequest, FrontendConfig, FrontendCore, FrontendOverloaded
 from tandem.frontend.limits import EdgeLimits
-from tandem.frontend.request_stream import StreamChunk, StreamSummary
+from tandem.frontend.request_stream import StreamChunk
+from tandem.frontend.running import GenerateSpec, RequestKey
+from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
+from tandem.wire.request_params import FinishReason, SamplingParams
+from tandem.wire.routing_view import GroupView, RoutingView
+from tandem.wire.stream_summary import StreamSummary
 
 PREFILL, DECODE = RankId("prefill0", 0), RankId("decode0", 0)
 
@@ -71,9 +66,9 @@ def _ready_core(tiny_dir: Path, limits: EdgeLimits | None = None) -> tuple[Front
         prefill_capacity_tokens=1024,
         decode_capacity_tokens=1024,
     )
-    core.view, core.ready = view, True
-    core._rank_ids = {PREFILL.name: PREFILL, DECODE.name: DECODE}
-    core._incarnations = {PREFILL: 1, DECODE: 1}
+    core.membership.view, core.ready = view, True
+    core.membership.rank_ids = {PREFILL.name: PREFILL, DECODE.name: DECODE}
+    core.membership.incarnations = {PREFILL: 1, DECODE: 1}
     core.router.set_ranks([PREFILL.name], [DECODE.name])
     core.router.update_decode_stats(DECODE.name, 64, 0, 64)
     return core, rank
@@ -147,7 +142,7 @@ def test_a_stream_that_is_not_read_holds_a_bounded_buffer(tiny_dir: Path) -> Non
     """Deltas keep coming while the client reads nothing: the stream holds one chunk that the
     tokens join instead of queueing one per step; what the client finally reads is every token,
     in order."""
-    from tandem.engine.messages import TokenDelta
+    from tandem.wire.messages import TokenDelta
 
     async def run() -> None:
         core, rank = _ready_core(tiny_dir, EdgeLimits())
@@ -184,7 +179,7 @@ def test_tokens_for_a_request_no_stream_waits_for_get_it_aborted(tiny_dir: Path)
     """A restarted frontend has lost its streams, but the decode rank still pushes their tokens:
     each such request is aborted on the rank (which frees its pages), and a live request's
     tokens are never taken for an orphan's."""
-    from tandem.engine.messages import TokenDelta
+    from tandem.wire.messages import TokenDelta
 
     async def scenario() -> None:
         core, rank = _ready_core(tiny_dir)

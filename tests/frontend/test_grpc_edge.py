@@ -15,8 +15,9 @@ import pytest
 
 from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.frontend.grpc_auth import BearerAuth, ClientToken, exposure_warning, parse_client_tokens
-from tandem.frontend.grpc_service import MAX_STOP_TOKEN_IDS, TEXT_CHARS_PER_TOKEN, build_server
+from tandem.frontend.grpc_service import build_server
 from tandem.frontend.limits import EdgeLimits
+from tandem.frontend.request_checks import MAX_STOP_TOKEN_IDS, TEXT_CHARS_PER_TOKEN
 from tandem.model.config import ModelConfig
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.model.make_tiny import make_tiny_checkpoint
-from tandem.prefill.kv_events import KVEventBatch
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 @pytest.fixture(scope="module")

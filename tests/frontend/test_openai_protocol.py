@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.messages import Bill
-from tandem.engine.request import SamplingParams
 from tandem.frontend.chat_template import ChatTemplate, ChatTemplateError
 from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.frontend.openai_protocol import (
@@ -30,6 +28,8 @@ from tandem.frontend.openai_protocol import (
 )
 from tandem.model.make_tiny import BOS_ID, write_tokenizer
 from tandem.model.tokenizer import Tokenizer
+from tandem.wire.messages import Bill
+from tandem.wire.request_params import SamplingParams
 
 CONTEXT = 2048
 

@@ -7,11 +7,12 @@ import asyncio
 
 import pytest
 
-from tandem.engine.messages import Bill, RankId, RequestResult, TokenDelta
-from tandem.engine.request import FinishReason
-from tandem.frontend.request_stream import RequestStream, StreamChunk, StreamSummary
+from tandem.frontend.request_stream import RequestStream, StreamChunk
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.model.tokenizer import Tokenizer
+from tandem.wire.messages import Bill, RankId, RequestResult, TokenDelta
+from tandem.wire.request_params import FinishReason
+from tandem.wire.stream_summary import StreamSummary
 
 
 @pytest.fixture(scope="module")

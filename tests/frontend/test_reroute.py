@@ -12,14 +12,15 @@ from typing import Any
 
 import ray
 
-from tandem.cluster.controller import GroupView, RoutingView
 from tandem.cluster.submit_listener import SubmitListener
-from tandem.engine.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
 from tandem.engine.rank_loop import RankDraining
-from tandem.engine.request import FinishReason, SamplingParams
-from tandem.frontend.core import FrontendConfig, FrontendCore, GenerateSpec
+from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.frontend.rank_channel import RankChannel
-from tandem.frontend.request_stream import StreamSummary
+from tandem.frontend.running import GenerateSpec
+from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, Role, StreamBatch
+from tandem.wire.request_params import FinishReason, SamplingParams
+from tandem.wire.routing_view import GroupView, RoutingView
+from tandem.wire.stream_summary import StreamSummary
 
 PREFILL, DRAINED, OPEN = RankId("prefill0", 0), RankId("decode0", 0), RankId("decode1", 0)
 
@@ -71,9 +72,9 @@ def _view(decode: dict[RankId, Any]) -> RoutingView:
 
 def _show(core: FrontendCore, view: RoutingView) -> None:
     """What ``refresh`` does with a controller's view, without the controller."""
-    core.view = view
-    core._rank_ids = {r.name: r for g in view.groups for r in g.ranks}
-    core._incarnations = {r: 1 for g in view.groups for r in g.ranks}
+    core.membership.view = view
+    core.membership.rank_ids = {r.name: r for g in view.groups for r in g.ranks}
+    core.membership.incarnations = {r: 1 for g in view.groups for r in g.ranks}
     core.router.set_ranks([r.name for r in view.prefill], [r.name for r in view.decode])
     for rank in view.decode:  # the drained rank looks emptiest: the router picks it first
         core.router.update_decode_stats(rank.name, 64 if rank == DRAINED else 32, 0, 64)
@@ -138,19 +139,19 @@ def test_a_draining_ranks_socket_stays_open_until_its_refusal_has_come(tiny_dir:
         core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", refresh_s=0.05, metrics=False))
         drained, open_ = _Decode(DRAINED, core, draining=True), _Decode(OPEN, core, draining=False)
         _show(core, _view({DRAINED: drained, OPEN: open_}))
-        channel = core._channels[(DRAINED, 1)] = await RankChannel.open(listener.endpoint())
+        channel = core.membership._channels[(DRAINED, 1)] = await RankChannel.open(listener.endpoint())
         generate = asyncio.create_task(
             _collect(core, GenerateSpec("r3", [1, 2, 3], SamplingParams(max_tokens=2)))
         )
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
         after = _view({OPEN: open_})
         _show(core, after)
-        core._keep_channels(after, core._incarnations)
-        assert channel.is_open and channel.waiting == 1 and (DRAINED, 1) in core._channels
+        core.membership.keep_channels(after, core.membership.incarnations)
+        assert channel.is_open and channel.waiting == 1 and (DRAINED, 1) in core.membership._channels
         release.set()
         summary = await generate
-        core._keep_channels(after, core._incarnations)
-        assert (DRAINED, 1) not in core._channels
+        core.membership.keep_channels(after, core.membership.incarnations)
+        assert (DRAINED, 1) not in core.membership._channels
         return summary, drained, open_, channel
 
     try:

@@ -20,14 +20,14 @@ import pytest
 import ray
 import torch
 
-from tandem.autoscaler.policy import Decision
-from tandem.cli.client import ClientOptions, status
+from tandem.client.grpc_client import ClientOptions, status
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import AutoscalingSpec, PoolBounds, PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
-from tandem.frontend.request_stream import StreamSummary
+from tandem.wire.autoscaler_decision import Decision
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.stream_summary import StreamSummary
 from tests.integration.prometheus_server import Prometheus
 
 PAGE = 16

@@ -14,8 +14,8 @@ from tandem.bench.compare import check_presets, format_compare, run_compare
 from tandem.bench.serve_bench import Plan
 from tandem.bench.serve_workload import SyntheticWorkload
 from tandem.cluster.topology import PoolSpec, Topology
-from tandem.engine.request import InvalidRequestError
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.wire.request_params import InvalidRequestError
 
 
 def test_presets_are_checked_before_anything_starts() -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tandem.bench.host_bench import add_arguments, check_args, format_host, run_host_bench
-from tandem.engine.request import InvalidRequestError
+from tandem.wire.request_params import InvalidRequestError
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -19,18 +19,19 @@ import pytest
 import ray
 import torch
 
-from tandem.cli.client import ClientOptions, Outcome, generate_all, request_message
-from tandem.cli.prompts import PromptSpec
-from tandem.cluster.controller import CONTROLLER_NAME, Controller
+from tandem.client.grpc_client import ClientOptions, Outcome, generate_all, request_message
+from tandem.client.prompts import PromptSpec
+from tandem.cluster.controller import Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import PoolSpec, Topology, TopologyError
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.routing_view import CONTROLLER_NAME
 
 PAGE = 8
 

@@ -12,13 +12,14 @@ import ray
 import torch
 
 from tandem.cli.main import main
-from tandem.cluster.group import GroupConfig, GroupFailed, GroupNotReady, GroupState, RankGroup
+from tandem.cluster.group import GroupConfig, GroupFailed, GroupNotReady, RankGroup
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId, RankRequest, RequestResult
-from tandem.engine.request import InvalidRequestError, SamplingParams
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.wire.messages import RankId, RankRequest, RequestResult
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
+from tandem.wire.routing_view import GroupState
 
 ENGINE = EngineConfig(page_size=8, num_pages=96)
 

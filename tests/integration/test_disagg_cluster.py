@@ -18,9 +18,9 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import RankId, RankRequest, RankStats, RequestResult
-from tandem.engine.request import SamplingParams
-from tandem.frontend.request_stream import StreamSummary
+from tandem.wire.messages import RankId, RankRequest, RankStats, RequestResult
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.stream_summary import StreamSummary
 
 PAGE = 8
 
@@ -128,7 +128,8 @@ def test_a_failed_start_leaves_no_ranks_or_placement_groups(tiny: Path, tmp_path
     again, and no placement group of the cluster stays reserved."""
     import dataclasses
 
-    from tandem.cluster.group import GroupFailed, GroupState
+    from tandem.cluster.group import GroupFailed
+    from tandem.wire.routing_view import GroupState
 
     cluster = Cluster(_topology("local"), str(tiny), "float64")
     bad = cluster.decode[0]

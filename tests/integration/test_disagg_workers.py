@@ -21,8 +21,7 @@ from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.messages import LoopStats, PrefillAttempt, RankId, RequestResult
-from tandem.engine.request import InvalidRequestError, Request, SamplingParams
+from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
@@ -31,9 +30,11 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.make_tiny import make_tiny_checkpoint
-from tandem.prefill.job import PrefillJob
 from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tandem.prefill.worker import PrefillWorker
+from tandem.wire.messages import LoopStats, PrefillAttempt, RankId, RequestResult
+from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 PAGE = 8
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
@@ -624,8 +625,8 @@ def test_a_request_resumed_from_its_streamed_tokens_gives_the_undisturbed_tokens
 
 
 def test_a_resumed_request_is_checked_at_admission() -> None:
-    from tandem.engine.messages import RankRequest
-    from tandem.engine.scheduler import resumed_outputs
+    from tandem.engine.admission import resumed_outputs
+    from tandem.wire.messages import RankRequest
 
     def resumed(outputs: tuple[int, ...], max_tokens: int = 8, prompt: tuple[int, ...] = (1, 2)) -> list[int]:
         sampling = SamplingParams(max_tokens=max_tokens)

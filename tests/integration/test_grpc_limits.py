@@ -20,19 +20,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.cli.client import request_message
-from tandem.cli.prompts import PromptSpec
-from tandem.cluster.controller import CONTROLLER_NAME, Controller
+from tandem.client.grpc_client import request_message
+from tandem.client.prompts import PromptSpec
+from tandem.cluster.controller import Controller
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.frontend.actor import Frontend
 from tandem.frontend.core import FRONTEND_NAME, FrontendConfig
 from tandem.frontend.limits import EdgeLimits
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.routing_view import CONTROLLER_NAME
 
 PAGE = 8
 STALLED_TOKENS = 32  # tokens a stream whose writes stalled holds in its one chunk

@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.cli.client import ClientOptions, status, wait_serving
+from tandem.client.grpc_client import ClientOptions, status, wait_serving
 from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
+from tandem.wire.request_params import SamplingParams
 from tests.integration.ray_nodes import RayNodes
 
 CLI = [sys.executable, "-m", "tandem.cli"]

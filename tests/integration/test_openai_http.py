@@ -21,13 +21,13 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.cli.client import ClientOptions, generate_all
-from tandem.cli.prompts import PromptSpec
+from tandem.client.grpc_client import ClientOptions, generate_all
+from tandem.client.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
-from tandem.engine.request import SamplingParams
 from tandem.frontend.limits import EdgeLimits
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.request_params import SamplingParams
 
 PAGE = 8
 TOKEN = "tok-alice"

@@ -25,15 +25,15 @@ import pytest
 import ray
 
 from tandem.autoscaler.prometheus_source import PrometheusSource
-from tandem.cli.client import ClientOptions, generate_all
-from tandem.cli.prompts import PromptSpec
+from tandem.client.grpc_client import ClientOptions, generate_all
+from tandem.client.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
-from tandem.engine.messages import Role
-from tandem.engine.request import SamplingParams
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.frontend import TTFT_BUCKETS
 from tandem.protos import tandem_pb2
+from tandem.wire.messages import Role
+from tandem.wire.request_params import SamplingParams
 from tests.integration.prometheus_server import Prometheus, prometheus_server
 from tests.test_grafana_dashboard import DASHBOARD, dashboard_panels
 

@@ -19,9 +19,9 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
-from tandem.frontend.core import GenerateSpec
-from tandem.frontend.request_stream import StreamSummary
+from tandem.frontend.running import GenerateSpec
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.stream_summary import StreamSummary
 
 PAGE = 16
 

@@ -23,7 +23,7 @@ import torch
 from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
+from tandem.wire.request_params import SamplingParams
 
 CLI = [sys.executable, "-m", "tandem.cli"]
 

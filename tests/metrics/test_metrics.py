@@ -13,15 +13,16 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.cli.main import main
-from tandem.engine.messages import Bill, PrefillAttempt, RankId, RankStats, Role
-from tandem.engine.request import FinishReason
-from tandem.frontend.request_stream import Route, StreamSummary
 from tandem.metrics.controller import ControllerMetrics, GroupFigures
-from tandem.metrics.discovery import ScrapeTarget, prometheus_config, sd_document
+from tandem.metrics.discovery import prometheus_config, sd_document
 from tandem.metrics.frontend import E2E_PARTS, FrontendMetrics
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
 from tandem.metrics.rank import RankMetrics
+from tandem.wire.messages import Bill, PrefillAttempt, RankId, RankStats, Role
+from tandem.wire.request_params import FinishReason
+from tandem.wire.scrape_target import ScrapeTarget
+from tandem.wire.stream_summary import Route, StreamSummary
 
 
 def _samples(registry: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -14,7 +14,6 @@ import torch
 from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.model.checkpoint import check_model_dir, load_checkpoint
 from tandem.model.config import ModelConfig, expected_tensor_shapes
 from tandem.model.make_tiny import tiny_config_dict, write_tokenizer
@@ -26,6 +25,7 @@ from tandem.model.train_demo import (
     held_out_bits,
     train_demo,
 )
+from tandem.wire.request_params import SamplingParams
 
 PROMPT = "And God said"
 ALLOWED = set(string.ascii_letters + " \n.,;:'!?-()")

@@ -12,12 +12,12 @@ import torch
 
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.request import SamplingParams
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
+from tandem.wire.request_params import SamplingParams
 from tests.hf_reference import VARIANTS, make_hf_checkpoint
 
 GEN_TOKENS = 48

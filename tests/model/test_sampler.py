@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.request import SamplingParams
 from tandem.model.sampler import filter_logits, sample
+from tandem.wire.request_params import SamplingParams
 
 
 def _logits(n: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_noise_is_uniform_and_keyed_by_seed_and_index() -> None:
 def test_temperatures_below_the_greedy_bound_are_argmax_down_to_the_smallest_float() -> None:
     """Dividing float32 logits by a tiny temperature overflows to +-inf, and the draw is then not
     the argmax; every temperature below ``GREEDY_TEMPERATURE`` is greedy instead."""
-    from tandem.engine.request import GREEDY_TEMPERATURE
+    from tandem.wire.request_params import GREEDY_TEMPERATURE
 
     logits = _logits(4, vocab=300, seed=5)
     argmax = logits.argmax(-1).tolist()

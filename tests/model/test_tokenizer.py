@@ -8,8 +8,8 @@ import pytest
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from tandem.model.make_tiny import BOS_ID, EOS_ID, byte_level_alphabet
-from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from tandem.model.make_tiny import BOS_ID, EOS_ID
+from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, byte_level_alphabet
 
 TEXTS = ["Hello, world!", "héllo 世界 🙂", "  leading spaces\nand a newline\t", "ß∂ƒ©˙∆˚¬ 🙂🙂 Ελληνικά"]
 

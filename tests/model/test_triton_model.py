@@ -10,7 +10,7 @@ import pytest
 
 from tandem.bench.gpu_check import main as gpu_check_main
 from tandem.cli.main import main
-from tandem.model.kernels.backend import UnknownKernelBackend, get_backend
+from tandem.model.kernels.registry import UnknownKernelBackend, get_backend
 from tandem.model.make_tiny import make_tiny_checkpoint
 
 

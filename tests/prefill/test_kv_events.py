@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
-from tandem.prefill.kv_events import KVEventPublisher
+from tandem.engine.kv_event_publisher import KVEventPublisher
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def test_snapshot_then_numbered_batches_per_subscriber() -> None:

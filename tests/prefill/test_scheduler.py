@@ -11,12 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.engine.prefix_cache import BlockRemoved, BlockStored, block_hashes
-from tandem.engine.request import InvalidRequestError, RequestStatus, SamplingParams
-from tandem.engine.scheduler import SchedulerOutput, StaleSchedulerOutputError
+from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.request import RequestStatus
+from tandem.engine.scheduler_output import SchedulerOutput, StaleSchedulerOutputError
 from tandem.kvtransfer.types import KVDestination
-from tandem.prefill.job import PrefillDone, PrefillJob
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler, PrefillSchedulerConfig, PrefillStateError
+from tandem.wire.kv_events import BlockRemoved, BlockStored
+from tandem.wire.prefill_job import PrefillDone, PrefillJob
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 from tests.simulated_kv import SimulatedKV
 
 PAGE = 4
@@ -408,7 +410,7 @@ def test_random_jobs_aborts_and_out_of_order_transfers(seed: int) -> None:
 
 def test_prefill_scheduler_does_not_import_torch() -> None:
     code = (
-        "import sys, tandem.prefill.scheduler, tandem.prefill.job; "
+        "import sys, tandem.prefill.scheduler, tandem.wire.prefill_job; "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

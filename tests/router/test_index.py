@@ -5,8 +5,9 @@ import random
 import pytest
 
 from tandem.engine.page_allocator import PageAllocator
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCache, block_hashes
+from tandem.engine.prefix_cache import PrefixCache, block_hashes
 from tandem.router.index import BlockIndex, IndexIntegrityError
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 PAGE = 4
 

@@ -5,9 +5,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockStored, block_hashes
+from tandem.engine.prefix_cache import block_hashes
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery
 from tandem.router.router import DuplicateRequestId, NoRankAvailable, RouteDecision, Router, RouterConfig
+from tandem.wire.kv_events import AllBlocksCleared, BlockStored
 
 PAGE = 4
 PREFILL = ["prefill0-r0", "prefill0-r1", "prefill1-r0"]

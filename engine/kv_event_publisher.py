@@ -8,18 +8,7 @@ between them; a subscriber applies batches in ``seq`` order and subscribes again
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from tandem.engine.prefix_cache import AllBlocksCleared, BlockStored, KVEvent
-
-
-@dataclass(frozen=True)
-class KVEventBatch:
-    rank: str
-    incarnation: int  # of the rank: a rebuilt rank starts a new sequence
-    seq: int
-    reset: bool
-    events: list[KVEvent] = field(default_factory=list)
+from tandem.wire.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
 
 
 class KVEventPublisher:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.request import InvalidRequestError, SamplingParams
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 _SAMPLING_FIELDS = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
 

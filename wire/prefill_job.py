@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.engine.request import InvalidRequestError, SamplingParams, check_prompt
 from tandem.kvtransfer.types import KVDestination
+from tandem.wire.request_params import InvalidRequestError, SamplingParams, check_prompt
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine.request import FinishReason, SamplingParams
+from tandem.wire.request_params import FinishReason, SamplingParams
 
 
 class Role(enum.StrEnum):

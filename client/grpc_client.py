@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.cli.output import emit
-from tandem.cli.prompts import PromptSpec
+from tandem.client.output import emit
+from tandem.client.prompts import PromptSpec
 from tandem.frontend.grpc_auth import channel_credentials
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 

@@ -1,0 +1,42 @@
+"""What a scheduler hands its runner for one step: the chunks of tokens whose KV to compute, and
+which of them sample a token. Every scheduler (colocated, prefill, decode) returns one; the
+runner turns it into tensors; only ids and counts, no tensors here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.wire.request_params import SamplingParams
+
+
+class StaleSchedulerOutputError(RuntimeError):
+    """``update`` got an output that does not follow from the requests' current state."""
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for positions ``start_position .. start_position + len(token_ids) - 1``.
+
+    ``page_ids`` is the request's whole page table, covering every position up to the chunk's
+    end. With ``sample`` the request has then computed all its known tokens and the runner
+    samples output token number ``output_index`` from the last position's logits.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    page_ids: tuple[int, ...]
+    sample: bool
+    sampling: SamplingParams
+    output_index: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

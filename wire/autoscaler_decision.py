@@ -1,0 +1,30 @@
+"""One autoscaling decision, as the controller records it and ``tandem status`` shows it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One pool's decision at one tick: ``action`` is ``add``, ``drain`` or ``hold``; ``rule``
+    names what fired; ``inputs`` are the signals and the policy's state it decided from."""
+
+    pool: str
+    action: str
+    rule: str
+    ready_groups: int
+    desired_groups: int
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        """The kind of the rule, for a metric label: slo, queue, kv, demand, calm, budget,
+        pending, settling, min_groups or max_groups."""
+        words = self.rule.replace(",", " ").replace(":", " ").split()
+        return words[1] if words[0] == "at" else words[0]
+
+    def to_json(self) -> str:
+        return json.dumps({"event": "autoscaler_decision", **asdict(self)}, sort_keys=True)
