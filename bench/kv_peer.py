@@ -93,7 +93,7 @@ class KVPeer:
         self.transport.send_all_layers(request_id)
 
     def finish_send(self, request_id: str, first_token: int, cached_tokens: int) -> None:
-        notification = KVNotification(request_id, first_token, cached_tokens, {"prefill_s": 0.0})
+        notification = KVNotification(request_id, first_token, cached_tokens)
         self.transport.finish_send(request_id, notification, time.monotonic())
 
     def send(

@@ -37,6 +37,7 @@ list of bounded length from which it could fall out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections import OrderedDict
@@ -68,6 +69,7 @@ from tandem.kvtransfer.types import (
     PoolLayout,
     RankMetadata,
     ReadyEvent,
+    SenderTimings,
     StalePeerError,
     TransferStats,
     decode_message,
@@ -340,12 +342,15 @@ class NixlTransport(KVTransport):
         # the last layer's KV was in the pool when its event was seen complete, if it was waited for
         send.stats.compute_done_s = max(send.stats.compute_done_s, send.waited_s)
         send.stats.descriptors = sum(self._descriptors(h) for h in send.posted)
-        fields = notification_fields(send.notification)
-        fields["timings"] = {**fields["timings"], "kv_transfer_s": send.stats.duration_s}
-        fields["kv_bytes"] = send.stats.bytes
         self._release(send)
         send.stats.notified_s = time.monotonic()  # sent now: what the receiver waits for
-        fields["timings"]["kv_sender_exposed_s"] = send.stats.sender_exposed_s
+        timings = dataclasses.replace(
+            send.notification.timings,
+            kv_transfer_s=send.stats.duration_s,
+            kv_sender_exposed_s=send.stats.sender_exposed_s,
+        )
+        notified = dataclasses.replace(send.notification, timings=timings, kv_bytes=send.stats.bytes)
+        fields = notification_fields(notified)
         try:
             self.agent.send_notif(
                 send.peer.meta.agent_name, encode_message(DONE, send.request_id, self.rank, **fields)
@@ -504,7 +509,7 @@ def _seconds_until(deadline_unix_s: Any, grace_s: float) -> float:
 def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None:
     """The DONE message's notification, or ``None`` when a field is missing or of the wrong type."""
     try:
-        timings = {str(k): float(v) for k, v in dict(msg.get("timings") or {}).items()}
+        timings = SenderTimings.parse(msg.get("timings"))
         first_token, cached = msg["first_token"], msg["cached_tokens"]
         kv_bytes = msg.get("kv_bytes") or 0
         if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes)):

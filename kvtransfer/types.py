@@ -4,7 +4,7 @@ notification, per-transfer statistics, and the typed errors."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 
@@ -86,15 +86,33 @@ class KVDestination:
 
 
 @dataclass(frozen=True)
+class SenderTimings:
+    """The prefill rank's own figures for one request, each the difference of two readings of its
+    monotonic clock (the bill's ``PrefillAttempt`` in ``wire/messages.py`` carries them on)."""
+
+    prefill_pickup_s: float = 0.0  # the job reached the rank -> on its loop
+    prefill_queue_s: float = 0.0  # on the loop -> its first chunk scheduled
+    prefill_compute_s: float = 0.0  # first chunk scheduled -> the last layer computed
+    kv_transfer_s: float = 0.0  # set by the transport: first write posted -> last write completed
+    kv_sender_exposed_s: float = 0.0  # set by the transport: last layer computed -> notified
+
+    @staticmethod
+    def parse(raw: Any) -> SenderTimings:
+        """From a message's ``timings`` mapping (``ValueError``/``TypeError`` when malformed); a
+        figure it lacks is 0, one it does not know is dropped."""
+        given = dict(raw or {})
+        return SenderTimings(**{f.name: float(given.get(f.name, 0.0)) for f in fields(SenderTimings)})
+
+
+@dataclass(frozen=True)
 class KVNotification:
-    """Sent once, after the last write of a request landed. ``timings`` are the sender's own
-    figures (seconds on its clock, see ``wire/messages.py`` ``PrefillAttempt``); ``kv_bytes`` is
-    what its write descriptors covered."""
+    """Sent once, after the last write of a request landed, with the sender's own ``timings``;
+    ``kv_bytes`` is what its write descriptors covered."""
 
     request_id: str
     first_token: int
     cached_tokens: int
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: SenderTimings = field(default_factory=SenderTimings)
     kv_bytes: int = 0
 
 

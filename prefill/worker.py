@@ -33,6 +33,7 @@ from tandem.kvtransfer.types import (
     KVNotification,
     KVTransferError,
     ReadyEvent,
+    SenderTimings,
     TransferStats,
 )
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
@@ -261,11 +262,11 @@ class PrefillWorker(RankWorker):
                 self.scheduler.transfer_over(done.request_id)
                 self._forget(done.request_id)
                 continue
-            timings = {
-                "prefill_pickup_s": self._pickup_s.get(done.request_id, 0.0),
-                "prefill_queue_s": done.timings.queue_s,
-                "prefill_compute_s": done.timings.compute_s,
-            }
+            timings = SenderTimings(
+                prefill_pickup_s=self._pickup_s.get(done.request_id, 0.0),
+                prefill_queue_s=done.timings.queue_s,
+                prefill_compute_s=done.timings.compute_s,
+            )
             notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
             self.transport.finish_send(
                 done.request_id, notification, compute_done, last_ready[0] if last_ready else READY
