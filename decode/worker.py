@@ -29,6 +29,7 @@ from tandem.engine.admission import admit_new_request, resumed_outputs
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
+from tandem.engine.stream_publisher import StreamPublisher
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.wire.messages import (
@@ -41,7 +42,6 @@ from tandem.wire.messages import (
     RequestResult,
     Role,
     StreamBatch,
-    StreamColumns,
     TransferId,
 )
 from tandem.wire.prefill_job import PrefillJob
@@ -148,8 +148,7 @@ class DecodeWorker(RankWorker):
         self.outbox = outbox
         self._tracks: dict[str, _Track] = {}
         self._transfers: dict[str, TransferId] = {}  # transport key -> the transfer it names
-        self._results: list[RequestResult] = []
-        self._pushes: dict[str, tuple[StreamColumns, list[RequestResult]]] = {}
+        self.streams = StreamPublisher(rank_id)
         self.kv_bytes_received = 0
         self.preemptions = 0
         self.failure_counts = FailureCounts()
@@ -265,26 +264,17 @@ class DecodeWorker(RankWorker):
         self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:
-        out, self._results = self._results, []
-        return out
+        return self.streams.take_results()
 
     def take_pushes(self) -> dict[str, StreamBatch]:
         """Token deltas and results of streamed requests since the last call, by frontend."""
-        out = {
-            frontend: columns.batch(self.rank_id, tuple(results))
-            for frontend, (columns, results) in self._pushes.items()
-        }
-        self._pushes = {}
-        return out
+        return self.streams.take_pushes()
 
     def publish(self) -> None:
         """Push each frontend its batch; a frontend that is gone loses its requests (aborted)."""
         if self.outbox is None:
             return
-        for frontend, batch in self.take_pushes().items():
-            if not self.outbox.push_stream(frontend, batch):
-                self.abort_frontend(frontend)
-        for frontend in self.outbox.flush():
+        for frontend in self.streams.publish(self.outbox):
             self.abort_frontend(frontend)
 
     def fail_all(self, reason: str) -> list[RequestResult]:
@@ -355,11 +345,11 @@ class DecodeWorker(RankWorker):
                 kv_bytes=n.kv_bytes,
                 kv_wait_s=seen - track.expect_at,
                 kv_accept_s=usable - seen,
-                prefill_pickup_s=timings.get("prefill_pickup_s", 0.0),
-                prefill_queue_s=timings.get("prefill_queue_s", 0.0),
-                prefill_compute_s=timings.get("prefill_compute_s", 0.0),
-                kv_transfer_s=timings.get("kv_transfer_s", 0.0),
-                kv_sender_exposed_s=timings.get("kv_sender_exposed_s", 0.0),
+                prefill_pickup_s=timings.prefill_pickup_s,
+                prefill_queue_s=timings.prefill_queue_s,
+                prefill_compute_s=timings.prefill_compute_s,
+                kv_transfer_s=timings.kv_transfer_s,
+                kv_sender_exposed_s=timings.kv_sender_exposed_s,
             )
             track.attempts.append(attempt)
             track.running_at = usable
@@ -449,11 +439,7 @@ class DecodeWorker(RankWorker):
         return RequestResult(request_id, tokens, reason, bill, self.rank_id, track.prefill_rank, error)
 
     def _report(self, track: _Track, result: RequestResult) -> None:
-        frontend = track.routing.frontend
-        if frontend is None:
-            self._results.append(result)
-        else:
-            self._pushes.setdefault(frontend, (StreamColumns(), []))[1].append(result)
+        self.streams.result(track.routing.frontend, result)
 
     def _stream_new_tokens(self, request: Request, track: _Track, now_unix_s: float) -> None:
         frontend = track.routing.frontend
@@ -463,6 +449,5 @@ class DecodeWorker(RankWorker):
         new = tuple(outputs[track.streamed :])
         known = track.token_at[track.streamed : len(outputs)]
         at = tuple(known) + (time.monotonic(),) * (len(new) - len(known))
-        columns = self._pushes.setdefault(frontend, (StreamColumns(), []))[0]
-        columns.add(request.request_id, track.streamed, new, at, (now_unix_s,) * len(new))
+        self.streams.tokens(frontend, request.request_id, track.streamed, new, at, now_unix_s)
         track.streamed = len(outputs)

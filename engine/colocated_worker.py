@@ -22,6 +22,7 @@ from tandem.engine.dep import ExpertParallelDispatcher
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
+from tandem.engine.stream_publisher import StreamPublisher
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import (
     Bill,
@@ -32,7 +33,6 @@ from tandem.wire.messages import (
     RankStats,
     RequestResult,
     Role,
-    StreamColumns,
 )
 from tandem.wire.request_params import FinishReason
 
@@ -68,8 +68,7 @@ class ColocatedWorker(RankWorker):
         self.kv_events = KVEventPublisher(self.name, engine.scheduler.config.page_size, incarnation)
         self._schedule_s = self._update_s = 0.0
         self._tracks: dict[str, _Track] = {}
-        self._results: list[RequestResult] = []
-        self._pushes: dict[str, tuple[StreamColumns, list[RequestResult]]] = {}
+        self.streams = StreamPublisher(rank_id)
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, str | None, float]]:
@@ -147,8 +146,7 @@ class ColocatedWorker(RankWorker):
         self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:
-        out, self._results = self._results, []
-        return out
+        return self.streams.take_results()
 
     def publish(self) -> None:
         """Push each frontend its tokens and results, and each subscriber its KV events; a
@@ -156,12 +154,7 @@ class ColocatedWorker(RankWorker):
         events = self.engine.scheduler.kv_cache.take_events()
         if self.outbox is None:
             return
-        pushes, self._pushes = self._pushes, {}
-        for frontend, (columns, results) in pushes.items():
-            batch = columns.batch(self.rank_id, tuple(results))
-            if not self.outbox.push_stream(frontend, batch):
-                self.abort_frontend(frontend)
-        for frontend in self.outbox.flush():
+        for frontend in self.streams.publish(self.outbox):
             self.abort_frontend(frontend)
         for subscriber, events_batch in self.kv_events.publish(events).items():
             if not self.outbox.push_kv_events(subscriber, events_batch):
@@ -214,8 +207,7 @@ class ColocatedWorker(RankWorker):
             return
         new = tuple(outputs[track.streamed :])
         times = tuple(track.token_at[-len(new) :])
-        columns = self._pushes.setdefault(track.frontend, (StreamColumns(), []))[0]
-        columns.add(request.request_id, track.streamed, new, times, (now_unix_s,) * len(new))
+        self.streams.tokens(track.frontend, request.request_id, track.streamed, new, times, now_unix_s)
         track.streamed = len(outputs)
 
     def _finish(
@@ -234,10 +226,7 @@ class ColocatedWorker(RankWorker):
             error=error,
             rank_failure=error if rank_failure else None,
         )
-        if track is None or track.frontend is None:
-            self._results.append(result)
-        else:
-            self._pushes.setdefault(track.frontend, (StreamColumns(), []))[1].append(result)
+        self.streams.result(track.frontend if track is not None else None, result)
 
     def _bill(self, request: Request, track: _Track, now: float) -> Bill:
         first = track.token_at[0] if track.token_at else None
