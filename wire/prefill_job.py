@@ -67,6 +67,10 @@ class PrefillJob:
                 "sampling", f"must be SamplingParams, got {type(self.sampling).__name__}"
             )
         self.sampling.validate()
+        if self.sampling.seed is None and not self.sampling.greedy:
+            # the first token is drawn here: without the request's seed it would share every
+            # other unseeded job's draw (a decode rank seeds every request it is given)
+            raise InvalidRequestError("seed", "a job that samples must carry its request's seed")
         index = self.output_index
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise InvalidRequestError("output_index", f"must be an integer >= 0, got {index!r}")

@@ -332,6 +332,7 @@ def test_prefix_caching_off_caches_nothing() -> None:
         ({"output_index": -1}, "output_index"),
         ({"output_index": 8}, "output_index"),
         ({"sampling": SamplingParams(temperature=-1.0)}, "temperature"),
+        ({"sampling": SamplingParams(temperature=1.0)}, "seed"),  # samples, with no seed
         ({"deadline_s": float("nan")}, "deadline_s"),
     ],
 )
