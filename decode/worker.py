@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
 from tandem.engine.admission import admit_new_request, resumed_outputs
+from tandem.engine.bill_builder import build_bill, delivered_prompt_tokens
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
@@ -106,22 +107,20 @@ class _Track:
 
     def bill(self, request: Request | None, now: float) -> Bill:
         self.stop_running(now)
-        delivered = [a for a in self.attempts if a.delivered]
-        cached = sum(a.cached_tokens for a in delivered)
-        times = tuple(t - self.arrival for t in self.token_at)
-        return Bill(
+        cached, new = delivered_prompt_tokens(self.attempts)
+        return build_bill(
             prompt_tokens=request.num_prompt_tokens if request else 0,
             cached_tokens=cached,
-            new_prompt_tokens=sum(a.prompt_tokens for a in delivered) - cached,
+            new_prompt_tokens=new,
             output_tokens=len(request.output_token_ids) if request else 0,
             preemptions=self.preemptions,
-            attempts=tuple(self.attempts),
+            attempts=self.attempts,
+            arrival=self.arrival,
+            token_at=self.token_at,
+            now=now,
             pickup_s=self.pickup_s,
-            reservation_wait_s=self.reservation_wait_s,
             decode_s=self.decode_s,
-            rank_s=now - self.arrival,
-            first_token_s=times[0] if times else 0.0,
-            token_times_s=times,
+            reservation_wait_s=self.reservation_wait_s,
         )
 
 

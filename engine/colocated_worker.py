@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.admission import admit_new_request, resumed_outputs
+from tandem.engine.bill_builder import build_bill
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.dep import ExpertParallelDispatcher
 from tandem.engine.kv_event_publisher import KVEventPublisher
@@ -65,7 +66,7 @@ class ColocatedWorker(RankWorker):
         self.engine = engine
         self.dispatcher = dispatcher
         self.outbox = outbox
-        self.kv_events = KVEventPublisher(self.name, engine.scheduler.config.page_size, incarnation)
+        self.kv_events = KVEventPublisher(rank_id, engine.scheduler.config.page_size, incarnation)
         self._schedule_s = self._update_s = 0.0
         self._tracks: dict[str, _Track] = {}
         self.streams = StreamPublisher(rank_id)
@@ -240,17 +241,16 @@ class ColocatedWorker(RankWorker):
             prefill_queue_s=(scheduled if scheduled is not None else now) - track.queued_at,
             prefill_compute_s=(first - scheduled) if first is not None and scheduled is not None else 0.0,
         )
-        times = tuple(t - track.received for t in track.token_at)
-        return Bill(
+        return build_bill(
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
             new_prompt_tokens=request.num_prompt_tokens - request.num_cached_tokens,
             output_tokens=len(request.output_token_ids),
             preemptions=request.num_preemptions,
             attempts=(attempt,),
+            arrival=track.received,
+            token_at=track.token_at,
+            now=now,
             pickup_s=track.queued_at - track.received,
             decode_s=(now - first) if first is not None else 0.0,
-            rank_s=now - track.received,
-            first_token_s=times[0] if times else 0.0,
-            token_times_s=times,
         )
