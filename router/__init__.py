@@ -9,4 +9,6 @@
                    choose_decode_rank (free pages, in-flight requests) ──▶ RouteDecision
 
 ``router.router.Router`` is the one object a frontend holds; the other modules are its parts.
+Ranks are keyed by any hashable, ordered key that prints as the rank's name (``router.rank_key``:
+names, or ``wire.messages.RankId``).
 """

@@ -26,9 +26,10 @@ from tandem.router.policy import (
     PrefillQuery,
     least_loaded,
 )
+from tandem.router.rank_key import K
 
 
-def overloaded(candidates: Sequence[PrefillCandidate], config: PolicyConfig) -> set[str]:
+def overloaded(candidates: Sequence[PrefillCandidate[K]], config: PolicyConfig) -> set[K]:
     """Ranks lagging far enough behind the least-loaded one to be skipped."""
     low = min(c.in_flight_tokens for c in candidates)
     return {
@@ -39,11 +40,11 @@ def overloaded(candidates: Sequence[PrefillCandidate], config: PolicyConfig) -> 
     }
 
 
-class CacheAwarePolicy(PrefillPolicy):
+class CacheAwarePolicy(PrefillPolicy[K]):
     name = "cache_aware"
     branches = ("balance", "cache_hit", "low_match")
 
-    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice:
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate[K]]) -> PrefillChoice[K]:
         config = self.config
         best_match = max(candidates, key=lambda c: (c.matched_blocks, -c.in_flight_tokens))
         if best_match.matched_blocks == 0 or best_match.matched_blocks < (
@@ -54,7 +55,7 @@ class CacheAwarePolicy(PrefillPolicy):
         eligible = [c for c in candidates if c.rank not in skipped]  # never empty: the least loaded stays
         page_size, weight = query.page_size, config.load_weight
 
-        def score(c: PrefillCandidate) -> tuple[float, int, int, int]:
+        def score(c: PrefillCandidate[K]) -> tuple[float, int, int, int]:
             saved = c.matched_blocks * page_size - weight * c.in_flight_tokens
             return saved, -c.in_flight_tokens, -c.routed_tokens, -c.tie_break
 

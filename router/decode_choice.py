@@ -16,18 +16,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic
+
+from tandem.router.rank_key import K
 
 
 @dataclass(frozen=True)
-class DecodeCandidate:
-    rank: str
+class DecodeCandidate(Generic[K]):
+    rank: K
     num_requests: int
     free_pages: float  # reported free minus promised; math.inf before the first report
-    tie_break: int = 0  # the router's own order of ranks (0: by name)
+    tie_break: int = 0  # the router's own order of ranks (0: by rank key)
 
 
-def choose_decode_rank(candidates: Sequence[DecodeCandidate], pages_needed: int) -> DecodeCandidate:
-    """``candidates`` must not be empty; ties go by the router's order, then the rank name."""
+def choose_decode_rank(candidates: Sequence[DecodeCandidate[K]], pages_needed: int) -> DecodeCandidate[K]:
+    """``candidates`` must not be empty; ties go by the router's order, then the rank key."""
     with_room = [c for c in candidates if c.free_pages >= pages_needed]
     if with_room:
         return min(with_room, key=lambda c: (c.num_requests, -c.free_pages, c.tie_break, c.rank))

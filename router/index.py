@@ -15,7 +15,9 @@ one it lacks, exactly as the rank's own ``PrefixCache.match_prefix`` walks its p
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Generic
 
+from tandem.router.rank_key import K
 from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -23,14 +25,14 @@ class IndexIntegrityError(AssertionError):
     """The two maps of the index disagree: a bug in the index, not bad input."""
 
 
-class BlockIndex:
+class BlockIndex(Generic[K]):
     """Block hashes cached on each prefill rank. Events of one rank must arrive in order."""
 
     def __init__(self) -> None:
-        self._ranks_by_hash: dict[int, set[str]] = {}
-        self._hashes_by_rank: dict[str, set[int]] = {}
+        self._ranks_by_hash: dict[int, set[K]] = {}
+        self._hashes_by_rank: dict[K, set[int]] = {}
 
-    def apply(self, rank: str, event: KVEvent) -> None:
+    def apply(self, rank: K, event: KVEvent) -> None:
         """Apply one event of ``rank``. Removing a hash the rank does not hold is a no-op, so a
         snapshot (``AllBlocksCleared`` then ``BlockStored``) can follow any earlier state."""
         if isinstance(event, BlockStored):
@@ -53,23 +55,23 @@ class BlockIndex:
         else:
             raise TypeError(f"not a KV event: {event!r}")
 
-    def apply_all(self, rank: str, events: Iterable[KVEvent]) -> None:
+    def apply_all(self, rank: K, events: Iterable[KVEvent]) -> None:
         for event in events:
             self.apply(rank, event)
 
-    def remove_rank(self, rank: str) -> None:
+    def remove_rank(self, rank: K) -> None:
         """Forget everything ``rank`` cached (it left, or cleared its cache)."""
         for block in self._hashes_by_rank.pop(rank, set()):
             self._drop_holder(block, rank)
 
-    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[int]) -> dict[K, int]:
         """Leading blocks of ``block_hashes`` each rank holds, for ranks holding at least one.
 
         Walks the prompt once, narrowing the set of ranks that still match, and stops as soon
         as none does: the cost is the matched depth, not the prompt length times the ranks.
         """
-        matched: dict[str, int] = {}
-        candidates: set[str] = set()
+        matched: dict[K, int] = {}
+        candidates: set[K] = set()
         for depth, block in enumerate(block_hashes):
             holders = self._ranks_by_hash.get(block)
             if holders is None:
@@ -88,15 +90,15 @@ class BlockIndex:
             matched[rank] = depth
         return matched
 
-    def num_blocks(self, rank: str) -> int:
+    def num_blocks(self, rank: K) -> int:
         """Blocks ``rank`` caches now (0 for a rank the index never heard of)."""
         return len(self._hashes_by_rank.get(rank, ()))
 
-    def block_counts(self) -> dict[str, int]:
+    def block_counts(self) -> dict[K, int]:
         return {rank: len(held) for rank, held in self._hashes_by_rank.items()}
 
     @property
-    def ranks(self) -> list[str]:
+    def ranks(self) -> list[K]:
         return sorted(self._hashes_by_rank)
 
     @property
@@ -116,7 +118,7 @@ class BlockIndex:
         if pairs != sum(len(held) for held in self._hashes_by_rank.values()):
             raise IndexIntegrityError("a rank holds a hash the hash map does not list it under")
 
-    def _drop_holder(self, block: int, rank: str) -> None:
+    def _drop_holder(self, block: int, rank: K) -> None:
         holders = self._ranks_by_hash.get(block)
         if holders is None:
             return

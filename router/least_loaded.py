@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.router.policy import PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery, least_loaded
+from tandem.router.rank_key import K
 
 
-class LeastLoadedPolicy(PrefillPolicy):
+class LeastLoadedPolicy(PrefillPolicy[K]):
     name = "least_loaded"
     branches = ("least_loaded",)
 
-    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice:
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate[K]]) -> PrefillChoice[K]:
         return PrefillChoice(least_loaded(candidates).rank, "least_loaded")

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Generic
+
+from tandem.router.rank_key import K
 
 
 class LoadIntegrityError(AssertionError):
@@ -37,29 +40,29 @@ class DecodeStats:
 
 
 @dataclass
-class _InFlight:
-    prefill_rank: str | None  # None once the prefill is done (or its rank left)
+class _InFlight(Generic[K]):
+    prefill_rank: K | None  # None once the prefill is done (or its rank left)
     new_tokens: int
-    decode_rank: str | None  # None once its decode rank left
+    decode_rank: K | None  # None once its decode rank left
     promised_pages: int  # 0 once a report counts them
 
 
-class LoadTracker:
+class LoadTracker(Generic[K]):
     """In-flight work per prefill and decode rank. All operations on a request id that is not
     in flight are no-ops, so completion signals may repeat or race with an abort."""
 
     def __init__(self) -> None:
-        self._requests: dict[str, _InFlight] = {}
-        self._prefill_tokens: dict[str, int] = {}
-        self._routed_tokens: dict[str, int] = {}  # since the rank joined, done or not
-        self._decode_requests: dict[str, int] = {}
-        self._promised_pages: dict[str, int] = {}
-        self._stats: dict[str, DecodeStats] = {}
-        self._reported_tokens: dict[str, int] = {}  # each prefill rank's own count of pending tokens
+        self._requests: dict[str, _InFlight[K]] = {}
+        self._prefill_tokens: dict[K, int] = {}
+        self._routed_tokens: dict[K, int] = {}  # since the rank joined, done or not
+        self._decode_requests: dict[K, int] = {}
+        self._promised_pages: dict[K, int] = {}
+        self._stats: dict[K, DecodeStats] = {}
+        self._reported_tokens: dict[K, int] = {}  # each prefill rank's own count of pending tokens
         # per decode rank: requests whose prefill is done and whose pages are still promised
-        self._awaiting_report: dict[str, set[str]] = {}
+        self._awaiting_report: dict[K, set[str]] = {}
 
-    def set_ranks(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
+    def set_ranks(self, prefill: Iterable[K], decode: Iterable[K]) -> None:
         """Track exactly these ranks. Work routed to a rank that left stops counting anywhere
         (the request itself stays in flight for its other rank)."""
         prefill_set, decode_set = set(prefill), set(decode)
@@ -87,7 +90,7 @@ class LoadTracker:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: str, prefill_rank: str, new_tokens: int, decode_rank: str, pages: int) -> None:
+    def add(self, request_id: str, prefill_rank: K, new_tokens: int, decode_rank: K, pages: int) -> None:
         """Count a routed request against both of its ranks (both must be tracked)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in flight")
@@ -118,7 +121,7 @@ class LoadTracker:
         self._promised_pages[entry.decode_rank] -= entry.promised_pages
         self._awaiting_report[entry.decode_rank].discard(request_id)
 
-    def update_decode_stats(self, rank: str, free_pages: int, running: int, total_pages: int) -> None:
+    def update_decode_stats(self, rank: K, free_pages: int, running: int, total_pages: int) -> None:
         """Record a decode rank's report; it now counts the pages of every request routed there
         whose prefill is done. Reports of untracked ranks are ignored (it may have just left)."""
         if min(free_pages, running, total_pages) < 0 or free_pages > total_pages:
@@ -132,7 +135,7 @@ class LoadTracker:
             entry.promised_pages = 0
         self._awaiting_report[rank].clear()
 
-    def update_prefill_stats(self, rank: str, pending_tokens: int) -> None:
+    def update_prefill_stats(self, rank: K, pending_tokens: int) -> None:
         """Record a prefill rank's report of the tokens it has still to compute: with several
         frontends it counts the others' requests, which this router never saw."""
         if pending_tokens < 0:
@@ -140,30 +143,30 @@ class LoadTracker:
         if rank in self._prefill_tokens:
             self._reported_tokens[rank] = pending_tokens
 
-    def prefill_tokens(self, rank: str) -> int:
+    def prefill_tokens(self, rank: K) -> int:
         return self._prefill_tokens.get(rank, 0)
 
-    def prefill_load(self, rank: str) -> int:
+    def prefill_load(self, rank: K) -> int:
         """The rank's load for routing: the larger of what this router has in flight there and
         what the rank last reported (which includes other frontends' requests, but lags)."""
         return max(self._prefill_tokens.get(rank, 0), self._reported_tokens.get(rank, 0))
 
-    def routed_tokens(self, rank: str) -> int:
+    def routed_tokens(self, rank: K) -> int:
         return self._routed_tokens.get(rank, 0)
 
-    def prefill_loads(self) -> dict[str, int]:
+    def prefill_loads(self) -> dict[K, int]:
         return dict(self._prefill_tokens)
 
-    def decode_requests(self, rank: str) -> int:
+    def decode_requests(self, rank: K) -> int:
         return self._decode_requests.get(rank, 0)
 
-    def decode_loads(self) -> dict[str, int]:
+    def decode_loads(self) -> dict[K, int]:
         return dict(self._decode_requests)
 
-    def promised_pages(self, rank: str) -> int:
+    def promised_pages(self, rank: K) -> int:
         return self._promised_pages.get(rank, 0)
 
-    def decode_stats(self, rank: str) -> DecodeStats | None:
+    def decode_stats(self, rank: K) -> DecodeStats | None:
         """The rank's latest report, or ``None`` before its first."""
         return self._stats.get(rank)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Generic
+
+from tandem.router.rank_key import K
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,10 @@ class PrefillQuery:
 
 
 @dataclass(frozen=True)
-class PrefillCandidate:
+class PrefillCandidate(Generic[K]):
     """One prefill rank as the policy sees it."""
 
-    rank: str
+    rank: K
     matched_blocks: int  # leading blocks it holds, already capped at max_reusable_blocks
     in_flight_tokens: int  # new tokens pending on it: this router's, or the rank's report if larger
     routed_tokens: int  # new tokens routed to it since it joined, done or not
@@ -68,13 +70,14 @@ class PrefillCandidate:
 
 
 @dataclass(frozen=True)
-class PrefillChoice:
-    rank: str
+class PrefillChoice(Generic[K]):
+    rank: K
     branch: str  # one of the policy's ``branches``, counted by the router
 
 
-class PrefillPolicy(ABC):
-    """Picks a prefill rank. ``candidates`` is never empty and is sorted by rank name."""
+class PrefillPolicy(ABC, Generic[K]):
+    """Picks a prefill rank. ``candidates`` is never empty and is sorted by rank key (see
+    ``router.rank_key``: for names, their string order)."""
 
     name: ClassVar[str]
     branches: ClassVar[tuple[str, ...]]  # every branch ``choose`` may report
@@ -83,10 +86,10 @@ class PrefillPolicy(ABC):
         self.config = config
 
     @abstractmethod
-    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice: ...
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate[K]]) -> PrefillChoice[K]: ...
 
 
-def least_loaded(candidates: Sequence[PrefillCandidate]) -> PrefillCandidate:
+def least_loaded(candidates: Sequence[PrefillCandidate[K]]) -> PrefillCandidate[K]:
     """Fewest in-flight tokens. Ties, common when ranks are idle, go to the rank that was given
     the fewest tokens so far: a name order would hand the first rank every new conversation of
     a quiet period, and conversations stay where they start. Then each router's own order, so

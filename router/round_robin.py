@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery
+from tandem.router.rank_key import K
 
 
-class RoundRobinPolicy(PrefillPolicy):
+class RoundRobinPolicy(PrefillPolicy[K]):
     name = "round_robin"
     branches = ("round_robin",)
 
@@ -15,7 +16,7 @@ class RoundRobinPolicy(PrefillPolicy):
         super().__init__(config)
         self._turn = 0
 
-    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate]) -> PrefillChoice:
+    def choose(self, query: PrefillQuery, candidates: Sequence[PrefillCandidate[K]]) -> PrefillChoice[K]:
         chosen = candidates[self._turn % len(candidates)]
         self._turn += 1
         return PrefillChoice(chosen.rank, "round_robin")

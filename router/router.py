@@ -17,11 +17,13 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic
 
 from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
 from tandem.router.index import BlockIndex, IndexIntegrityError
 from tandem.router.load import LoadTracker
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
+from tandem.router.rank_key import K
 from tandem.router.registry import DEFAULT_POLICY, make_prefill_policy
 from tandem.wire.kv_events import KVEvent
 
@@ -47,7 +49,7 @@ class RouterConfig:
     # Output tokens a decode rank must have room for beyond the prompt, at most max_new_tokens.
     decode_output_reserve_tokens: int = 256
     # Orders ranks for ties; frontends give each router its own (their names), so that routers
-    # that see the same loads do not herd onto one rank. Empty: rank-name order.
+    # that see the same loads do not herd onto one rank. Empty: rank-key order (router.rank_key).
     tie_break_salt: str = ""
 
     def __post_init__(self) -> None:
@@ -56,9 +58,9 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
-class RouteDecision:
-    prefill_rank: str
-    decode_rank: str
+class RouteDecision(Generic[K]):
+    prefill_rank: K
+    decode_rank: K
     matched_blocks: int  # on prefill_rank, capped by the one-token rule
     predicted_cached_tokens: int  # matched_blocks * page_size: what the rank's own match will find
     branch: str  # the policy branch that chose prefill_rank
@@ -66,22 +68,26 @@ class RouteDecision:
 
 
 @dataclass(frozen=True)
-class RouterLoads:
-    prefill_tokens: dict[str, int]  # in-flight new tokens per prefill rank
-    decode_requests: dict[str, int]  # in-flight requests per decode rank
-    decode_promised_pages: dict[str, int]
+class RouterLoads(Generic[K]):
+    prefill_tokens: dict[K, int]  # in-flight new tokens per prefill rank
+    decode_requests: dict[K, int]  # in-flight requests per decode rank
+    decode_promised_pages: dict[K, int]
 
 
-class Router:
-    def __init__(self, config: RouterConfig | None = None, policy: PrefillPolicy | None = None) -> None:
+class Router(Generic[K]):
+    """Keys ranks by ``K`` (``router.rank_key``): names in tests and the router bench,
+    ``RankId`` in the frontend. ``Router()`` is a ``Router[str]``; ``Router[RankId](config)``
+    keys by RankId."""
+
+    def __init__(self, config: RouterConfig | None = None, policy: PrefillPolicy[K] | None = None) -> None:
         """``policy`` overrides ``config.policy`` (for a policy that is not registered)."""
         self.config = config or RouterConfig()
         self.policy = policy or make_prefill_policy(self.config.policy, self.config.policy_config)
-        self._index = BlockIndex()
-        self._load = LoadTracker()
-        self._prefill_ranks: list[str] = []
-        self._prefill_set: frozenset[str] = frozenset()
-        self._decode_ranks: list[str] = []
+        self._index: BlockIndex[K] = BlockIndex()
+        self._load: LoadTracker[K] = LoadTracker()
+        self._prefill_ranks: list[K] = []
+        self._prefill_set: frozenset[K] = frozenset()
+        self._decode_ranks: list[K] = []
         self._counters: dict[str, int] = dict.fromkeys(
             ["requests_routed", "matched_blocks", "queried_blocks", "events_applied", "events_dropped"], 0
         )
@@ -89,14 +95,14 @@ class Router:
             self._counters[f"branch_{branch}"] = 0
 
     @property
-    def prefill_ranks(self) -> list[str]:
+    def prefill_ranks(self) -> list[K]:
         return list(self._prefill_ranks)
 
     @property
-    def decode_ranks(self) -> list[str]:
+    def decode_ranks(self) -> list[K]:
         return list(self._decode_ranks)
 
-    def set_ranks(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+    def set_ranks(self, prefill: Sequence[K], decode: Sequence[K]) -> None:
         """Route to exactly these ranks from now on. A prefill rank that left loses its index
         entries (it must send a fresh snapshot if it returns); any rank that left stops
         counting load."""
@@ -108,7 +114,7 @@ class Router:
         self._prefill_ranks, self._decode_ranks = sorted(prefill_set), sorted(set(decode))
         self._load.set_ranks(self._prefill_ranks, self._decode_ranks)
 
-    def apply_events(self, rank: str, events: Iterable[KVEvent]) -> None:
+    def apply_events(self, rank: K, events: Iterable[KVEvent]) -> None:
         """Apply a prefill rank's events in order. Events of a rank not in the prefill set are
         dropped (late events of a rank that left must not bring it back)."""
         if rank not in self._prefill_set:
@@ -118,10 +124,10 @@ class Router:
             self._index.apply(rank, event)
             self._counters["events_applied"] += 1
 
-    def update_decode_stats(self, rank: str, free_pages: int, running: int, total_pages: int) -> None:
+    def update_decode_stats(self, rank: K, free_pages: int, running: int, total_pages: int) -> None:
         self._load.update_decode_stats(rank, free_pages, running, total_pages)
 
-    def update_prefill_stats(self, rank: str, pending_tokens: int) -> None:
+    def update_prefill_stats(self, rank: K, pending_tokens: int) -> None:
         """A prefill rank's report of its pending prompt tokens (all frontends' requests)."""
         self._load.update_prefill_stats(rank, pending_tokens)
 
@@ -133,7 +139,7 @@ class Router:
         page_size: int,
         max_new_tokens: int,
         same_rank: bool = False,
-    ) -> RouteDecision:
+    ) -> RouteDecision[K]:
         """Pick both ranks for a request and count its load against them.
 
         ``block_hashes`` are the chained hashes of the prompt's full pages
@@ -208,18 +214,18 @@ class Router:
         requests), ``events_applied``/``events_dropped``, and ``branch_<name>`` per branch."""
         return dict(self._counters)
 
-    def loads(self) -> RouterLoads:
+    def loads(self) -> RouterLoads[K]:
         return RouterLoads(
             self._load.prefill_loads(),
             self._load.decode_loads(),
             {rank: self._load.promised_pages(rank) for rank in self._decode_ranks},
         )
 
-    def cached_blocks(self) -> dict[str, int]:
+    def cached_blocks(self) -> dict[K, int]:
         """Blocks each prefill rank caches, as its events tell."""
         return {rank: self._index.num_blocks(rank) for rank in self._prefill_ranks}
 
-    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[int]) -> dict[K, int]:
         """Leading blocks each prefill rank holds (uncapped), for ranks holding any."""
         return self._index.match(block_hashes)
 
@@ -239,11 +245,11 @@ class Router:
         if branches != routed:
             raise AssertionError(f"{branches} branch decisions for {routed} requests")
 
-    def _tie_break(self, rank: str) -> int:
+    def _tie_break(self, rank: K) -> int:
         salt = self.config.tie_break_salt
         return zlib.crc32(f"{salt}/{rank}".encode()) if salt else 0
 
-    def _decode_candidate(self, rank: str) -> DecodeCandidate:
+    def _decode_candidate(self, rank: K) -> DecodeCandidate[K]:
         stats = self._load.decode_stats(rank)
         in_flight = self._load.decode_requests(rank)
         tie = self._tie_break(rank)
