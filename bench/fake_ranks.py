@@ -1,18 +1,18 @@
 """Stand-ins for a deployment's controller and ranks that make tokens without a model, so that a
 real frontend can be driven as hard as it can go (``bench/host_frontend.py``).
 
-A :class:`FakeDecodeRank` takes the frontend's submits (on a submit socket as a decode rank's,
-``cluster/submit_listener.py``, or as actor calls), sends each request's prompt as a
+A :class:`FakeDecodeRank` takes the frontend's submits on the channel the frontend opens to it (a
+decode rank's, ``cluster/channel_server.py``), sends each request's prompt as a
 :class:`PrefillJob` to the prefill rank the router chose (as ``decode/worker.py`` does, an actor
 call ``submit([job])``), and after each of its steps pushes the frontend one :class:`StreamBatch`
 with one new token for every running request and the :class:`RequestResult` (with its
 :class:`Bill`) of each request that reached its ``max_tokens``: the message, the path (the
-frontend's stream socket, as a decode rank's outbox uses once connected) and the one batch a
-step per frontend are those of ``decode/worker.py``'s ``publish``. A request's tokens are the
-workload's output for its prompt (``bench/frontend_workload.py``). A step takes at least
-``step_s`` (the stand-in for a decode forward: every running stream gets its token a step, as on
-a deployment, so a push carries a token of each), and waits while the socket holds back bytes the
-frontend has not read: with a short ``step_s`` the ranks offer more tokens than the frontend
+frontend's channel, as a decode rank's outbox uses) and the one batch a step per frontend
+are those of ``decode/worker.py``'s ``publish``. A request's tokens are the workload's output for
+its prompt (``bench/frontend_workload.py``). A step takes at least ``step_s`` (the stand-in for a
+decode forward: every running stream gets its token a step, as on a deployment, so a push carries
+a token of each), and waits while the channel holds back bytes the frontend has not read: with a
+short ``step_s`` the ranks offer more tokens than the frontend
 takes, and the frontend is what limits the tokens per second.
 
 A :class:`FakePrefillRank` computes no KV but keeps a real prefix cache (``PrefixCache``) of a
@@ -26,7 +26,7 @@ router indexes what the ranks hold and its prefix matches are real.
 
     frontend ──submit([RankRequest])──▶ FakeDecodeRank ──submit([PrefillJob])──▶ FakePrefillRank
       ▲ ▲                                      │ each step, a                           │ a prefix cache,
-      │ └──── StreamBatch on the stream socket ◀┘ token a stream                       │ no compute
+      │ └────────── StreamBatch on the channel ◀┘ token a stream                       │ no compute
       └──────────────────── push_kv_events(KVEventBatch) ◀──────────────────────────────┘
     frontend ──subscribe──▶ FakePrefillRank     frontend ──routing_view──▶ FakeController
 """
@@ -35,20 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from tandem.bench.frontend_workload import FrontendWorkload
+from tandem.cluster.channel_server import ChannelServer
 from tandem.cluster.outbox import RayOutbox
-from tandem.cluster.stream_socket import SocketStream
-from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.page_allocator import PageAllocator
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.kvtransfer.types import KVDestination
+from tandem.wire.channel import Endpoint
 from tandem.wire.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tandem.wire.messages import (
     Bill,
@@ -126,44 +125,37 @@ class FakeDecodeRank:
         rank: RankId,
         prefill: dict[RankId, Any],
         workload: FrontendWorkload,
-        window: int = 2,
         step_s: float = 0.0,
     ) -> None:
         if not workload.stream_token_ids:
             raise ValueError("workload: expected a stream of at least one token id")
-        if window < 1:
-            raise ValueError(f"window: must be at least 1, got {window}")
         if not 0 <= step_s <= 1:
             raise ValueError(f"step_s: expected 0 to 1 seconds, got {step_s}")
         self.rank, self.prefill = rank, prefill
-        self.workload, self.window, self.step_s = workload, window, step_s
+        self.workload, self.step_s = workload, step_s
         self.token_ids = workload.stream_token_ids
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
-        self._handles: dict[str, Any] = {}  # frontend name -> its actor
-        self._sockets: dict[str, SocketStream] = {}  # frontend name -> its stream socket
-        self._in_flight: deque[Any] = deque()
         self._steps = self._pushes = self._tokens = self._results = 0
         self._loop: asyncio.Task[None] | None = None
         self._held = False
-        self._submits: SubmitListener | None = None
+        self._channels: ChannelServer | None = None
 
-    async def submit(self, items: list[RankRequest]) -> None:
-        _check(items)
-        self._take(items, time.monotonic())
-
-    async def submit_endpoint(self) -> tuple[str, int, bytes]:
-        """A submit socket as a decode rank's (``cluster/submit_listener.py``): its thread checks
-        the items and hands them to this actor's event loop."""
-        if self._submits is None:
+    async def channel_endpoint(self) -> Endpoint:
+        """A channel server as a decode rank's (``cluster/channel_server.py``): its threads check
+        the items and hand them, and aborts, to this actor's event loop."""
+        if self._channels is None:
             loop = asyncio.get_running_loop()
 
             def submit(items: list[Any]) -> None:
                 _check(items)
                 loop.call_soon_threadsafe(self._take, items, time.monotonic())
 
-            self._submits = SubmitListener(submit, ray.util.get_node_ip_address())
-        return self._submits.endpoint()
+            def abort(request_ids: list[str]) -> None:
+                loop.call_soon_threadsafe(self._abort, request_ids)
+
+            self._channels = ChannelServer(ray.util.get_node_ip_address(), submit, abort)
+        return self._channels.endpoint()
 
     def _take(self, items: list[RankRequest], now: float) -> None:
         if self._loop is None:
@@ -190,7 +182,7 @@ class FakeDecodeRank:
             deadline_s=time.time() + KV_DEADLINE_S,
         )
 
-    async def abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -285,27 +277,15 @@ class FakeDecodeRank:
         return RequestResult(request.request_id, tokens, reason, bill, self.rank, prefill_rank)
 
     async def _push(self, frontend: str, batch: StreamBatch) -> None:
-        """The batch on the frontend's stream socket, as a decode rank's outbox sends it once
-        connected (``cluster/stream_socket.py``); waits while the socket holds back bytes, so the
-        frontend's reading paces the steps. A frontend without a socket gets
-        ``Frontend.push_stream(batch)`` calls, ``window`` of them unhandled at most."""
-        handle = self._handles.get(frontend)
-        if handle is None:
-            handle = self._handles[frontend] = ray.get_actor(frontend)
-            endpoint = await handle.stream_endpoint.remote()
-            if endpoint is not None:
-                self._sockets[frontend] = SocketStream(*endpoint)
+        """The batch on the frontend's channel, as a decode rank's outbox sends it; waits while
+        the channel holds back bytes, so the frontend's reading paces the steps."""
+        connection = self._channels.connection(frontend) if self._channels is not None else None
         self._pushes += 1
-        stream = self._sockets.get(frontend)
-        if stream is not None:
-            stream.send(batch)
-            while stream.buffered_bytes:
+        if connection is not None:
+            connection.send(batch)
+            while connection.buffered_bytes:
                 await asyncio.sleep(0.0002)
-                stream.flush()
-        else:
-            self._in_flight.append(handle.push_stream.remote(batch))
-            while len(self._in_flight) >= self.window:
-                await self._in_flight.popleft()
+                connection.flush()
         await asyncio.sleep(0)  # let submits and aborts in between steps
 
 
@@ -323,7 +303,7 @@ class FakePrefillRank:
         self.rank = rank
         self.page_size = page_size
         self.cache = PrefixCache(PageAllocator(num_pages), page_size)
-        self.kv_events = KVEventPublisher(rank.name, page_size, INCARNATION)
+        self.kv_events = KVEventPublisher(rank, page_size, INCARNATION)
         self.outbox = RayOutbox(rank.name)
         self._jobs = self._batches = self._stored = self._removed = 0
 

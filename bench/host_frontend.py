@@ -92,7 +92,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "/router/",
             "prefix_cache.py",
-            "_route_and_submit",
+            "core.py:_send",
             "hashlib",
             "_blake",
             "kv_event_feed.py",
@@ -102,7 +102,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "push_handling",
-        ("request_stream.py", "core.py:on_stream", "push_stream", "/ray/", "pickle", "_raylet"),
+        ("request_stream.py", "core.py:on_stream", "rank_channel.py", "/ray/", "pickle", "_raylet"),
     ),
     ("stream_loop", ("core.py:generate", "frontend/core.py")),
     ("event_loop", ("asyncio", "selectors", "_contextvars")),
@@ -148,7 +148,6 @@ def _start(
     decode_ranks: int,
     prefill_ranks: int,
     prefill_pages: int,
-    window: int,
     step_s: float,
     stream_interval: int,
     channels: int,
@@ -158,7 +157,7 @@ def _start(
     prefill = {r: FakePrefillRank.remote(r, prefill_pages) for r in prefill_ids}  # type: ignore[attr-defined]
     decode_ids = [RankId(f"bench-decode-{suffix}", r) for r in range(decode_ranks)]
     ranks = [
-        FakeDecodeRank.remote(r, prefill, workload, window, step_s)  # type: ignore[attr-defined]
+        FakeDecodeRank.remote(r, prefill, workload, step_s)  # type: ignore[attr-defined]
         for r in decode_ids
     ]
     controller_name = f"tandem-bench-controller-{suffix}"
@@ -272,7 +271,7 @@ def _measured(bench: _Bench, order: LoadOrder, timeout_s: float) -> dict[str, An
         "messages": result.messages,
         "tokens_per_message": round(result.tokens / max(result.messages, 1), 2),
         "rank_pushes": pushes,
-        "submits": {way: submits1[way] - submits0[way] for way in ("socket", "actor")},
+        "submits": {way: submits1[way] - submits0[way] for way in ("channel", "unreachable")},
         "tokens_per_push": round((ranks1.tokens - ranks0.tokens) / max(pushes, 1), 1),
         "frontend_ttft_ms": _percentiles_ms(result.frontend_ttft_s),
         "client_ttft_ms": _percentiles_ms(result.client_ttft_s),
@@ -319,7 +318,6 @@ class _Plan:
     decode_ranks: int
     prefill_ranks: int
     prefill_pages: int
-    window: int
     step_ms: float
     repeats: int
     stream_interval: int
@@ -333,7 +331,6 @@ def measure_frontend(
     output_tokens: int = 256,
     address: str | None = None,
     decode_ranks: int = 2,
-    window: int = 8,
     step_ms: float = STEP_MS,
     repeats: int = 3,
     stream_interval: int = 1,
@@ -372,7 +369,6 @@ def measure_frontend(
         decode_ranks,
         prefill_ranks,
         prefill_pages,
-        window,
         step_ms,
         repeats,
         stream_interval,
@@ -407,7 +403,6 @@ def _measure_workload(workload: FrontendWorkload, plan: _Plan) -> dict[str, Any]
         plan.decode_ranks,
         plan.prefill_ranks,
         plan.prefill_pages,
-        plan.window,
         plan.step_ms / 1e3,
         plan.stream_interval,
         channels,
@@ -446,7 +441,6 @@ def _measure_workload(workload: FrontendWorkload, plan: _Plan) -> dict[str, Any]
         "decode_ranks": plan.decode_ranks,
         "prefill_ranks": plan.prefill_ranks,
         "prefill_cache_pages": plan.prefill_pages,
-        "push_window": plan.window,
         "rank_step_ms": plan.step_ms,
         "stream_interval": plan.stream_interval,
         # what was sent and streamed, over the measured rounds; the router's and the prefill

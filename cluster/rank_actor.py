@@ -4,9 +4,10 @@ Lifecycle, driven by :class:`tandem.cluster.group.RankGroup`: ``rendezvous_addre
 -> ``setup`` on every rank at once (torch.distributed rendezvous, the model with this rank's
 slice of the experts, the role's worker) -> ``run`` (the lockstep loop; it returns only when
 stopped or failed, so the group watches it to learn of a death) -> ``submit``, ``abort``,
-``collect`` and the rest while it runs. A frontend submits over a socket of the rank's once it
-has one (``submit_endpoint``, ``cluster/submit_listener.py``); ``submit`` as an actor call is
-the same call.
+``collect`` and the rest while it runs. A frontend submits, aborts and receives its streams
+over a channel it opens to the rank (``channel_endpoint``, ``cluster/channel_server.py``); the
+actor's ``submit``, ``abort`` and ``collect`` drive a group without frontends (benches, tests)
+and carry a decode rank's prefill jobs.
 
 The shell knows no role: what a rank does lives in its worker (``prefill/``, ``decode/``, the
 colocated engine), built from ``RankSpec.role``. Items a caller submits are checked on the
@@ -23,13 +24,14 @@ from typing import Any
 
 import ray
 
+from tandem.cluster.channel_server import ChannelServer
 from tandem.cluster.rank_spec import RankSpec
-from tandem.cluster.submit_listener import SubmitListener
 from tandem.engine.process_place import this_place
 from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import RankLabels
 from tandem.metrics.rank import RankMetrics
+from tandem.wire.channel import Endpoint
 from tandem.wire.messages import ProcessPlace, RankId, RankStats, RequestResult
 
 
@@ -60,15 +62,14 @@ class RankActor:
         self._setup = rank_setup
         self.device = rank_setup.rank_device()
         self._rendezvous = rank_setup.GroupRendezvous()
-        self._outbox = RayOutbox(spec.rank_id.name)
+        self._channels = ChannelServer(ray.util.get_node_ip_address(), self.submit, self.abort)
+        self._outbox = RayOutbox(spec.rank_id.name, self._channels)
         self._stop = threading.Event()
         self._loop_ended = threading.Event()
         self._loop_error: BaseException | None = None
         self._loop: RankLoop | None = None
         self._metrics_server: MetricsServer | None = None
         self._metrics: RankMetrics | None = None
-        self._submits: SubmitListener | None = None
-        self._submits_lock = threading.Lock()
 
     def place(self) -> ProcessPlace:
         """This rank's node and pid; first checks that the node can read the model."""
@@ -145,13 +146,9 @@ class RankActor:
         admitted = loop.worker.admit(items)
         loop.post(lambda worker: worker.submit(admitted))
 
-    def submit_endpoint(self) -> tuple[str, int, bytes]:
-        """Where a frontend submits over a socket instead of calling ``submit``: host, port and
-        the secret a connection opens with (the listener starts on the first call)."""
-        with self._submits_lock:
-            if self._submits is None:
-                self._submits = SubmitListener(self.submit, ray.util.get_node_ip_address())
-            return self._submits.endpoint()
+    def channel_endpoint(self) -> Endpoint:
+        """Where a frontend opens its channel to this rank: host, port and the secret."""
+        return self._channels.endpoint()
 
     def abort(self, request_ids: list[str]) -> None:
         def abort_all(worker: RankWorker) -> None:
@@ -195,8 +192,7 @@ class RankActor:
         self._stop.set()
         if self._metrics_server is not None:
             self._metrics_server.close()
-        if self._submits is not None:
-            self._submits.close()
+        self._channels.close()
 
     def _require(self) -> RankLoop:
         if self._loop is None:

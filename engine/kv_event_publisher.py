@@ -9,10 +9,11 @@ between them; a subscriber applies batches in ``seq`` order and subscribes again
 from __future__ import annotations
 
 from tandem.wire.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from tandem.wire.messages import RankId
 
 
 class KVEventPublisher:
-    def __init__(self, rank: str, page_size: int, incarnation: int = 0) -> None:
+    def __init__(self, rank: RankId, page_size: int, incarnation: int = 0) -> None:
         self.rank = rank
         self.incarnation = incarnation
         self.page_size = page_size

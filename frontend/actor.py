@@ -24,11 +24,9 @@ from tandem.frontend.grpc_service import build_server, set_serving
 from tandem.frontend.openai_http import HttpConfig, OpenAIServer
 from tandem.frontend.rank_channel import last_line
 from tandem.frontend.running import GenerateSpec
-from tandem.frontend.stream_listener import StreamListener
 from tandem.metrics.discovery import sd_document
 from tandem.metrics.http import MetricsServer
 from tandem.wire.kv_events import KVEventBatch
-from tandem.wire.messages import StreamBatch
 from tandem.wire.routing_view import FrontendInfo
 from tandem.wire.scrape_target import ScrapeTarget
 from tandem.wire.stream_summary import StreamSummary
@@ -39,7 +37,8 @@ EVERY_INTERFACE = ("", "0.0.0.0", "::")  # bind addresses others reach at the no
 
 @ray.remote(num_cpus=0)
 class Frontend:
-    """The gRPC server as a named async Ray actor; ranks push streams and KV events to it."""
+    """The gRPC server as a named async Ray actor; ranks stream to it over the channels it opens
+    (``frontend/membership.py``) and push it KV events."""
 
     def __init__(self, config: FrontendConfig, http: HttpConfig | None = None) -> None:
         self.config = config
@@ -55,8 +54,6 @@ class Frontend:
         self._all_metrics = self.core.metrics
         self._profiler = LoopProfiler()
         self._gc_clock = GcClock()
-        # the decode ranks' token streams, once they connect (before, their actor calls)
-        self._streams = StreamListener(self.core.on_stream)
 
     async def start(self) -> int:
         """Bind the port and start serving (NOT_SERVING until the pools are ready); the port.
@@ -78,7 +75,6 @@ class Frontend:
                 advertise=ray.util.get_node_ip_address() if wildcard else None,
             )
         await self._server.start()
-        await self._streams.start(ray.util.get_node_ip_address())
         if self.http_config is not None:
             self._http = OpenAIServer(self.core, self.http_config)
             await self._http.start()
@@ -169,9 +165,8 @@ class Frontend:
         return self.core.stream_buffers()
 
     def submits(self) -> dict[str, int]:
-        """Submits to decode ranks so far, by way: ``socket`` (``frontend/rank_channel.py``) or
-        ``actor`` (an actor call, while a rank's socket is not open); ``open_channels``: the
-        decode ranks whose socket is open now."""
+        """Submits to decode ranks so far over their channels (``frontend/rank_channel.py``),
+        the ones refused because no channel was open, and the channels open now."""
         return self.core.membership.submits | {"open_channels": self.core.membership.open_channels()}
 
     async def clock(self) -> ProcessClock:
@@ -186,14 +181,6 @@ class Frontend:
     async def stop_profile(self) -> list[ProfileRow]:
         """The profile since ``start_profile``: each function's own time, largest first."""
         return self._profiler.stop()
-
-    async def push_stream(self, batch: StreamBatch) -> None:
-        self.core.on_stream(batch)
-
-    def stream_endpoint(self) -> tuple[str, int, bytes] | None:
-        """Where a decode rank streams this frontend its batches (``frontend/stream_listener.py``):
-        host, port and the secret a connection opens with."""
-        return self._streams.endpoint()
 
     async def push_kv_events(self, batch: KVEventBatch) -> None:
         self.core.on_kv_events(batch)
@@ -213,7 +200,6 @@ class Frontend:
             await self._server.stop(grace_s)
         if self._http is not None:
             await self._http.stop()
-        await self._streams.stop()
         self.core.membership.close_channels()
         if self._metrics is not None:
             self._metrics.close()

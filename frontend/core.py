@@ -38,8 +38,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from tandem.engine.admission import max_kv_pages
 from tandem.engine.prefix_cache import block_hashes
 from tandem.frontend.detokenizer import PairCache
@@ -48,7 +46,7 @@ from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.membership import Membership
 from tandem.frontend.migration import Migration
-from tandem.frontend.rank_channel import SUBMIT_ERRORS, refusal
+from tandem.frontend.rank_channel import SUBMIT_ERRORS, RankNotReachable, refusal
 from tandem.frontend.request_stream import RequestStream, StreamChunk
 from tandem.frontend.running import GenerateSpec, RequestKey, Running
 from tandem.frontend.status import StatusView, read_status
@@ -136,7 +134,7 @@ class FrontendCore:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
-        self.router = Router(RouterConfig(tie_break_salt=config.name))
+        self.router: Router[RankId] = Router(RouterConfig(tie_break_salt=config.name))
         self.running: dict[RequestKey, Running] = {}  # by the client's request id
         self._per_client: dict[str, int] = {}  # running requests of each client
         self._by_rank_id: dict[str, Running] = {}  # by the ranks' request id
@@ -144,7 +142,9 @@ class FrontendCore:
         self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
         self.kv_events = KVEventFeed(self.router, config.name)
         self._tasks: set[asyncio.Future[None]] = set()
-        self.membership = Membership(self.router, self.kv_events, self._tasks)
+        self.membership = Membership(
+            self.router, self.kv_events, self._tasks, config.name, self.on_stream, self._channel_lost
+        )
         self.metrics: FrontendMetrics | None = None
         if config.metrics:
             labels = FrontendLabels(config.model_name, config.name)
@@ -280,18 +280,26 @@ class FrontendCore:
         prompt = [*spec.prompt_token_ids, *resumed_from]
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.monotonic()
-        decision = self.router.route(
-            rank_request_id,
-            block_hashes(prompt, view.page_size),
-            len(prompt),
-            view.page_size,
-            spec.sampling.max_tokens - len(resumed_from),
-            same_rank=view.colocated,
-        )
+        for _ in range(len(view.decode) + 1):
+            decision = self.router.route(
+                rank_request_id,
+                block_hashes(prompt, view.page_size),
+                len(prompt),
+                view.page_size,
+                spec.sampling.max_tokens - len(resumed_from),
+                same_rank=view.colocated,
+            )
+            rank, prefill_rank = decision.decode_rank, decision.prefill_rank
+            incarnation = self.membership.incarnations.get(rank, -1)
+            try:
+                channel = self.membership.channel(rank, incarnation)
+                break
+            except RankNotReachable:  # its channel ended since: route over the ranks left
+                self.router.finished(rank_request_id)
+                self.membership.route_over(view)
+        else:
+            raise NoRankAvailable("decode")
         routed_s = time.monotonic() - routed_at
-        ids = self.membership.rank_ids
-        rank, prefill_rank = ids[decision.decode_rank], ids[decision.prefill_rank]
-        incarnation, handle = self.membership.incarnations.get(rank, -1), view.decode[rank]
         if running is None:
             assert stream is not None
             if self.metrics is not None:
@@ -299,11 +307,11 @@ class FrontendCore:
             stream.route = Route(
                 prefill_rank, rank, decision.predicted_cached_tokens, decision.branch, 0.0, routed_s
             )
-            running = Running(stream, rank_request_id, rank, incarnation, handle, spec)
+            running = Running(stream, rank_request_id, rank, incarnation, channel, spec)
         else:
             self._by_rank_id.pop(running.rank_request_id, None)
             running.rank_request_id, running.decode_rank = rank_request_id, rank
-            running.incarnation, running.handle = incarnation, handle
+            running.incarnation, running.channel = incarnation, channel
         self._by_rank_id[rank_request_id] = running
         request = RankRequest(
             rank_request_id,
@@ -313,7 +321,7 @@ class FrontendCore:
             self.config.name,
             resume_output_ids=resumed_from,
         )
-        return running, self.membership.submit(rank, incarnation, handle, [request])
+        return running, self.membership.submit(channel, [request])
 
     def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
         """A request no rank could ever hold is refused here, naming the field to change."""
@@ -381,11 +389,7 @@ class FrontendCore:
         or their client went away): the decode rank is told to abort them, which frees their
         pages there and on their prefill rank. Ids are registered before a request is
         submitted, so no live request is taken for an orphan."""
-        handle = self.view.decode.get(rank) if self.view is not None else None
-        if handle is None:
-            return
-        with contextlib.suppress(ray.exceptions.RayError):
-            handle.abort.remote(sorted(set(request_ids)))
+        self.membership.abort(rank, sorted(set(request_ids)))
         self.orphans_aborted += len(set(request_ids))
 
     def stream_buffers(self) -> list[StreamBuffer]:
@@ -400,6 +404,18 @@ class FrontendCore:
         for running in list(self.running.values()):
             if running.decode_rank == rank and not running.stream.finished:
                 self.migration.rank_lost(running, why)
+
+    def _channel_lost(self, rank: RankId, incarnation: int, why: str) -> None:
+        """The channel to a decode rank ended: the requests it carried move (their tokens would
+        have come on it; the rank ends what it holds for this frontend). One being submitted
+        is routed again by its submit's error."""
+        for running in list(self.running.values()):
+            if (
+                (running.decode_rank, running.incarnation) == (rank, incarnation)
+                and not running.stream.finished
+                and not running.submitting
+            ):
+                self.migration.rank_lost(running, f"the channel to decode rank {rank} ended: {why}")
 
     def on_kv_events(self, batch: KVEventBatch) -> None:
         self.kv_events.on_batch(batch)

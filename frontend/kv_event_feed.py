@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.router.router import Router
 from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.messages import RankId
 
 log = logging.getLogger(__name__)
 
@@ -20,18 +21,18 @@ MAX_EARLY_BATCHES = 1000  # held for a missing batch before giving up on it
 
 
 class KVEventFeed:
-    def __init__(self, router: Router, subscriber: str) -> None:
+    def __init__(self, router: Router[RankId], subscriber: str) -> None:
         self.router = router
         self.subscriber = subscriber
-        self.following: dict[str, int] = {}  # rank -> incarnation whose events are applied
-        self._next_seq: dict[str, int] = {}
-        self._early: dict[str, dict[int, KVEventBatch]] = {}
-        self._subscribing: set[str] = set()
+        self.following: dict[RankId, int] = {}  # rank -> incarnation whose events are applied
+        self._next_seq: dict[RankId, int] = {}
+        self._early: dict[RankId, dict[int, KVEventBatch]] = {}
+        self._subscribing: set[RankId] = set()
 
-    def needs_subscription(self, rank: str, incarnation: int) -> bool:
+    def needs_subscription(self, rank: RankId, incarnation: int) -> bool:
         return self.following.get(rank) != incarnation and rank not in self._subscribing
 
-    async def subscribe(self, rank: str, incarnation: int, handle: Any) -> None:
+    async def subscribe(self, rank: RankId, incarnation: int, handle: Any) -> None:
         """Follow ``rank`` (a prefill rank actor) from a fresh snapshot."""
         self._subscribing.add(rank)
         self.following[rank] = incarnation
@@ -65,12 +66,12 @@ class KVEventFeed:
             log.warning("prefill rank %s: KV event batch %d never came; resubscribing", rank, expected)
             self.forget(rank)
 
-    def forget(self, rank: str) -> None:
+    def forget(self, rank: RankId) -> None:
         self.following.pop(rank, None)
         self._next_seq.pop(rank, None)
         self._early.pop(rank, None)
 
-    def keep_only(self, ranks: set[str]) -> None:
+    def keep_only(self, ranks: set[RankId]) -> None:
         for rank in list(self.following):
             if rank not in ranks:
                 self.forget(rank)

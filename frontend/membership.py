@@ -1,70 +1,95 @@
 """What a frontend knows of the deployment: the controller's view (the ranks that take work and
 every group's state), each rank's incarnation, the router's ranks and loads, the KV event
-subscriptions, and one submit channel to each decode rank.
+subscriptions, and one channel to each rank that takes requests (decode, colocated).
 
 ``apply`` takes a new view (every ``refresh_s``); ``read_rank_stats`` feeds the router the
 decode ranks' free pages and the prefill ranks' pending tokens, and names the decode ranks that
 died. A rank is addressed by its ``RankId`` and the incarnation the view gave it: a channel of an
 older incarnation is never used for a newer one.
 
-Submits go over the decode rank's submit socket once it is open; until then (it opens in the
-background on first sight of the rank) as an actor call. A rank that offers no socket takes
-actor calls only.
+Requests, aborts and the rank's streams back all go over the channel (``wire/channel.py``),
+opened in the background on first sight of the rank and again at each view until it opens.
+The router is offered only the decode ranks whose channel is open; a submit that finds none
+(it closed since the route was chosen) raises ``RankNotReachable``, and the request is routed
+again. A channel stays open while its rank's group is in the view and neither failed nor
+stopped (a group being drained still streams its requests' tokens); when it ends while in use,
+``on_lost`` hears which rank and why (the requests there move: their tokens would come on it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from tandem.frontend.kv_event_feed import KVEventFeed
-from tandem.frontend.rank_channel import RankChannel
+from tandem.frontend.rank_channel import RankChannel, RankNotReachable
 from tandem.router.router import Router
-from tandem.wire.messages import RankId, RankRequest, RankStats
+from tandem.wire.messages import RankId, RankRequest, RankStats, Role, StreamBatch
 from tandem.wire.routing_view import GroupState, RoutingView
 
 log = logging.getLogger(__name__)
 
+ChannelKey = tuple[RankId, int]  # a rank and its incarnation
+
 
 class Membership:
-    def __init__(self, router: Router, kv_events: KVEventFeed, tasks: set[asyncio.Future[None]]) -> None:
+    def __init__(
+        self,
+        router: Router[RankId],
+        kv_events: KVEventFeed,
+        tasks: set[asyncio.Future[None]],
+        frontend: str = "",
+        on_batch: Callable[[StreamBatch], None] = lambda batch: None,
+        on_lost: Callable[[RankId, int, str], None] = lambda rank, incarnation, why: None,
+    ) -> None:
         self.router, self.kv_events, self._tasks = router, kv_events, tasks
+        self.frontend, self.on_batch, self.on_lost = frontend, on_batch, on_lost
         self.view: RoutingView | None = None
         self.incarnations: dict[RankId, int] = {}  # rank -> incarnation in the current view
         self.states: dict[RankId, GroupState] = {}  # rank -> its group's state in the view
-        self.rank_ids: dict[str, RankId] = {}  # the router's rank names -> the ranks
-        # each decode rank's submit socket, by (rank, incarnation); those that offer none
-        self._channels: dict[tuple[RankId, int], RankChannel] = {}
-        self._no_channel: set[tuple[RankId, int]] = set()
-        self._opening: set[tuple[RankId, int]] = set()
-        self.submits = {"socket": 0, "actor": 0}  # submits made each way
+        self.channels: dict[ChannelKey, RankChannel] = {}  # open, by (rank, incarnation)
+        self._opening: set[ChannelKey] = set()
+        self.submits = {"channel": 0, "unreachable": 0}  # submits sent; refused for no channel
 
     def apply(self, view: RoutingView) -> None:
         """Route over ``view`` from now on: its ranks, their KV subscriptions, their channels."""
         self.incarnations = {rank: g.incarnation for g in view.groups for rank in g.ranks}
         self.states = {rank: g.state for g in view.groups for rank in g.ranks}
         self.view = view
-        self.rank_ids = {rank.name: rank for g in view.groups for rank in g.ranks}
-        self.router.set_ranks(sorted(r.name for r in view.prefill), sorted(r.name for r in view.decode))
-        self.kv_events.keep_only({r.name for r in view.prefill})
+        self.kv_events.keep_only(set(view.prefill))
         for rank, handle in view.prefill.items():
-            if self.kv_events.needs_subscription(rank.name, self.incarnations[rank]):
-                self._spawn(self.kv_events.subscribe(rank.name, self.incarnations[rank], handle))
-        self.keep_channels(view, self.incarnations)
+            if self.kv_events.needs_subscription(rank, self.incarnations[rank]):
+                self._spawn(self.kv_events.subscribe(rank, self.incarnations[rank], handle))
+        self.keep_channels(view)
+        self.route_over(view)
+
+    def route_over(self, view: RoutingView) -> None:
+        """Offer the router the view's prefill ranks and its decode ranks that are reachable (a
+        colocated rank is both: it is offered once reachable)."""
+        decode = sorted(r for r in view.decode if self.reachable(r))
+        prefill = decode if view.colocated else sorted(view.prefill)
+        self.router.set_ranks(prefill, decode)
+
+    def reachable(self, rank: RankId) -> bool:
+        """Whether a channel to the rank's current incarnation is open."""
+        channel = self.channels.get((rank, self.incarnations.get(rank, -1)))
+        return channel is not None and channel.is_open
 
     @property
     def ready(self) -> bool:
-        """Both pools have a rank that takes work, and a prefill rank's index is loaded (routing
-        to a prefill rank whose index is still loading costs cache hits, not tokens)."""
+        """Both pools have a rank that takes work, a decode rank is reachable, and a prefill
+        rank's index is loaded (routing to a prefill rank whose index is still loading costs
+        cache hits, not tokens)."""
         view = self.view
         return (
             view is not None
             and bool(view.prefill)
-            and bool(view.decode)
-            and bool(self.kv_events.following.keys() & {r.name for r in view.prefill})
+            and any(self.reachable(r) for r in view.decode)
+            and bool(self.kv_events.following.keys() & view.prefill.keys())
         )
 
     def gone(self, rank: RankId, incarnation: int) -> bool:
@@ -74,57 +99,83 @@ class Membership:
             self.incarnations.get(rank, incarnation) != incarnation
         )
 
-    # ---- submits ------------------------------------------------------------------------------
-    def submit(self, rank: RankId, incarnation: int, handle: Any, requests: list[RankRequest]) -> Any:
-        """Send ``requests`` to a decode rank: over its submit socket once open, as an actor call
-        until then; the awaitable of the rank's answer (``core.SUBMIT_ERRORS``)."""
-        channel = self._channels.get((rank, incarnation))
-        if channel is not None and channel.is_open:
-            self.submits["socket"] += 1
-            return channel.submit(requests)
-        self.submits["actor"] += 1
-        return handle.submit.remote(requests)
+    # ---- channels -----------------------------------------------------------------------------
+    def channel(self, rank: RankId, incarnation: int) -> RankChannel:
+        """The open channel to the rank at ``incarnation``; ``RankNotReachable`` when none is."""
+        channel = self.channels.get((rank, incarnation))
+        if channel is None or not channel.is_open:
+            self.submits["unreachable"] += 1
+            raise RankNotReachable(rank)
+        return channel
 
-    def keep_channels(self, view: RoutingView, incarnations: dict[RankId, int]) -> None:
-        """A submit socket to every decode rank of the view (opened in the background: until it
-        is, submits are actor calls); those that ended are dropped, and those of ranks that left
-        the view once no submit waits on them (a rank being drained answers its last submits
-        with a refusal, and their requests are routed again)."""
-        current = {(rank, incarnations[rank]) for rank in view.decode}
-        for key, channel in list(self._channels.items()):
-            if not channel.is_open or (key not in current and not channel.waiting):
-                self._channels.pop(key).close()
-        self._no_channel &= current
-        for key in current - self._channels.keys() - self._no_channel - self._opening:
-            handle = view.decode[key[0]]
-            if not hasattr(handle, "submit_endpoint"):
-                self._no_channel.add(key)
-                continue
-            self._opening.add(key)
-            self._spawn(self._open_channel(key, handle))
+    def submit(self, channel: RankChannel, requests: list[RankRequest]) -> asyncio.Future[None]:
+        """Send ``requests`` on a rank's channel; the future of its answer (``SUBMIT_ERRORS``)."""
+        self.submits["channel"] += 1
+        return channel.submit(requests)
 
-    async def _open_channel(self, key: tuple[RankId, int], handle: Any) -> None:
+    def abort(self, rank: RankId, request_ids: list[str]) -> None:
+        """Tell a rank to abort requests; nothing when no channel to it is open (the rank ends
+        what it holds for this frontend when its channel ends)."""
+        channel = self.channels.get((rank, self.incarnations.get(rank, -1)))
+        if channel is not None:
+            channel.abort(request_ids)
+
+    def keep_channels(self, view: RoutingView) -> None:
+        """A channel to every decode rank of the view (opened in the background; until it is,
+        the router is not offered the rank); channels that ended, or whose rank's group left
+        the view, failed, stopped or was rebuilt, are closed."""
+        live = {
+            (rank, g.incarnation)
+            for g in view.groups
+            if g.role is not Role.PREFILL and g.state not in (GroupState.FAILED, GroupState.STOPPED)
+            for rank in g.ranks
+        }
+        for key, channel in list(self.channels.items()):
+            if not channel.is_open or key not in live:
+                self.channels.pop(key).close()
+        for rank, handle in view.decode.items():
+            key = (rank, self.incarnations[rank])
+            if key not in self.channels and key not in self._opening:
+                self._opening.add(key)
+                self._spawn(self._open_channel(key, handle))
+
+    async def _open_channel(self, key: ChannelKey, handle: Any) -> None:
+        rank, incarnation = key
         try:
-            channel = await RankChannel.open(await handle.submit_endpoint.remote())
-        except (ray.exceptions.RayError, OSError, TimeoutError, TypeError, ValueError) as exc:
-            # no route to it: actor calls it is (a rank that failed is rebuilt with a new key)
-            log.info("decode rank %s: submits stay actor calls: %s", key[0], exc)
-            self._no_channel.add(key)
+            endpoint = await handle.channel_endpoint.remote()
+            channel = await RankChannel.open(
+                endpoint, self.frontend, self.on_batch, lambda why: self._ended(key, channel, why)
+            )
+        except (ray.exceptions.RayError, OSError, TimeoutError, TypeError, ValueError, AttributeError) as exc:
+            # tried again at the next view (a rank that failed is rebuilt with a new key)
+            log.info("rank %s: no channel yet: %s", rank, exc)
             return
         finally:
             self._opening.discard(key)
-        if self.view is not None and key[0] in self.view.decode and self.incarnations.get(key[0]) == key[1]:
-            self._channels[key] = channel
+        view = self.view
+        if view is not None and rank in view.decode and self.incarnations.get(rank) == incarnation:
+            self.channels[key] = channel
+            self.route_over(view)
         else:  # the rank left the view meanwhile
             channel.close()
 
+    def _ended(self, key: ChannelKey, channel: RankChannel, why: str) -> None:
+        """A channel ended from the rank's side: its rank is no longer offered to the router,
+        and what ran there moves (``on_lost``)."""
+        if self.channels.get(key) is channel:
+            del self.channels[key]
+        if self.view is not None:
+            self.route_over(self.view)
+        log.warning("the channel to rank %s ended: %s", key[0], why)
+        self.on_lost(key[0], key[1], why)
+
     def open_channels(self) -> int:
-        return sum(channel.is_open for channel in self._channels.values())
+        return sum(channel.is_open for channel in self.channels.values())
 
     def close_channels(self) -> None:
-        for channel in self._channels.values():
+        for channel in self.channels.values():
             channel.close()
-        self._channels.clear()
+        self.channels.clear()
 
     # ---- loads ----------------------------------------------------------------------------------
     async def read_rank_stats(self, view: RoutingView) -> list[RankId]:
@@ -139,9 +190,9 @@ class Membership:
                 died.append(rank)
             elif isinstance(stats, RankStats) and rank in view.decode:
                 running = stats.running + stats.waiting_for_kv
-                self.router.update_decode_stats(rank.name, stats.free_pages, running, stats.total_pages)
+                self.router.update_decode_stats(rank, stats.free_pages, running, stats.total_pages)
             elif isinstance(stats, RankStats):
-                self.router.update_prefill_stats(rank.name, stats.pending_tokens)
+                self.router.update_prefill_stats(rank, stats.pending_tokens)
         return died
 
     def _spawn(self, work: Any) -> None:

@@ -35,7 +35,7 @@ Resend = Callable[[Running, tuple[int, ...]], Any]
 class Migration:
     def __init__(
         self,
-        router: Router,
+        router: Router[RankId],
         membership: Membership,
         resend: Resend,
         max_migrations: int,
@@ -92,9 +92,7 @@ class Migration:
         def excluded(rank: RankId) -> bool:
             return rank.group_id == failed_group and incarnation in (None, members.incarnations.get(rank))
 
-        left = [
-            r for r in self.router.decode_ranks if r in members.rank_ids and not excluded(members.rank_ids[r])
-        ]
+        left = [r for r in self.router.decode_ranks if not excluded(r)]
         tokens = tuple(stream.tokens)
         if not left or len(tokens) >= running.spec.sampling.max_tokens:
             return False

@@ -1,10 +1,13 @@
-"""The frontend's end of a decode rank's submit connection (``cluster/submit_listener.py``).
+"""The frontend's end of a rank's channel (``wire/channel.py``; ``cluster/channel_server.py`` is
+the other end).
 
 :meth:`RankChannel.submit` writes one frame and returns a future the answer settles: ``None``
 once the rank has taken the requests, :class:`SubmitRefused` when it refused them (``draining``
-says whether to route them again), ``ConnectionError`` when the connection ended first (the rank
-may or may not hold them: its tokens for a request no stream waits for get it aborted as an
-orphan's). Answers come in the order of the submits, from one reader task on the event loop.
+says whether to route them again), ``ConnectionError`` when the channel ended first (the rank
+may or may not hold them; it ends what it holds for a frontend whose channel is gone). Answers
+come in the order of the submits; the rank's stream batches come on the same channel and go to
+``on_batch``, both from one reader task on the event loop. When the channel ends, ``on_close``
+hears why (once).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
-import ray
-
 from tandem.engine.rank_loop import RankDraining
+from tandem.wire.channel import Abort, Answer, Endpoint, Hello, Submit
 from tandem.wire.framing import LENGTH_BYTES, FrameTooLarge, frame, frame_length, unframe
+from tandem.wire.messages import RankId, RankRequest, StreamBatch
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +35,27 @@ class SubmitRefused(Exception):
         self.draining = draining
 
 
-# what a submit's answer raises: an actor call's error, a refusal or a lost connection (the socket)
-SUBMIT_ERRORS = (ray.exceptions.RayError, SubmitRefused, ConnectionError)
+class RankNotReachable(ConnectionError):
+    """No channel to the rank is open (yet, or any more): the router routes the request again."""
+
+    def __init__(self, rank: RankId) -> None:
+        super().__init__(f"no channel to rank {rank} is open")
+        self.rank = rank
+
+
+# what a submit's answer raises: a refusal or a channel that ended before the answer
+SUBMIT_ERRORS = (SubmitRefused, ConnectionError)
 
 
 def refusal(error: Exception) -> tuple[bool, str]:
-    """Whether a decode rank refused a submit because it is being drained, and why it refused."""
+    """Whether a submit that failed with ``error`` may be routed again, and why it failed: yes
+    when the rank refused it because it is being drained, or when its channel ended before the
+    answer (a rank ends what it holds for a frontend whose channel is gone, so the request is
+    nowhere)."""
     if isinstance(error, SubmitRefused):
         return error.draining, str(error)
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, RankDraining):
-        return True, str(cause)
+    if isinstance(error, RankDraining | ConnectionError):
+        return True, str(error)
     return False, last_line(error)
 
 
@@ -51,24 +65,41 @@ def last_line(error: Exception) -> str:
 
 
 class RankChannel:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_batch: Callable[[StreamBatch], None],
+        on_close: Callable[[str], None] | None = None,
+    ) -> None:
         self._reader, self._writer = reader, writer
+        self._on_batch, self._on_close = on_batch, on_close
         self._pending: dict[int, asyncio.Future[None]] = {}
         self._seq = 0
         self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._read_answers())
+        self.batches = 0  # stream batches received
+        self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def open(cls, endpoint: tuple[str, int, bytes], timeout_s: float = 2.0) -> RankChannel:
-        """Connect to a rank's ``submit_endpoint()``; ``OSError`` or ``TimeoutError`` when it
-        cannot be reached."""
-        host, port, secret = endpoint
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    async def open(
+        cls,
+        endpoint: Endpoint,
+        frontend: str,
+        on_batch: Callable[[StreamBatch], None],
+        on_close: Callable[[str], None] | None = None,
+        timeout_s: float = 2.0,
+    ) -> RankChannel:
+        """Open a channel to a rank's ``channel_endpoint()`` as ``frontend`` (the rank streams
+        that frontend's batches on it); ``OSError`` or ``TimeoutError`` when it cannot be
+        reached."""
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(endpoint.host, endpoint.port), timeout_s
+        )
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(secret)
-        return cls(reader, writer)
+        writer.write(endpoint.secret + frame(Hello(frontend)))
+        return cls(reader, writer, on_batch, on_close)
 
     @property
     def is_open(self) -> bool:
@@ -79,46 +110,73 @@ class RankChannel:
         """Submits sent and not answered yet."""
         return len(self._pending)
 
-    def submit(self, items: list[Any]) -> asyncio.Future[None]:
-        """Send ``items`` to the rank; the future of its answer. ``ConnectionError`` at once
-        when the connection has ended."""
+    def send(self, message: Any) -> None:
         if self._closed:
-            raise ConnectionError("the submit connection to the decode rank is closed")
+            raise ConnectionError("the channel to the rank is closed")
+        self._writer.write(frame(message))
+
+    def submit(self, requests: list[RankRequest]) -> asyncio.Future[None]:
+        """Send ``requests`` to the rank; the future of its answer. ``ConnectionError`` at once
+        when the channel has ended."""
+        if self._closed:
+            raise ConnectionError("the channel to the rank is closed")
         self._seq += 1
         answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[self._seq] = answer
-        self._writer.write(frame((self._seq, items)))
+        self._writer.write(frame(Submit(self._seq, tuple(requests))))
         return answer
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Tell the rank to abort these requests; nothing when the channel has ended (the rank
+        ends what it holds for this frontend then)."""
+        if not self._closed:
+            self._writer.write(frame(Abort(tuple(request_ids))))
+
     def close(self) -> None:
-        self._end("the frontend closed the submit connection")
+        """End the channel from this side (``on_close`` is not called)."""
+        self._on_close = None
+        self._end("the frontend closed the channel")
         self._task.cancel()
 
-    async def _read_answers(self) -> None:
-        why = "the decode rank closed the submit connection"
+    async def _read(self) -> None:
+        why = "the rank closed the channel"
         try:
             while True:
                 try:
                     length = frame_length(await self._reader.readexactly(LENGTH_BYTES))
                 except FrameTooLarge as exc:
-                    why = f"the decode rank sent {exc}"
+                    why = f"the rank sent {exc}"
                     return
-                seq, refusal = unframe(await self._reader.readexactly(length))
-                answer = self._pending.pop(seq, None)
-                if answer is None or answer.done():
-                    continue
-                if refusal is None:
-                    answer.set_result(None)
+                message = unframe(await self._reader.readexactly(length))
+                if isinstance(message, Answer):
+                    self._answer(message)
+                elif isinstance(message, StreamBatch):
+                    self.batches += 1
+                    try:
+                        self._on_batch(message)
+                    except Exception:  # one bad batch is that batch's problem, not the channel's
+                        log.exception("rank channel: a stream batch failed")
                 else:
-                    draining, reason = refusal
-                    answer.set_exception(SubmitRefused(reason, draining))
+                    why = f"the rank sent a {type(message).__name__} frame"
+                    return
         except (asyncio.IncompleteReadError, OSError) as exc:
             why = f"{why}: {exc}" if isinstance(exc, OSError) else why
         finally:
             self._end(why)
 
+    def _answer(self, message: Answer) -> None:
+        answer = self._pending.pop(message.seq, None)
+        if answer is None or answer.done():
+            return
+        if message.refusal is None:
+            answer.set_result(None)
+        else:
+            draining, reason = message.refusal
+            answer.set_exception(SubmitRefused(reason, draining))
+
     def _end(self, why: str) -> None:
-        if not self._closed:
+        first = not self._closed
+        if first:
             self._closed = True
             self._writer.close()
         pending, self._pending = self._pending, {}
@@ -127,3 +185,5 @@ class RankChannel:
                 answer.set_exception(ConnectionError(why))
                 with contextlib.suppress(Exception):
                     answer.exception()  # a waiter that was cancelled meanwhile reads none
+        if first and self._on_close is not None:
+            self._on_close(why)

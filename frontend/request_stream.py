@@ -18,8 +18,8 @@ decode steps.
 
 ::
 
-    push_stream(StreamBatch) -> on_delta(TokenDelta) -> tokens, text, timings --\\
-                                on_result(RequestResult) -> tokens? + StreamSummary -> buffer -> gRPC
+    a StreamBatch on a rank channel -> on_delta(TokenDelta) -> tokens, text, timings --\\
+                                       on_result(RequestResult) -> tokens? + StreamSummary -> buffer -> gRPC
 """
 
 from __future__ import annotations

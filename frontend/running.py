@@ -3,12 +3,9 @@ names it by, and the record of where it runs from admission to the end of its st
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import ray
 
 from tandem.frontend.grpc_auth import ANONYMOUS
 from tandem.frontend.request_stream import RequestStream
@@ -46,7 +43,7 @@ class Running:
     rank_request_id: str
     decode_rank: RankId
     incarnation: int  # of the decode rank it was sent to
-    handle: Any  # the decode rank's actor
+    channel: Any  # to the decode rank (``frontend/rank_channel.py``)
     spec: GenerateSpec  # as the client sent it, seeded (a migration resumes from it)
     submitting: bool = True
     abort_requested: bool = False
@@ -60,5 +57,4 @@ class Running:
         return RequestKey(self.spec.client, self.spec.request_id)
 
     def send_abort(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            self.handle.abort.remote([self.rank_request_id])
+        self.channel.abort([self.rank_request_id])

@@ -51,7 +51,12 @@ class StatusView:
 
 
 async def read_status(
-    view: RoutingView | None, router: Router, model: str, ready: bool, running: int, check_integrity: bool
+    view: RoutingView | None,
+    router: Router[RankId],
+    model: str,
+    ready: bool,
+    running: int,
+    check_integrity: bool,
 ) -> StatusView:
     """Ask every rank at once (``stats``, and ``check_integrity`` when asked)."""
     if view is None:
@@ -71,9 +76,9 @@ async def read_status(
             except ray.exceptions.RayError as exc:
                 lines = str(exc).strip().splitlines()
                 status.integrity = lines[-1] if lines else type(exc).__name__
-        status.routed_prefill_tokens = loads.prefill_tokens.get(rank.name, 0)
-        status.routed_requests = loads.decode_requests.get(rank.name, 0)
-        status.indexed_blocks = blocks.get(rank.name, 0)
+        status.routed_prefill_tokens = loads.prefill_tokens.get(rank, 0)
+        status.routed_requests = loads.decode_requests.get(rank, 0)
+        status.indexed_blocks = blocks.get(rank, 0)
         return status
 
     groups = []

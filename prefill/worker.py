@@ -65,7 +65,7 @@ class PrefillWorker(RankWorker):
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
         self.outbox = outbox
-        self.kv_events = KVEventPublisher(self.name, scheduler.config.page_size, incarnation)
+        self.kv_events = KVEventPublisher(rank_id, scheduler.config.page_size, incarnation)
         self.scheduler = scheduler
         self.runner = runner
         self.transport = transport

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from tandem.wire.messages import RankId
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -33,7 +35,7 @@ KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True)
 class KVEventBatch:
-    rank: str
+    rank: RankId
     incarnation: int  # of the rank: a rebuilt rank starts a new sequence
     seq: int
     reset: bool

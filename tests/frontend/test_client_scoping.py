@@ -1,11 +1,10 @@
-"""Request ids and limits per client, on the frontend's own path: a fake decode rank stands in for
-the Ray actor. It holds every request until told to abort it, then reports the abort."""
+"""Request ids and limits per client, on the frontend's own path: a fake decode rank's channel
+stands in for the rank's. It holds every request until told to abort it, then reports the abort."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,18 +21,22 @@ PREFILL, DECODE = RankId("prefill0", 0), RankId("decode0", 0)
 
 
 class _HoldingRank:
-    """``submit`` keeps the requests; ``abort`` reports each one aborted, as a rank does."""
+    """A channel to a rank: ``submit`` keeps the requests; ``abort`` reports each one aborted,
+    as a rank does."""
 
     def __init__(self, core: FrontendCore) -> None:
         self.core = core
         self.held: list[str] = []
         self.aborted: list[str] = []
-        self.submit, self.abort = _Method(self._submit), _Method(self._abort)
+        self.is_open = True
 
-    def _submit(self, requests: list[RankRequest]) -> None:
+    def submit(self, requests: list[RankRequest]) -> asyncio.Future[None]:
         self.held += [r.request_id for r in requests]
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
         results = tuple(
             RequestResult(i, (), FinishReason.ABORT, Bill(prompt_tokens=3), DECODE) for i in request_ids
@@ -41,23 +44,12 @@ class _HoldingRank:
         asyncio.get_running_loop().call_soon(self.core.on_stream, StreamBatch.of(DECODE, (), results))
 
 
-class _Method:
-    def __init__(self, call: Any) -> None:
-        self.call = call
-
-    def remote(self, arg: Any) -> asyncio.Future[None]:
-        self.call(arg)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
-
 def _ready_core(tiny_dir: Path, limits: EdgeLimits | None = None) -> tuple[FrontendCore, _HoldingRank]:
     core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny", metrics=False, limits=limits or EdgeLimits()))
     rank = _HoldingRank(core)
     view = RoutingView(
         prefill={PREFILL: object()},
-        decode={DECODE: rank},
+        decode={DECODE: object()},
         groups=(
             GroupView("prefill0", Role.PREFILL, "ready", 1, (PREFILL,)),
             GroupView("decode0", Role.DECODE, "ready", 1, (DECODE,)),
@@ -67,10 +59,10 @@ def _ready_core(tiny_dir: Path, limits: EdgeLimits | None = None) -> tuple[Front
         decode_capacity_tokens=1024,
     )
     core.membership.view, core.ready = view, True
-    core.membership.rank_ids = {PREFILL.name: PREFILL, DECODE.name: DECODE}
     core.membership.incarnations = {PREFILL: 1, DECODE: 1}
-    core.router.set_ranks([PREFILL.name], [DECODE.name])
-    core.router.update_decode_stats(DECODE.name, 64, 0, 64)
+    core.membership.channels[(DECODE, 1)] = rank  # type: ignore[assignment]
+    core.router.set_ranks([PREFILL], [DECODE])
+    core.router.update_decode_stats(DECODE, 64, 0, 64)
     return core, rank
 
 

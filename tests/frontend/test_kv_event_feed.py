@@ -9,6 +9,9 @@ import pytest
 from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tandem.wire.messages import RankId
+
+PREFILL = RankId("prefill0", 0)
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +21,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _core(tiny: Path) -> FrontendCore:
     core = FrontendCore(FrontendConfig(str(tiny), "tiny"))
-    core.router.set_ranks(["prefill0-r0"], ["decode0-r0"])
-    core.kv_events.following["prefill0-r0"] = 1  # following incarnation 1
+    core.router.set_ranks([PREFILL], [RankId("decode0", 0)])
+    core.kv_events.following[PREFILL] = 1  # following incarnation 1
     return core
 
 
@@ -29,7 +32,7 @@ def _stored(*hashes: int) -> list[BlockStored]:
 
 def test_batches_apply_in_sequence_order(tiny: Path) -> None:
     core = _core(tiny)
-    rank = "prefill0-r0"
+    rank = PREFILL
     core.on_kv_events(KVEventBatch(rank, 1, 2, False, [BlockRemoved((1,))]))  # early: held
     core.on_kv_events(KVEventBatch(rank, 1, 1, False, _stored(2)))  # early: held
     assert core.router.cached_blocks()[rank] == 0
@@ -43,9 +46,9 @@ def test_batches_apply_in_sequence_order(tiny: Path) -> None:
 
 def test_batches_of_another_incarnation_are_dropped(tiny: Path) -> None:
     core = _core(tiny)
-    rank = "prefill0-r0"
+    rank = PREFILL
     core.on_kv_events(KVEventBatch(rank, 0, 0, True, [AllBlocksCleared(), *_stored(1, 2)]))
-    core.on_kv_events(KVEventBatch("prefill9-r0", 1, 0, True, _stored(3)))  # not followed
+    core.on_kv_events(KVEventBatch(RankId("prefill9", 0), 1, 0, True, _stored(3)))  # not followed
     assert core.router.cached_blocks() == {rank: 0}
     core.on_kv_events(KVEventBatch(rank, 1, 0, True, [AllBlocksCleared(), *_stored(5)]))
     assert core.router.cached_blocks() == {rank: 1}

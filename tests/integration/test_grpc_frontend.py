@@ -188,13 +188,13 @@ def test_32_concurrent_streams_give_the_colocated_engine_tokens(served: Served) 
     specs = _prompts(32, seed=3)
     sent_before, received_before = _kv_bytes(_status(served))
     decode_ranks = sum(len(g.ranks) for g in _status(served).groups if g.role == "decode")
-    deadline = time.monotonic() + 30  # each decode rank's submit socket, opened in the background
+    deadline = time.monotonic() + 30  # each decode rank's channel, opened in the background
     while (before := ray.get(served.frontend.submits.remote()))["open_channels"] < decode_ranks:
         assert time.monotonic() < deadline, before
         time.sleep(0.05)
     outcomes = _generate(served, specs, concurrency=32)
     after = ray.get(served.frontend.submits.remote())
-    assert (after["socket"] - before["socket"], after["actor"] - before["actor"]) == (32, 0)
+    assert (after["channel"] - before["channel"], after["unreachable"] - before["unreachable"]) == (32, 0)
     expected = _expected(served.tiny, specs)
     assert [list(o.summary.token_ids) for o in outcomes if o.summary] == expected
     for spec, outcome, tokens in zip(specs, outcomes, expected, strict=True):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.wire.messages import RankId
 
 
 def test_snapshot_then_numbered_batches_per_subscriber() -> None:
-    publisher = KVEventPublisher("prefill0-r1", page_size=8)
+    publisher = KVEventPublisher(RankId("prefill0", 1), page_size=8)
     assert publisher.publish([BlockRemoved((1,))]) == {}  # nobody listens yet
     snapshot = publisher.subscribe("frontend-a", [11, 12])
-    assert (snapshot.rank, snapshot.seq, snapshot.reset) == ("prefill0-r1", 0, True)
+    assert (snapshot.rank, snapshot.seq, snapshot.reset) == (RankId("prefill0", 1), 0, True)
     assert snapshot.events == [AllBlocksCleared(), BlockStored((11, 12), None, 8)]
     stored = BlockStored((13,), 12, 8)
     batches = publisher.publish([stored])
