@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tandem.wire.request_params import FinishReason, SamplingParams
 
@@ -34,10 +35,11 @@ class ProcessPlace:
     pid: int
 
 
-@dataclass(frozen=True, order=True)
-class RankId:
-    """One rank: its group and its place in it. ``name`` is the string other parts key ranks by
-    (transport peers, the router, Ray logs); it is made here and never parsed back."""
+class RankId(NamedTuple):
+    """One rank: its group and its place in it, ordered by both. A tuple, so hashing and
+    comparing it (the router does, for every block it indexes or matches) costs what a tuple's
+    does. ``name`` is the string the transport keys its peers by and logs show; it is made here
+    and never parsed back."""
 
     group_id: str
     rank: int
