@@ -19,21 +19,22 @@ A :class:`FakePrefillRank` computes no KV but keeps a real prefix cache (``Prefi
 fixed number of pages: each job's new full pages are cached under their block hashes, the least
 recently used evicted when the pool is full, and the cache's KV events (``BlockStored``,
 ``BlockRemoved``) go to every subscribed frontend as a prefill rank's do (``prefill/worker.py``
-``publish``: a ``KVEventBatch`` by ``push_kv_events`` through a ``RayOutbox``), so the frontend's
-router indexes what the ranks hold and its prefix matches are real.
+``publish``: a ``KVEventBatch`` on the subscriber's channel through a ``ChannelOutbox``), so the
+frontend's router indexes what the ranks hold and its prefix matches are real.
 
 ::
 
     frontend ──submit([RankRequest])──▶ FakeDecodeRank ──submit([PrefillJob])──▶ FakePrefillRank
       ▲ ▲                                      │ each step, a                           │ a prefix cache,
       │ └────────── StreamBatch on the channel ◀┘ token a stream                       │ no compute
-      └──────────────────── push_kv_events(KVEventBatch) ◀──────────────────────────────┘
-    frontend ──subscribe──▶ FakePrefillRank     frontend ──routing_view──▶ FakeController
+      └──────────────── KVEventBatch on the channel ◀───────────────────────────────────┘
+    frontend ──Subscribe──▶ FakePrefillRank     frontend ──routing_view──▶ FakeController
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ import ray
 
 from tandem.bench.frontend_workload import FrontendWorkload
 from tandem.cluster.channel_server import ChannelServer
-from tandem.cluster.outbox import RayOutbox
+from tandem.cluster.outbox import ChannelOutbox
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.page_allocator import PageAllocator
 from tandem.engine.prefix_cache import PrefixCache
@@ -289,6 +290,10 @@ class FakeDecodeRank:
         await asyncio.sleep(0)  # let submits and aborts in between steps
 
 
+def _no_submit(items: list[Any]) -> None:
+    raise ValueError("a fake prefill rank takes its jobs as actor calls, as a prefill rank does")
+
+
 @ray.remote(num_cpus=0)
 class FakePrefillRank:
     """A prefill rank that computes nothing and caches what it is sent (the module's docstring).
@@ -296,28 +301,36 @@ class FakePrefillRank:
     A job's pages are the cache's only while it is "computed": matched, new ones allocated (the
     least recently used evictable ones first when none is free), its full pages cached, and all
     freed at once, as after its KV transfer; so every page is evictable between calls. A
-    threaded actor of one thread: calls run one at a time, as on a rank's loop thread, so no
-    event falls between a subscriber's snapshot and its next batch."""
+    threaded actor of one thread, and a lock its channels' threads take too: calls and
+    subscribes run one at a time, as on a rank's loop thread, so no event falls between a
+    subscriber's snapshot and its next batch."""
 
     def __init__(self, rank: RankId, num_pages: int = FAKE_PREFILL_PAGES, page_size: int = PAGE_SIZE) -> None:
         self.rank = rank
         self.page_size = page_size
         self.cache = PrefixCache(PageAllocator(num_pages), page_size)
         self.kv_events = KVEventPublisher(rank, page_size, INCARNATION)
-        self.outbox = RayOutbox(rank.name)
+        self._lock = threading.Lock()
+        self._channels = ChannelServer(
+            ray.util.get_node_ip_address(), _no_submit, lambda ids: None, self._subscribe
+        )
+        self.outbox = ChannelOutbox(self._channels)
         self._jobs = self._batches = self._stored = self._removed = 0
 
-    def subscribe(self, subscriber: str) -> KVEventBatch:
-        return self.kv_events.subscribe(subscriber, self.cache.cached_block_hashes())
+    def channel_endpoint(self) -> Endpoint:
+        """A channel server as a prefill rank's: frontends subscribe to its KV events on it."""
+        return self._channels.endpoint()
 
-    def unsubscribe(self, subscriber: str) -> None:
-        self.kv_events.unsubscribe(subscriber)
+    def _subscribe(self, subscriber: str) -> KVEventBatch:
+        with self._lock:
+            return self.kv_events.subscribe(subscriber, self.cache.cached_block_hashes())
 
     def submit(self, jobs: list[PrefillJob]) -> None:
-        for job in jobs:
-            self._prefill(job.prompt_token_ids)
-            self._jobs += 1
-        self._publish()
+        with self._lock:
+            for job in jobs:
+                self._prefill(job.prompt_token_ids)
+                self._jobs += 1
+            self._publish()
 
     def _prefill(self, prompt: tuple[int, ...]) -> None:
         page_ids, _ = self.cache.match_prefix(prompt)
@@ -339,7 +352,7 @@ class FakePrefillRank:
             elif isinstance(event, BlockRemoved):
                 self._removed += len(event.block_hashes)
         for subscriber, batch in self.kv_events.publish(events).items():
-            if self.outbox.send(subscriber, "push_kv_events", batch):
+            if self.outbox.push_kv_events(subscriber, batch):
                 self._batches += 1
             else:
                 self.kv_events.unsubscribe(subscriber)

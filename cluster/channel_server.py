@@ -38,6 +38,7 @@ from tandem.wire.channel import (
     Hello,
     Refusal,
     Submit,
+    Subscribe,
 )
 from tandem.wire.framing import LENGTH_BYTES, MAX_FRAME_BYTES, frame, unframe
 
@@ -134,18 +135,21 @@ class ServerConnection:
 
 
 class ChannelServer:
-    """Listens on ``host`` (a port the OS picks) until :meth:`close`. ``on_submit`` and
-    ``on_abort`` are called on a connection's thread; ``on_submit`` raises to refuse."""
+    """Listens on ``host`` (a port the OS picks) until :meth:`close`. ``on_submit``, ``on_abort``
+    and ``on_subscribe`` are called on a connection's thread; ``on_submit`` raises to refuse,
+    ``on_subscribe(frontend)`` returns the snapshot of the KV events it subscribes the frontend
+    to (or raises to refuse)."""
 
     def __init__(
         self,
         host: str,
         on_submit: Callable[[list[Any]], None],
         on_abort: Callable[[list[str]], None],
+        on_subscribe: Callable[[str], Any] | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_buffered_bytes: int = MAX_BUFFERED_BYTES,
     ) -> None:
-        self._on_submit, self._on_abort = on_submit, on_abort
+        self._on_submit, self._on_abort, self._on_subscribe = on_submit, on_abort, on_subscribe
         self.max_frame_bytes, self.max_buffered_bytes = max_frame_bytes, max_buffered_bytes
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._sock = socket.create_server((host, 0))
@@ -283,6 +287,9 @@ class ChannelServer:
                 mark = connection.post(frame(Answer(message.seq, self._run(list(message.requests)))))
                 self.submits += 1
                 connection.wait_written(mark)
+            elif isinstance(message, Subscribe) and isinstance(message.seq, int):
+                refused = self._subscribe(connection)
+                connection.wait_written(connection.post(frame(Answer(message.seq, refused))))
             elif isinstance(message, Abort):
                 try:
                     self._on_abort(list(message.request_ids))
@@ -295,6 +302,17 @@ class ChannelServer:
                 if message is not _BAD:
                     log.warning("channel server: a %s frame, closing the connection", type(message).__name__)
                 return
+
+    def _subscribe(self, connection: ServerConnection) -> Refusal | None:
+        """The snapshot on the channel (before the answer, so before any later batch is used)."""
+        if self._on_subscribe is None:
+            return False, "this rank publishes no KV events"
+        try:
+            snapshot = self._on_subscribe(connection.frontend)
+        except Exception as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        connection.send(snapshot)
+        return None
 
     def _run(self, items: list[Any]) -> Refusal | None:
         try:

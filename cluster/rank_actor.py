@@ -56,14 +56,16 @@ class RankNotReady(RuntimeError):
 class RankActor:
     def __init__(self, spec: RankSpec) -> None:
         from tandem.cluster import rank_setup  # the rank's process is the one that loads torch
-        from tandem.cluster.outbox import RayOutbox
+        from tandem.cluster.outbox import ChannelOutbox
 
         self.spec = spec
         self._setup = rank_setup
         self.device = rank_setup.rank_device()
         self._rendezvous = rank_setup.GroupRendezvous()
-        self._channels = ChannelServer(ray.util.get_node_ip_address(), self.submit, self.abort)
-        self._outbox = RayOutbox(spec.rank_id.name, self._channels)
+        self._channels = ChannelServer(
+            ray.util.get_node_ip_address(), self.submit, self.abort, self.subscribe
+        )
+        self._outbox = ChannelOutbox(self._channels)
         self._stop = threading.Event()
         self._loop_ended = threading.Event()
         self._loop_error: BaseException | None = None
@@ -170,12 +172,10 @@ class RankActor:
         self._require().call(lambda worker: worker.check_integrity(), timeout_s)
 
     def subscribe(self, subscriber: str) -> Any:
-        """Push this rank's events (a prefill rank's KV events) to the named actor from now on;
-        the starting snapshot."""
+        """Push this rank's KV events to the frontend on its channel from now on (its
+        ``Subscribe``, on the channel's thread); the starting snapshot, made on the loop thread
+        so that no event falls between it and the next batch."""
         return self._require().call(lambda worker: worker.subscribe(subscriber), timeout_s=30.0)
-
-    def unsubscribe(self, subscriber: str) -> None:
-        self._require().post(lambda worker: worker.unsubscribe(subscriber))
 
     def set_peers(self, peers: dict[RankId, Any]) -> None:
         """The ranks this one sends work to (a decode rank's prefill ranks), with their handles.

@@ -22,7 +22,7 @@ from tandem.model.deepseek import DeepseekV3
 from tandem.model.dtypes import DTYPES
 
 if TYPE_CHECKING:
-    from tandem.cluster.outbox import RayOutbox
+    from tandem.cluster.outbox import ChannelOutbox
     from tandem.cluster.rank_spec import RankSpec
 
 
@@ -88,7 +88,7 @@ def load_rank_model(
 
 
 def start_rank(
-    spec: RankSpec, rendezvous: GroupRendezvous, device: torch.device, master: str, outbox: RayOutbox
+    spec: RankSpec, rendezvous: GroupRendezvous, device: torch.device, master: str, outbox: ChannelOutbox
 ) -> RankLoop:
     """Join the group through ``master``, load this rank's model, build its role's worker and
     the loop that will step it."""

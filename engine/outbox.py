@@ -1,7 +1,7 @@
 """What a rank's workers push to other processes, as an interface: the step loop's token streams
 and results to frontends, and the prefix cache's KV events to their subscribers. Each push is
 fire and forget and answers whether the receiver still lives; ``cluster/outbox.py``'s
-``RayOutbox`` is the implementation a rank runs."""
+``ChannelOutbox`` is the implementation a rank runs."""
 
 from __future__ import annotations
 

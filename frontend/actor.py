@@ -26,7 +26,6 @@ from tandem.frontend.rank_channel import last_line
 from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import sd_document
 from tandem.metrics.http import MetricsServer
-from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.routing_view import FrontendInfo
 from tandem.wire.scrape_target import ScrapeTarget
 from tandem.wire.stream_summary import StreamSummary
@@ -37,8 +36,8 @@ EVERY_INTERFACE = ("", "0.0.0.0", "::")  # bind addresses others reach at the no
 
 @ray.remote(num_cpus=0)
 class Frontend:
-    """The gRPC server as a named async Ray actor; ranks stream to it over the channels it opens
-    (``frontend/membership.py``) and push it KV events."""
+    """The gRPC server as a named async Ray actor; ranks stream to it, and push it their KV
+    events, over the channels it opens to them (``frontend/membership.py``)."""
 
     def __init__(self, config: FrontendConfig, http: HttpConfig | None = None) -> None:
         self.config = config
@@ -182,19 +181,11 @@ class Frontend:
         """The profile since ``start_profile``: each function's own time, largest first."""
         return self._profiler.stop()
 
-    async def push_kv_events(self, batch: KVEventBatch) -> None:
-        self.core.on_kv_events(batch)
-
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the controller may be gone
             await ray.get_actor(self.config.controller).unregister_frontend.remote(self.config.name)
-        view = self.core.view
-        if view is not None:  # the prefill ranks stop pushing KV events here
-            for handle in view.prefill.values():
-                with contextlib.suppress(ray.exceptions.RayError):
-                    handle.unsubscribe.remote(self.config.name)
         if self._server is not None:
             await self._set_health(False)
             await self._server.stop(grace_s)

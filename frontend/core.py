@@ -5,12 +5,12 @@ this one path.
 
 ::
 
-    Generate ─▶ validate (edges) ─▶ admit ─▶ route (router/) ─▶ decode rank.submit (membership)
-                                                                   │ one StreamBatch a step
+    Generate ─▶ validate (edges) ─▶ admit ─▶ route (router/) ─▶ Submit on the decode rank's channel
+                                                                   │ one StreamBatch a step, same channel
     client ◀── chunks + summary ◀── RequestStream ◀── on_stream ◀──┘
-    prefill ranks ── push_kv_events ─▶ the router's block-hash index
+    prefill ranks ── KVEventBatch on their channels ─▶ the router's block-hash index
 
-Its parts: ``membership.py`` (the controller's view, the ranks' loads and submit channels, read
+Its parts: ``membership.py`` (the controller's view, the ranks' loads and channels, read
 every ``refresh_s``), ``migration.py`` (requests whose decode rank failed move to another), and
 this file: admission, the one route-and-submit (``_send``, for a new request and a moved one),
 streams, aborts. Health is SERVING only while both pools have a rank that takes work and a
@@ -140,7 +140,7 @@ class FrontendCore:
         self._by_rank_id: dict[str, Running] = {}  # by the ranks' request id
         self.ready = False
         self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
-        self.kv_events = KVEventFeed(self.router, config.name)
+        self.kv_events = KVEventFeed(self.router)
         self._tasks: set[asyncio.Future[None]] = set()
         self.membership = Membership(
             self.router, self.kv_events, self._tasks, config.name, self.on_stream, self._channel_lost

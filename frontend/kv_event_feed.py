@@ -1,9 +1,10 @@
 """The KV events of the prefill ranks a frontend follows, applied to its router in order.
 
-Per rank: subscribe (the rank answers with a snapshot, ``seq`` 0, and pushes batches 1, 2, ...
-from then on), apply batches in ``seq`` order holding any that come early, drop batches of
-another incarnation (a rebuilt rank keeps its name and starts a new sequence), and forget the
-rank when a batch is lost or the subscription fails, so that the next refresh subscribes again.
+Per rank: subscribe on the frontend's channel to it (the rank sends a snapshot, ``seq`` 0, before
+its answer, and batches 1, 2, ... from then on), apply batches in ``seq`` order holding any that
+come early, drop batches of another incarnation (a rebuilt rank keeps its name and starts a new
+sequence), and forget the rank when a batch is lost or the subscription fails, so that the next
+refresh subscribes again.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ MAX_EARLY_BATCHES = 1000  # held for a missing batch before giving up on it
 
 
 class KVEventFeed:
-    def __init__(self, router: Router[RankId], subscriber: str) -> None:
+    def __init__(self, router: Router[RankId]) -> None:
         self.router = router
-        self.subscriber = subscriber
         self.following: dict[RankId, int] = {}  # rank -> incarnation whose events are applied
         self._next_seq: dict[RankId, int] = {}
         self._early: dict[RankId, dict[int, KVEventBatch]] = {}
@@ -32,22 +32,21 @@ class KVEventFeed:
     def needs_subscription(self, rank: RankId, incarnation: int) -> bool:
         return self.following.get(rank) != incarnation and rank not in self._subscribing
 
-    async def subscribe(self, rank: RankId, incarnation: int, handle: Any) -> None:
-        """Follow ``rank`` (a prefill rank actor) from a fresh snapshot."""
+    async def subscribe(self, rank: RankId, incarnation: int, channel: Any) -> None:
+        """Follow ``rank`` from a fresh snapshot, asked for on ``channel`` (a ``RankChannel`` to
+        that incarnation): the snapshot and the batches come to :meth:`on_batch`."""
         self._subscribing.add(rank)
         self.following[rank] = incarnation
         self._next_seq[rank] = 0
         self._early[rank] = {}
         try:
-            snapshot: KVEventBatch = await handle.subscribe.remote(self.subscriber)
+            await channel.subscribe()
         except Exception as exc:
             log.warning("prefill rank %s: KV event subscription failed: %s", rank, exc)
             if self.following.get(rank) == incarnation:
                 self.forget(rank)
-            return
         finally:
             self._subscribing.discard(rank)
-        self.on_batch(snapshot)
 
     def on_batch(self, batch: KVEventBatch) -> None:
         rank = batch.rank

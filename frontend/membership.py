@@ -1,14 +1,15 @@
 """What a frontend knows of the deployment: the controller's view (the ranks that take work and
 every group's state), each rank's incarnation, the router's ranks and loads, the KV event
-subscriptions, and one channel to each rank that takes requests (decode, colocated).
+subscriptions, and one channel to each rank of the view.
 
 ``apply`` takes a new view (every ``refresh_s``); ``read_rank_stats`` feeds the router the
 decode ranks' free pages and the prefill ranks' pending tokens, and names the decode ranks that
 died. A rank is addressed by its ``RankId`` and the incarnation the view gave it: a channel of an
 older incarnation is never used for a newer one.
 
-Requests, aborts and the rank's streams back all go over the channel (``wire/channel.py``),
-opened in the background on first sight of the rank and again at each view until it opens.
+Requests, aborts, the rank's streams back and a prefill rank's KV events all go over the
+channel (``wire/channel.py``), opened in the background on first sight of the rank and again at
+each view until it opens; a prefill rank is subscribed to once its channel is open.
 The router is offered only the decode ranks whose channel is open; a submit that finds none
 (it closed since the route was chosen) raises ``RankNotReachable``, and the request is routed
 again. A channel stays open while its rank's group is in the view and neither failed nor
@@ -28,7 +29,7 @@ import ray
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.rank_channel import RankChannel, RankNotReachable
 from tandem.router.router import Router
-from tandem.wire.messages import RankId, RankRequest, RankStats, Role, StreamBatch
+from tandem.wire.messages import RankId, RankRequest, RankStats, StreamBatch
 from tandem.wire.routing_view import GroupState, RoutingView
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,17 @@ class Membership:
         self.states = {rank: g.state for g in view.groups for rank in g.ranks}
         self.view = view
         self.kv_events.keep_only(set(view.prefill))
-        for rank, handle in view.prefill.items():
-            if self.kv_events.needs_subscription(rank, self.incarnations[rank]):
-                self._spawn(self.kv_events.subscribe(rank, self.incarnations[rank], handle))
         self.keep_channels(view)
+        for rank in view.prefill:
+            self._follow(rank)
         self.route_over(view)
+
+    def _follow(self, rank: RankId) -> None:
+        """Subscribe to a prefill rank's KV events on its channel, unless following them."""
+        incarnation = self.incarnations.get(rank, -1)
+        channel = self.channels.get((rank, incarnation))
+        if channel is not None and channel.is_open and self.kv_events.needs_subscription(rank, incarnation):
+            self._spawn(self.kv_events.subscribe(rank, incarnation, channel))
 
     def route_over(self, view: RoutingView) -> None:
         """Offer the router the view's prefill ranks and its decode ranks that are reachable (a
@@ -121,19 +128,20 @@ class Membership:
             channel.abort(request_ids)
 
     def keep_channels(self, view: RoutingView) -> None:
-        """A channel to every decode rank of the view (opened in the background; until it is,
-        the router is not offered the rank); channels that ended, or whose rank's group left
-        the view, failed, stopped or was rebuilt, are closed."""
+        """A channel to every rank of the view that takes work (opened in the background; until
+        it is, the router is not offered a decode rank, and a prefill rank's events are not
+        followed); channels that ended, or whose rank's group left the view, failed, stopped or
+        was rebuilt, are closed."""
         live = {
             (rank, g.incarnation)
             for g in view.groups
-            if g.role is not Role.PREFILL and g.state not in (GroupState.FAILED, GroupState.STOPPED)
+            if g.state not in (GroupState.FAILED, GroupState.STOPPED)
             for rank in g.ranks
         }
         for key, channel in list(self.channels.items()):
             if not channel.is_open or key not in live:
                 self.channels.pop(key).close()
-        for rank, handle in view.decode.items():
+        for rank, handle in (view.prefill | view.decode).items():
             key = (rank, self.incarnations[rank])
             if key not in self.channels and key not in self._opening:
                 self._opening.add(key)
@@ -144,7 +152,11 @@ class Membership:
         try:
             endpoint = await handle.channel_endpoint.remote()
             channel = await RankChannel.open(
-                endpoint, self.frontend, self.on_batch, lambda why: self._ended(key, channel, why)
+                endpoint,
+                self.frontend,
+                self.on_batch,
+                lambda why: self._ended(key, channel, why),
+                self.kv_events.on_batch,
             )
         except (ray.exceptions.RayError, OSError, TimeoutError, TypeError, ValueError, AttributeError) as exc:
             # tried again at the next view (a rank that failed is rebuilt with a new key)
@@ -153,9 +165,12 @@ class Membership:
         finally:
             self._opening.discard(key)
         view = self.view
-        if view is not None and rank in view.decode and self.incarnations.get(rank) == incarnation:
+        takes_work = view is not None and (rank in view.decode or rank in view.prefill)
+        if view is not None and takes_work and self.incarnations.get(rank) == incarnation:
             self.channels[key] = channel
             self.route_over(view)
+            if rank in view.prefill:
+                self._follow(rank)
         else:  # the rank left the view meanwhile
             channel.close()
 
@@ -164,6 +179,8 @@ class Membership:
         and what ran there moves (``on_lost``)."""
         if self.channels.get(key) is channel:
             del self.channels[key]
+        if self.kv_events.following.get(key[0]) == key[1]:
+            self.kv_events.forget(key[0])  # followed again on its next channel
         if self.view is not None:
             self.route_over(self.view)
         log.warning("the channel to rank %s ended: %s", key[0], why)

@@ -6,8 +6,8 @@ once the rank has taken the requests, :class:`SubmitRefused` when it refused the
 says whether to route them again), ``ConnectionError`` when the channel ended first (the rank
 may or may not hold them; it ends what it holds for a frontend whose channel is gone). Answers
 come in the order of the submits; the rank's stream batches come on the same channel and go to
-``on_batch``, both from one reader task on the event loop. When the channel ends, ``on_close``
-hears why (once).
+``on_batch``, its KV events (after :meth:`RankChannel.subscribe`) to ``on_kv_events``, all from
+one reader task on the event loop. When the channel ends, ``on_close`` hears why (once).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.rank_loop import RankDraining
-from tandem.wire.channel import Abort, Answer, Endpoint, Hello, Submit
+from tandem.wire.channel import Abort, Answer, Endpoint, Hello, Submit, Subscribe
 from tandem.wire.framing import LENGTH_BYTES, FrameTooLarge, frame, frame_length, unframe
+from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import RankId, RankRequest, StreamBatch
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ class RankChannel:
         writer: asyncio.StreamWriter,
         on_batch: Callable[[StreamBatch], None],
         on_close: Callable[[str], None] | None = None,
+        on_kv_events: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self._reader, self._writer = reader, writer
-        self._on_batch, self._on_close = on_batch, on_close
+        self._on_batch, self._on_close, self._on_kv_events = on_batch, on_close, on_kv_events
         self._pending: dict[int, asyncio.Future[None]] = {}
         self._seq = 0
         self._closed = False
@@ -87,6 +89,7 @@ class RankChannel:
         frontend: str,
         on_batch: Callable[[StreamBatch], None],
         on_close: Callable[[str], None] | None = None,
+        on_kv_events: Callable[[KVEventBatch], None] | None = None,
         timeout_s: float = 2.0,
     ) -> RankChannel:
         """Open a channel to a rank's ``channel_endpoint()`` as ``frontend`` (the rank streams
@@ -99,7 +102,7 @@ class RankChannel:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         writer.write(endpoint.secret + frame(Hello(frontend)))
-        return cls(reader, writer, on_batch, on_close)
+        return cls(reader, writer, on_batch, on_close, on_kv_events)
 
     @property
     def is_open(self) -> bool:
@@ -120,10 +123,20 @@ class RankChannel:
         when the channel has ended."""
         if self._closed:
             raise ConnectionError("the channel to the rank is closed")
+        return self._ask(lambda seq: Submit(seq, tuple(requests)))
+
+    def subscribe(self) -> asyncio.Future[None]:
+        """Ask for the rank's KV events; its snapshot comes to ``on_kv_events`` before the
+        answer settles the future, its batches after."""
+        return self._ask(Subscribe)
+
+    def _ask(self, message: Callable[[int], Any]) -> asyncio.Future[None]:
+        if self._closed:
+            raise ConnectionError("the channel to the rank is closed")
         self._seq += 1
         answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[self._seq] = answer
-        self._writer.write(frame(Submit(self._seq, tuple(requests))))
+        self._writer.write(frame(message(self._seq)))
         return answer
 
     def abort(self, request_ids: list[str]) -> None:
@@ -150,12 +163,15 @@ class RankChannel:
                 message = unframe(await self._reader.readexactly(length))
                 if isinstance(message, Answer):
                     self._answer(message)
-                elif isinstance(message, StreamBatch):
+                elif isinstance(message, StreamBatch | KVEventBatch):
                     self.batches += 1
                     try:
-                        self._on_batch(message)
+                        if isinstance(message, StreamBatch):
+                            self._on_batch(message)
+                        elif self._on_kv_events is not None:
+                            self._on_kv_events(message)
                     except Exception:  # one bad batch is that batch's problem, not the channel's
-                        log.exception("rank channel: a stream batch failed")
+                        log.exception("rank channel: a pushed batch failed")
                 else:
                     why = f"the rank sent a {type(message).__name__} frame"
                     return

@@ -1,12 +1,15 @@
-"""The one channel between a frontend and a rank that takes its requests: one TCP connection,
-opened by the frontend, that carries both the submit path and the stream path.
+"""The one channel between a frontend and a rank: one TCP connection, opened by the frontend,
+that carries the submit path, the stream path and the rank's KV events.
 
     frontend -> rank, once:  SECRET (``SECRET_BYTES``, the rank's, handed out by its actor),
                              then a frame ``Hello(frontend)``
-    frontend -> rank, each:  a frame ``Submit(seq, requests)`` or ``Abort(request_ids)``
-    rank -> frontend, each:  a frame ``Answer(seq, refusal)`` (one a submit, in their order)
-                             or a frame ``StreamBatch`` (the rank's tokens and results for
-                             this frontend, once a step)
+    frontend -> rank, each:  a frame ``Submit(seq, requests)``, ``Abort(request_ids)`` or
+                             ``Subscribe(seq)``
+    rank -> frontend, each:  a frame ``Answer(seq, refusal)`` (one a submit or subscribe, in
+                             their order), a ``StreamBatch`` (the rank's tokens and results for
+                             this frontend, once a step) or a ``KVEventBatch`` (the rank's
+                             prefix-cache events: the snapshot a subscribe asked for, sent
+                             before its answer, then each step's)
 
 Every frame is ``wire/framing.py``'s, under its one limit. The rank reads one connection's
 frames in order on one thread, so an ``Abort`` sent after a ``Submit`` finds its request, and a
@@ -63,8 +66,16 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Subscribe:
+    """Send this frontend the rank's KV events from now on: a snapshot (``seq`` 0), then batches
+    1, 2, ... (``wire/kv_events.py``); it ends with the channel."""
+
+    seq: int  # counted with the submits
+
+
+@dataclass(frozen=True)
 class Answer:
-    seq: int  # the submit it answers
+    seq: int  # the submit or subscribe it answers
     refusal: Refusal | None = None  # None: the rank took every request of it
 
 

@@ -4,8 +4,9 @@ Submits arrive in order and are answered; a refusal is an answer that names why 
 rank's says so) and leaves the channel up; a wrong secret or hello, a frame too large or not of
 the protocol closes that connection only and fails what the frontend waited on; closing either
 end fails the waiting submits at once. The rank's stream batches come on the same channel, in
-order, between the answers; an abort sent after a submit reaches the rank after it; a frontend
-that stops reading, closes, or opens a new channel under its name is found by the rank's sends.
+order, between the answers; an abort sent after a submit reaches the rank after it; a subscribe
+gets its snapshot before its answer, then the rank's KV events; a frontend that stops reading,
+closes, or opens a new channel under its name is found by the rank's sends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tandem.engine.rank_loop import RankDraining
 from tandem.frontend.rank_channel import RankChannel, SubmitRefused, refusal
 from tandem.wire.channel import Endpoint, Hello
 from tandem.wire.framing import LENGTH_BYTES, frame
+from tandem.wire.kv_events import BlockStored, KVEventBatch
 from tandem.wire.messages import RankId, StreamBatch, TokenDelta
 from tandem.wire.request_params import InvalidRequestError
 
@@ -254,6 +256,40 @@ def test_an_abort_sent_after_a_submit_reaches_the_rank_after_it() -> None:
     finally:
         server.close()
     assert seen == [x for i in range(100) for x in (f"submit r{i}", f"abort r{i}")] + ["submit last"]
+
+
+def test_a_subscribe_gets_its_snapshot_before_its_answer_then_the_ranks_events() -> None:
+    subscribed: list[str] = []
+
+    def subscribe(frontend: str) -> KVEventBatch:
+        subscribed.append(frontend)
+        return KVEventBatch(RANK, 1, 0, True, [BlockStored((1,), None, 8)])
+
+    server = ChannelServer("127.0.0.1", lambda items: None, lambda ids: None, subscribe)
+    plain = _server(lambda items: None)  # a rank that publishes none refuses
+    got: list[KVEventBatch] = []
+
+    async def run() -> BaseException:
+        channel = await _open(server, "fe-kv", on_kv_events=got.append)
+        await channel.subscribe()
+        assert [b.seq for b in got] == [0]  # the snapshot came first
+        assert server.send_to("fe-kv", KVEventBatch(RANK, 1, 1, False, [BlockStored((2,), 1, 8)]))
+        while len(got) < 2:
+            await asyncio.sleep(0.01)
+        channel.close()
+        other = await _open(plain)
+        refused = (await asyncio.gather(other.subscribe(), return_exceptions=True))[0]
+        assert other.is_open  # a refusal, not the end of the channel
+        other.close()
+        return refused
+
+    try:
+        refused = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        server.close()
+        plain.close()
+    assert subscribed == ["fe-kv"] and [b.seq for b in got] == [0, 1]
+    assert isinstance(refused, SubmitRefused) and "publishes no KV events" in str(refused)
 
 
 def _raw_frontend(server: ChannelServer, name: str) -> socket.socket:
