@@ -172,6 +172,13 @@ class FrontendMetrics:
             buckets=PART_BUCKETS,
             registry=r,
         )
+        # every part's series exists at zero from the start: a series born at its first
+        # observation has no earlier sample, so rate() never sees the increase that created it
+        # (the autoscaler's queue signals were missing until a later request ended)
+        for part in E2E_PARTS:
+            self._child(self._parts, part=part)
+        for part in PREFILL_PARTS:
+            self._child(self._prefill_parts, part=part)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=r)

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.cli.main import main
 from tandem.metrics.controller import ControllerMetrics, GroupFigures
 from tandem.metrics.discovery import prometheus_config, sd_document
-from tandem.metrics.frontend import E2E_PARTS, FrontendMetrics
+from tandem.metrics.frontend import E2E_PARTS, PREFILL_PARTS, FrontendMetrics
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
 from tandem.metrics.rank import RankMetrics
@@ -89,6 +89,19 @@ def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     assert _value(s, "tandem_router_predicted_cached_tokens_total") == 32
     assert _value(s, "tandem_router_found_cached_tokens_total") == 32
     assert _value(s, "tandem_streams_open") == 3
+
+
+def test_every_part_series_is_exported_at_zero_before_any_request() -> None:
+    """So that rate() over the autoscaler's window counts the first requests: a series that
+    first appears with a request's observation already in it has no increase to show."""
+    s = _samples(FrontendMetrics(FrontendLabels("tiny", "fe")).registry)
+    for name, parts in (
+        ("tandem_request_latency_part_seconds", E2E_PARTS),
+        ("tandem_request_prefill_part_seconds", PREFILL_PARTS),
+    ):
+        for part in parts:
+            assert _value(s, f"{name}_count", part=part) == 0
+            assert _value(s, f"{name}_sum", part=part) == 0
 
 
 def test_a_rank_exports_its_stats_at_scrape() -> None:
