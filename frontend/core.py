@@ -280,10 +280,11 @@ class FrontendCore:
         prompt = [*spec.prompt_token_ids, *resumed_from]
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.monotonic()
+        hashes = block_hashes(prompt, view.page_size)  # once, however many routes it takes
         for _ in range(len(view.decode) + 1):
             decision = self.router.route(
                 rank_request_id,
-                block_hashes(prompt, view.page_size),
+                hashes,
                 len(prompt),
                 view.page_size,
                 spec.sampling.max_tokens - len(resumed_from),

@@ -121,8 +121,6 @@ class RankChannel:
     def submit(self, requests: list[RankRequest]) -> asyncio.Future[None]:
         """Send ``requests`` to the rank; the future of its answer. ``ConnectionError`` at once
         when the channel has ended."""
-        if self._closed:
-            raise ConnectionError("the channel to the rank is closed")
         return self._ask(lambda seq: Submit(seq, tuple(requests)))
 
     def subscribe(self) -> asyncio.Future[None]:
