@@ -9,12 +9,15 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.client.output import emit
 from tandem.client.prompts import PromptSpec
 from tandem.frontend.limits import EdgeLimits
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.cluster.topology import Topology
 
 
 def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -28,6 +31,7 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         help="model directory (default: the demo model the project trains)",
     )
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
+    add_speculative_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     srv.add_argument(
@@ -149,6 +153,40 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         c.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
 
 
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="draft tokens a decode step verifies per request (0..16; 0 = off; default: the topology's)",
+    )
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="ngram (prompt lookup) or mtp (the checkpoint's MTP layer); default: the topology's",
+    )
+
+
+def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
+    """The topology with ``--speculative-tokens`` / ``--drafter`` applied, each checked here."""
+    from tandem.cluster.topology import SpeculativeSpec
+    from tandem.engine.speculation import DRAFTERS, MAX_SPECULATIVE_TOKENS
+
+    k, drafter = args.speculative_tokens, args.drafter
+    if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequestError("--speculative-tokens", f"must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    if drafter is not None and drafter not in DRAFTERS:
+        raise InvalidRequestError("--drafter", f"must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if k is None and drafter is None:
+        return topology
+    spec = topology.speculative.model_dump()
+    spec.update({name: v for name, v in (("tokens", k), ("drafter", drafter)) if v is not None})
+    try:
+        return topology.model_copy(update={"speculative": SpeculativeSpec(**spec)})
+    except ValueError as exc:
+        raise InvalidRequestError("--speculative-tokens", str(exc)) from None
+
+
 def _read_secret(path: Path | None, flag: str) -> str | None:
     if path is None:
         return None
@@ -221,6 +259,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
+    topology = with_speculative(args, topology)
     if args.autoscale and topology.colocated is not None:
         raise InvalidRequestError(
             "--autoscale",

@@ -187,6 +187,12 @@ def bill_line(outcome: Outcome) -> str:
         f"transfer {ms(lat.kv_transfer_s)} exposed {ms(lat.kv_transfer_exposed_s)}] "
         f"prefill={p.prefill_rank} decode={p.decode_rank} route={p.route_branch}"
         + (f" seed={b.seed}" if b.HasField("seed") else "")
+        + (
+            f" drafts={b.speculation.draft_tokens} accepted={b.speculation.accepted_tokens} "
+            f"acceptance_length={b.speculation.acceptance_length:.2f}"
+            if b.speculation.draft_tokens
+            else ""
+        )
     )
 
 

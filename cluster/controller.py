@@ -125,6 +125,7 @@ class Cluster:
             page_size=d.page_size,
             max_num_seqs=d.max_num_seqs,
             kv_timeout_s=topology.kv_timeout_s,
+            speculative=topology.speculative.config(),
         )
         self.decode = groups("decode", d, decode)
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
+from tandem.engine.speculation import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "deploy" / "presets"
 
@@ -41,6 +42,35 @@ class PoolSpec(BaseModel):
     @property
     def ranks(self) -> int:
         return self.groups * self.dep
+
+
+class SpeculativeSpec(BaseModel):
+    """``speculative:`` of a topology: speculative decoding on the decode (or colocated) ranks
+    (``engine/speculation.py``); ``tandem serve --speculative-tokens K --drafter D`` overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int = Field(
+        0, ge=0, le=MAX_SPECULATIVE_TOKENS, description="draft tokens per request per step (K); 0 = off"
+    )
+    drafter: Literal["ngram", "mtp"] = Field(
+        "ngram",
+        description="ngram: prompt lookup in the request's own tokens; mtp: the checkpoint's "
+        "multi-token-prediction layer, run K times chained",
+    )
+    ngram_min: int = Field(1, ge=1, description="shortest suffix prompt lookup matches")
+    ngram_max: int = Field(4, ge=1, description="longest suffix prompt lookup matches")
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> SpeculativeSpec:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min: {self.ngram_min} > ngram_max {self.ngram_max}")
+        return self
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            num_tokens=self.tokens, drafter=self.drafter, ngram_min=self.ngram_min, ngram_max=self.ngram_max
+        )
 
 
 class PoolBounds(BaseModel):
@@ -119,6 +149,9 @@ class Topology(BaseModel):
     )
     kv_transfer: str = Field("layerwise", pattern="^(layerwise|whole)$", description="layerwise or whole")
     kv_timeout_s: float = Field(30.0, gt=0, description="deadline of one request's KV transfer")
+    speculative: SpeculativeSpec = Field(
+        default_factory=lambda: SpeculativeSpec(), description="speculative decoding (off by default)"
+    )
     pin_cores_per_rank: int | None = Field(
         None,
         ge=1,
@@ -157,6 +190,8 @@ class Topology(BaseModel):
                 raise ValueError(f"{given[0]}: a topology with a colocated pool has no {given[0]} pool")
             if spec is not None:
                 raise ValueError("autoscaling: the autoscaler sizes prefill and decode pools, not colocated")
+            if self.speculative.tokens:
+                raise ValueError("speculative: drafts are verified on decode ranks, not on a colocated pool")
         if spec is None:
             return self
         for name in ("prefill", "decode"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.engine.role_spec import PooledRole
+from tandem.engine.speculation import SpeculativeConfig
 from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, kw_only=True)
 class DecodeRole(PooledRole):
     role: ClassVar[Role] = Role.DECODE
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
@@ -23,6 +25,7 @@ class DecodeRole(PooledRole):
         from tandem.decode.scheduler import DecodeScheduler
         from tandem.decode.types import DecodeSchedulerConfig
         from tandem.decode.worker import DecodeWorker
+        from tandem.engine.drafters import make_drafter
 
         cfg = ctx.model_config
         pool = ctx.kv_pool(self.num_pages, self.page_size)
@@ -34,7 +37,10 @@ class DecodeRole(PooledRole):
             kv_wait_timeout_s=self.kv_timeout_s,
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
+        spec = self.speculative
+        drafter = make_drafter(spec, model=ctx.model, pool=pool) if spec.enabled else None
         return DecodeWorker(
             ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.runner(pool, self.max_num_seqs),
             ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
+            speculative=spec, drafter=drafter,
         )  # fmt: skip

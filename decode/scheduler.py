@@ -27,6 +27,11 @@ the outputs continue exactly as if there had been no preemption.
 
 Requests reach RUNNING whenever their KV arrives; each step decodes the first ``max_num_seqs``
 of them in arrival order, so reservations can fetch KV ahead while the batch is full.
+
+Speculative decoding: a step may give a request its last token plus drafts, with pages for
+every draft's position; the verify step's tokens are appended in order until a stop condition,
+and the pages past the next token's, which only rejected drafts wrote, are freed at once. A
+running request therefore holds the same pages between steps with drafts as without.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import bisect
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.decode.types import (
@@ -67,6 +72,7 @@ class _Entry:
     kv_retries: int = 0
     aborting: bool = False  # aborted while WAITING_FOR_KV: finishes as "abort" when the transfer ends
     expiry_reported: bool = False
+    num_drafts: int = 0  # drafts of the step scheduled and not yet updated: their pages are held
 
 
 class DecodeScheduler:
@@ -249,49 +255,89 @@ class DecodeScheduler:
 
     # -- decode steps ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def running_requests(self) -> list[Request]:
+        """The requests the next ``schedule`` decodes, in order (the first ``max_num_seqs``)."""
+        return [e.request for e in self._running[: self.config.max_num_seqs]]
+
+    def draft_limit(self, request: Request, k: int) -> int:
+        """How many of ``k`` drafts a verify step of ``request`` can use: a step gives at most
+        one token more than its drafts, and never past ``max_tokens`` or the context."""
+        max_len = request.max_model_len or self.config.max_model_len
+        left = min(request.sampling.max_tokens - len(request.output_token_ids), max_len - request.num_tokens)
+        return max(0, min(k, left - 1))
+
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
         """Plan one decode step: one token for each of the first ``max_num_seqs`` running requests,
         in arrival order. A request whose next token needs a page when none is free preempts the
-        newest running request (perhaps itself, never one scheduled earlier in this step)."""
-        size = self.config.page_size
+        newest running request (perhaps itself, never one scheduled earlier in this step).
+
+        Then each scheduled request's ``drafts`` (speculative decoding), cut to ``draft_limit``,
+        get pages from those left free: drafts never preempt a request nor take the page another
+        one's next token needs."""
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        scheduled: list[Request] = []
         index = 0
         while index < min(len(self._running), self.config.max_num_seqs):
             entry = self._running[index]
             request = entry.request
-            missing = math.ceil(request.num_tokens / size) - len(request.page_ids)
-            new_pages = self.kv_cache.allocate(missing) if missing > 0 else []
+            new_pages = self._pages_for(request, request.num_tokens)
             while new_pages is None:
                 victim = self._running.pop()  # the newest; the scheduled ones sit before ``index``
                 self._preempt(victim)
                 preempted.append(victim.request.request_id)
                 if victim is entry:
                     break
-                new_pages = self.kv_cache.allocate(missing)
+                new_pages = self._pages_for(request, request.num_tokens)
             if new_pages is None:
                 break
             request.page_ids.extend(new_pages)
+            scheduled.append(request)
+            index += 1
+        for request in scheduled:
+            draft = self._fit_draft(request, (drafts or {}).get(request.request_id, ()))
+            self._entries[request.request_id].num_drafts = len(draft)
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=(request.output_token_ids[-1],),
+                    token_ids=(request.output_token_ids[-1], *draft),
                     start_position=request.num_tokens - 1,
                     page_ids=tuple(request.page_ids),
                     sample=True,
                     sampling=request.sampling,
                     output_index=len(request.output_token_ids),
+                    draft_token_ids=draft,
                 )
             )
-            index += 1
         return SchedulerOutput(
-            chunks=tuple(chunks), num_batched_tokens=len(chunks), preempted_request_ids=tuple(preempted)
+            chunks=tuple(chunks),
+            num_batched_tokens=sum(len(c.token_ids) for c in chunks),
+            preempted_request_ids=tuple(preempted),
         )
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[DecodeFinished]:
-        """Apply a step's sampled tokens (``sampled`` maps each chunk's request id to its token).
-        Chunks of requests aborted since ``schedule`` are skipped; finished requests' pages are
-        freed and their records returned."""
+    def _fit_draft(self, request: Request, draft: Sequence[int]) -> tuple[int, ...]:
+        """``draft`` cut to ``draft_limit`` and to the free pages, which it then holds."""
+        size = self.config.page_size
+        room = (len(request.page_ids) + self.kv_cache.num_free_pages) * size - request.num_tokens
+        fitted = tuple(draft[: min(self.draft_limit(request, len(draft)), room)])
+        new_pages = self._pages_for(request, request.num_tokens + len(fitted))
+        assert new_pages is not None  # sized to the free pages above
+        request.page_ids.extend(new_pages)
+        return fitted
+
+    def _pages_for(self, request: Request, num_positions: int) -> list[int] | None:
+        """The pages to add so that ``request`` covers ``num_positions``, or ``None``."""
+        missing = math.ceil(num_positions / self.config.page_size) - len(request.page_ids)
+        return self.kv_cache.allocate(missing) if missing > 0 else []
+
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[DecodeFinished]:
+        """Apply a step's tokens: ``sampled`` maps each chunk's request id to its token, or to
+        the tokens its verify step gave. They are appended in order and a stop condition (EOS,
+        a stop token, ``max_tokens``, the context) cuts them there; pages that only rejected
+        drafts used are freed. Chunks of requests aborted since ``schedule`` are skipped;
+        finished requests' pages are freed and their records returned."""
         finished: list[DecodeFinished] = []
         for chunk in output.chunks:
             entry = self._entries.get(chunk.request_id)
@@ -305,12 +351,32 @@ class DecodeScheduler:
                 )
             if chunk.request_id not in sampled:
                 raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}")
-            request.num_computed_tokens += 1
-            request.append_output(sampled[chunk.request_id])
+            given = sampled[chunk.request_id]
+            tokens = (given,) if isinstance(given, int) else tuple(given)
+            if not 1 <= len(tokens) <= len(chunk.draft_token_ids) + 1:
+                raise StaleSchedulerOutputError(
+                    f"{len(tokens)} tokens for {chunk.request_id}, "
+                    f"whose step had {len(chunk.draft_token_ids)} drafts"
+                )
+            entry.num_drafts = 0
+            for token in tokens:
+                request.num_computed_tokens += 1
+                request.append_output(token)
+                if request.is_finished:
+                    break
             if request.is_finished:
                 self._running.remove(entry)
                 finished.append(self._finish(entry, request.finish_reason or FinishReason.LENGTH))
+            elif chunk.draft_token_ids:
+                self._trim_pages(request)
         return finished
+
+    def _trim_pages(self, request: Request) -> None:
+        """Free the pages past the next token's: only rejected drafts' KV was written there."""
+        keep = math.ceil(request.num_tokens / self.config.page_size)
+        if len(request.page_ids) > keep:
+            self.kv_cache.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
 
     # -- invariants ------------------------------------------------------------------------------
 
@@ -372,7 +438,7 @@ class DecodeScheduler:
         if (
             not math.ceil((request.num_tokens - 1) / size)
             <= len(pages)
-            <= math.ceil(request.num_tokens / size)
+            <= math.ceil((request.num_tokens + entry.num_drafts) / size)
         ):
             raise PageAccountingError(f"running {rid} has {len(pages)} pages for {request.num_tokens} tokens")
 
@@ -400,6 +466,7 @@ class DecodeScheduler:
         self._queue.appendleft(entry)
 
     def _preempt(self, entry: _Entry) -> None:
+        entry.num_drafts = 0
         entry.request.num_preemptions += 1
         self._requeue_front(entry)
 

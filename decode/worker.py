@@ -27,9 +27,11 @@ from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
 from tandem.engine.admission import admit_new_request, resumed_outputs
 from tandem.engine.bill_builder import build_bill, delivered_prompt_tokens
+from tandem.engine.drafter import Drafter
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
+from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
@@ -42,6 +44,7 @@ from tandem.wire.messages import (
     RankStats,
     RequestResult,
     Role,
+    Speculation,
     StreamBatch,
     TransferId,
 )
@@ -99,6 +102,7 @@ class _Track:
     preemptions: int = 0
     attempts: list[PrefillAttempt] = field(default_factory=list)
     token_at: list[float] = field(default_factory=list)  # when each output token was known
+    speculation: Speculation = field(default_factory=Speculation)
 
     def stop_running(self, now: float) -> None:
         if self.running_at is not None:
@@ -121,6 +125,7 @@ class _Track:
             pickup_s=self.pickup_s,
             decode_s=self.decode_s,
             reservation_wait_s=self.reservation_wait_s,
+            speculation=self.speculation,
         )
 
 
@@ -136,8 +141,16 @@ class DecodeWorker(RankWorker):
         kv_timeout_s: float = 30.0,
         model_config: ModelConfig | None = None,
         outbox: Outbox | None = None,
+        speculative: SpeculativeConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """``speculative`` with ``num_tokens`` > 0: each step verifies ``drafter``'s drafts."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
+        self.speculative = speculative or SpeculativeConfig()
+        if self.speculative.enabled and drafter is None:
+            raise ValueError(f"decode rank {rank_id.name}: speculative decoding needs a drafter")
+        self.drafter = drafter
+        self.speculation = Speculation()
         self.scheduler = scheduler
         self.runner = runner
         self.transport = transport
@@ -236,31 +249,55 @@ class DecodeWorker(RankWorker):
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._drafts())
         self._schedule_s += time.perf_counter() - t0
         preempted_at = time.monotonic()
         for request_id in plan.preempted_request_ids:  # back in the queue, to be recomputed
             self.preemptions += 1
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
             track = self._tracks.get(request_id)
             if track is not None:
                 track.stop_running(preempted_at)
                 track.queued_at, track.preemptions = preempted_at, track.preemptions + 1
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
-        sampled = self.runner.run(plan)
+        sampled = self.runner.verify(plan) if self.speculative.enabled else self.runner.run(plan)
         t1 = time.perf_counter()
         now, now_unix_s = time.monotonic(), time.time()
-        requests = [r for r in (self.scheduler.get(c.request_id) for c in plan.chunks) if r is not None]
-        before = [len(r.output_token_ids) for r in requests]
+        chunks = [(c, r) for c in plan.chunks if (r := self.scheduler.get(c.request_id)) is not None]
+        before = [len(r.output_token_ids) for _, r in chunks]
         finished = self.scheduler.update(plan, sampled)
-        for request, count in zip(requests, before, strict=True):
+        for (chunk, request), count in zip(chunks, before, strict=True):
+            given = len(request.output_token_ids) - count
             track = self._tracks.get(request.request_id)
-            if track is not None and len(request.output_token_ids) > count:  # one timestamp a token
-                track.token_at.append(now)
-                self._stream_new_tokens(request, track, now_unix_s)
+            if track is None or given <= 0:
+                continue
+            track.token_at.extend([now] * given)  # a verify step's tokens are known together
+            if self.speculative.enabled:
+                self._count_speculation(track, request.request_id, chunk.draft_token_ids, given)
+                if self.drafter is not None:
+                    self.drafter.observe(request.request_id, request.output_token_ids[-given:])
+            self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
         self._update_s += time.perf_counter() - t1
+
+    def _drafts(self) -> dict[str, tuple[int, ...]]:
+        """Each running request's drafts for the next step (none without speculation)."""
+        if self.drafter is None or not self.speculative.enabled:
+            return {}
+        running = self.scheduler.running_requests()
+        k = self.speculative.num_tokens
+        limits = {r.request_id: self.scheduler.draft_limit(r, k) for r in running}
+        return self.drafter.propose(running, limits)
+
+    def _count_speculation(self, track: _Track, request_id: str, drafts: tuple[int, ...], given: int) -> None:
+        accepted = min(given - 1, len(drafts))
+        track.speculation = track.speculation.plus(len(drafts), accepted)
+        self.speculation = self.speculation.plus(len(drafts), accepted)
+        if self.metrics is not None:
+            self.metrics.spec_step_tokens.observe(given)
 
     def take_results(self) -> list[RequestResult]:
         return self.streams.take_results()
@@ -283,6 +320,8 @@ class DecodeWorker(RankWorker):
             request = self.scheduler.get(request_id)
             result = self._result(request_id, request, track, FinishReason.ERROR, reason)
             self._report(track, dataclasses.replace(result, rank_failure=reason))
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         self._tracks.clear()
         return self.take_results()
 
@@ -307,6 +346,7 @@ class DecodeWorker(RankWorker):
             sends_in_flight=sends,
             receives_in_flight=receives,
             preemptions=self.preemptions,
+            speculation=self.speculation,
             transfer_failures=self.failure_counts.as_tuple(),
             forward_s=self.runner.stats.forward_s,
             split=self.runner.split(self._schedule_s, self._update_s),
@@ -424,6 +464,8 @@ class DecodeWorker(RankWorker):
     def _finish(self, finished: DecodeFinished) -> None:
         request = finished.request
         track = self._tracks.pop(request.request_id, None) or _Track(time.monotonic())
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if track.transfer is not None:
             self._transfers.pop(track.transfer.key, None)
         self._stream_new_tokens(request, track, time.time())

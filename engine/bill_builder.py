@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.wire.messages import Bill, PrefillAttempt
+from tandem.wire.messages import Bill, PrefillAttempt, Speculation
 
 
 def delivered_prompt_tokens(attempts: Sequence[PrefillAttempt]) -> tuple[int, int]:
@@ -31,6 +31,7 @@ def build_bill(
     pickup_s: float,
     decode_s: float,
     reservation_wait_s: float = 0.0,
+    speculation: Speculation | None = None,
 ) -> Bill:
     """The bill of a request that arrived at ``arrival``, whose output tokens were known at
     ``token_at`` and whose result is made at ``now`` (all on one clock)."""
@@ -48,4 +49,5 @@ def build_bill(
         rank_s=now - arrival,
         first_token_s=times[0] if times else 0.0,
         token_times_s=times,
+        speculation=speculation or Speculation(),
     )

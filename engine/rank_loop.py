@@ -51,6 +51,9 @@ class RankHistograms(Protocol):
     @property
     def kv_transfer_exposed_seconds(self) -> Observer: ...
 
+    @property
+    def spec_step_tokens(self) -> Observer: ...
+
 
 class RoleMismatch(RuntimeError):
     """A call the rank's role does not answer (KV events of a decode rank, say)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.scheduler_output import SchedulerOutput
+from tandem.engine.speculation import accept
 from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
@@ -60,6 +61,15 @@ class ModelRunner:
     def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one;
         ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model)."""
+        if any(c.draft_token_ids for c in plan.chunks):
+            raise ValueError("a plan with drafts is verified (ModelRunner.verify), not run")
+        return {rid: tokens[0] for rid, tokens in self.verify(plan, on_layer_kv).items()}
+
+    def verify(
+        self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, ...]]:
+        """As ``run``, for plans whose chunks may end with drafts: each sampling chunk's tokens,
+        the target's samples its drafts earned (``engine/speculation.accept``), 1 to 1 + drafts."""
         if not plan.chunks and not self.lockstep:
             return {}
         start = time.perf_counter()
@@ -73,7 +83,8 @@ class ModelRunner:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
             if chunk.sample:
-                sample_rows.append(len(input_ids) - 1)
+                end = len(input_ids)
+                sample_rows.extend(range(end - chunk.num_sampled, end))
         meta = AttentionMetadata.build(
             self.pool.page_size,
             [len(c.token_ids) for c in plan.chunks],
@@ -92,22 +103,28 @@ class ModelRunner:
 
     def _sample(
         self, plan: SchedulerOutput, forward: Callable[[SchedulerOutput], torch.Tensor], start: float
-    ) -> dict[str, int]:
-        """``forward(plan)`` gives the hidden rows of the chunks that sample, in plan order."""
+    ) -> dict[str, tuple[int, ...]]:
+        """``forward(plan)`` gives the hidden rows the chunks sample at, in plan order."""
         t0 = time.perf_counter()
         rows = forward(plan)
         t1 = time.perf_counter()
-        sampled: dict[str, int] = {}
+        sampled: dict[str, tuple[int, ...]] = {}
         chunks = [c for c in plan.chunks if c.sample]
         if chunks:
             logits = self.model.compute_logits(rows)
-            tokens = sample(
-                logits,
-                [c.sampling for c in chunks],
-                [_seed(c.request_id, c.sampling) for c in chunks],
-                [c.output_index for c in chunks],
-            )
-            sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+            params, seeds, indices = [], [], []
+            for c in chunks:
+                seed = _seed(c.request_id, c.sampling)
+                for j in range(c.num_sampled):  # output o + j is drawn with (seed, o + j)
+                    params.append(c.sampling)
+                    seeds.append(seed)
+                    indices.append(c.output_index + j)
+            tokens = sample(logits, params, seeds, indices)
+            at = 0
+            for c in chunks:
+                target = tokens[at : at + c.num_sampled]
+                at += c.num_sampled
+                sampled[c.request_id] = accept(c.draft_token_ids, target)
         self.stats.steps += 1
         self.stats.prepare_s += t0 - start
         self.stats.forward_s += t1 - t0

@@ -20,6 +20,11 @@ class ScheduledChunk:
     ``page_ids`` is the request's whole page table, covering every position up to the chunk's
     end. With ``sample`` the request has then computed all its known tokens and the runner
     samples output token number ``output_index`` from the last position's logits.
+
+    A verify chunk (speculative decoding) ends with ``draft_token_ids``: ``token_ids`` is the
+    last output then the drafts, and the runner samples outputs ``output_index ..
+    output_index + len(draft_token_ids)`` at its positions and keeps those the drafts earn
+    (``engine/speculation.py``).
     """
 
     request_id: str
@@ -29,6 +34,12 @@ class ScheduledChunk:
     sample: bool
     sampling: SamplingParams
     output_index: int
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sampled(self) -> int:
+        """Positions the runner samples at: the last, or the last plus each draft's."""
+        return (1 + len(self.draft_token_ids)) if self.sample else 0
 
 
 @dataclass(frozen=True)

@@ -357,6 +357,12 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
             preemptions=bill.preemptions,
             migrations=bill.migrations,
             seed=bill.seed,
+            speculation=tandem_pb2.Speculation(
+                draft_tokens=bill.speculation.draft_tokens,
+                accepted_tokens=bill.speculation.accepted_tokens,
+                steps=bill.speculation.steps,
+                acceptance_length=bill.speculation.acceptance_length,
+            ),
         ),
         placement=tandem_pb2.Placement(
             prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",

@@ -438,6 +438,11 @@ def usage(prompt_tokens: int, completion_tokens: int, bill: Bill) -> dict[str, A
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": min(bill.cached_tokens, prompt_tokens)},
+        # speculative decoding's drafts, in the fields OpenAI gives predicted outputs
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": bill.speculation.accepted_tokens,
+            "rejected_prediction_tokens": bill.speculation.draft_tokens - bill.speculation.accepted_tokens,
+        },
     }
 
 

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.engine.speculation import MAX_SPECULATIVE_TOKENS
 from tandem.metrics.frontend import PART_BUCKETS
 from tandem.metrics.labels import RankLabels
 from tandem.wire.messages import RankStats, Role
@@ -18,6 +19,7 @@ from tandem.wire.messages import RankStats, Role
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TRANSFER_BUCKETS = PART_BUCKETS
+SPEC_STEP_BUCKETS = tuple(float(n) for n in range(1, MAX_SPECULATIVE_TOKENS + 2))
 
 
 class RankMetrics:
@@ -41,6 +43,14 @@ class RankMetrics:
             "Tokens in one step's batch (0: a step that only serves the group's MoE)",
             names,
             buckets=(0, *BATCH_TOKEN_BUCKETS),
+            registry=r,
+        ).labels(**base)
+        self.spec_step_tokens = Histogram(
+            "tandem_spec_acceptance_length",
+            "Output tokens one decode step gave one request with speculative decoding on "
+            "(1 + its accepted drafts; the mean is the acceptance length)",
+            names,
+            buckets=SPEC_STEP_BUCKETS,
             registry=r,
         ).labels(**base)
         self.kv_transfer_seconds = Histogram(
@@ -122,6 +132,17 @@ class _StatsCollector(Collector):
         yield counter(
             "tandem_num_preemptions", "Requests preempted for pages (recomputed later)", s.preemptions
         )
+        if s.role is not Role.PREFILL:
+            yield counter(
+                "tandem_spec_draft_tokens",
+                "Draft tokens proposed for verification (speculative decoding)",
+                s.speculation.draft_tokens,
+            )
+            yield counter(
+                "tandem_spec_accepted_tokens",
+                "Draft tokens that verification accepted (each equal to the target's own token)",
+                s.speculation.accepted_tokens,
+            )
         yield counter(
             "tandem_prefix_cache_queries_tokens",
             "Prompt tokens looked up in the prefix cache",

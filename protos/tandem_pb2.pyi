@@ -125,7 +125,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., prefill_rank: _Optional[str] = ..., delivered: _Optional[bool] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ...) -> None: ...
 
 class Bill(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency", "attempts", "preemptions", "migrations", "seed")
+    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency", "attempts", "preemptions", "migrations", "seed", "speculation")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Bill(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     new_prompt_tokens: int
@@ -146,7 +147,20 @@ class Bill(_message.Message):
     preemptions: int
     migrations: int
     seed: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("draft_tokens", "accepted_tokens", "steps", "acceptance_length")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: int
+    accepted_tokens: int
+    steps: int
+    acceptance_length: float
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., acceptance_length: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("prefill_group", "prefill_rank", "decode_group", "decode_rank", "predicted_cached_tokens", "route_branch")

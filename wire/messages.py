@@ -123,6 +123,30 @@ class PrefillAttempt:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as measured, for one request or one rank: ``draft_tokens`` the
+    drafter proposed, ``accepted_tokens`` of them that verification kept, and ``steps``, the
+    decode steps (each verifies the drafts it was given, none included) that gave
+    ``steps + accepted_tokens`` output tokens. ``acceptance_length``: tokens per step (1.0
+    without speculation); the first output token, which prefill samples, is in none of these."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.steps + self.accepted_tokens) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def plus(self, drafts: int, accepted: int, steps: int = 1) -> Speculation:
+        return Speculation(self.draft_tokens + drafts, self.accepted_tokens + accepted, self.steps + steps)
+
+
+@dataclass(frozen=True)
 class Bill:
     """What one request cost and where its time went, as its rank measured it: each duration is
     the difference of two readings of one process's monotonic clock, or a sum of such.
@@ -144,6 +168,7 @@ class Bill:
     migrations: int = 0  # set by the frontend: decode ranks it moved away from (theirs failed)
     seed: int | None = None  # set by the frontend: the seed of every draw (the client's, or drawn)
     attempts: tuple[PrefillAttempt, ...] = ()
+    speculation: Speculation = field(default_factory=Speculation)  # the decode rank's steps
     pickup_s: float = 0.0
     reservation_wait_s: float = 0.0
     decode_s: float = 0.0
@@ -365,6 +390,7 @@ class RankStats:
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hit_tokens: int = 0  # of those, found there
     preemptions: int = 0
+    speculation: Speculation = field(default_factory=Speculation)  # a decode rank's, since start
     # failed transfers since start, by direction ("send"/"recv") and cause (the error's kind)
     transfer_failures: tuple[tuple[str, str, int], ...] = ()
     local_experts: int = 0

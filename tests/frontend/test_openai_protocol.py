@@ -28,7 +28,7 @@ from tandem.frontend.openai_protocol import (
 )
 from tandem.model.make_tiny import BOS_ID, write_tokenizer
 from tandem.model.tokenizer import Tokenizer
-from tandem.wire.messages import Bill
+from tandem.wire.messages import Bill, Speculation
 from tandem.wire.request_params import SamplingParams
 
 CONTEXT = 2048
@@ -218,12 +218,15 @@ def test_stop_strings_cut_the_text_before_them_across_chunks() -> None:
 
 
 def test_usage_and_response_shapes() -> None:
-    used = usage(10, 4, Bill(cached_tokens=8))
+    used = usage(
+        10, 4, Bill(cached_tokens=8, speculation=Speculation(draft_tokens=5, accepted_tokens=2, steps=1))
+    )
     assert used == {
         "prompt_tokens": 10,
         "completion_tokens": 4,
         "total_tokens": 14,
         "prompt_tokens_details": {"cached_tokens": 8},
+        "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 3},
     }
     chat = ResponseShape.of(True, "chatcmpl-1", "tiny")
     whole = chat.response("hi", "stop", None, used)

@@ -1,0 +1,20 @@
+"""The drafters by name: ``make_drafter(config, ...)`` builds the one a deployment names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.engine.drafter import Drafter
+    from tandem.engine.speculation import SpeculativeConfig
+
+
+def make_drafter(config: SpeculativeConfig, **parts: Any) -> Drafter:
+    """The configured drafter; ``parts`` are what a model drafter is built over (the model, the
+    KV pool), which a weightless drafter ignores. Each is imported only when chosen: the MTP
+    drafter loads torch."""
+    if config.drafter == "ngram":
+        from tandem.engine.ngram_drafter import NgramDrafter
+
+        return NgramDrafter(config, **parts)
+    raise ValueError(f"drafter: no drafter named {config.drafter!r} (known: ngram)")

@@ -1,0 +1,180 @@
+"""Speculative decoding on a decode worker fed by a prefill worker over real NIXL, in one
+process: with prompt-lookup drafts and K in {1, 3, 5}, greedy and seeded requests give exactly
+the tokens they give with speculation off (the colocated engine, itself checked against
+``transformers``), drafts are really accepted, a pool too small for every request preempts and
+still matches, and every page is free and accounted for at the end."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.bench.gpu_transfer_check import DirectDispatcher
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.types import DecodeSchedulerConfig
+from tandem.decode.worker import DecodeWorker, Routing
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.drafters import make_drafter
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.request import Request
+from tandem.engine.runner import ModelRunner
+from tandem.engine.speculation import SpeculativeConfig
+from tandem.kvtransfer.metadata import InMemoryMetadataStore
+from tandem.kvtransfer.nixl_transport import NixlTransport
+from tandem.model.checkpoint import load_checkpoint
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kv_pool import KVPool
+from tandem.model.tokenizer import Tokenizer
+from tandem.model.train_demo import DEMO_DIR
+from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from tandem.prefill.worker import PrefillWorker
+from tandem.wire.messages import RankId, RequestResult
+from tandem.wire.request_params import SamplingParams
+
+PAGE = 8
+PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
+EOS = 257
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    """The demo model: the tiny configuration trained on English, so its text repeats itself
+    as real text does and lookup drafts are accepted (a random model's never are)."""
+    return DEMO_DIR
+
+
+def _model(path: Path) -> DeepseekV3:
+    cfg = ModelConfig.from_dir(path)
+    model = DeepseekV3(cfg, torch.float64)
+    model.load_weights(load_checkpoint(path, cfg, torch.float64))
+    return model
+
+
+def _workers(tiny: Path, decode_pages: int, spec: SpeculativeConfig) -> tuple[PrefillWorker, DecodeWorker]:
+    store = InMemoryMetadataStore()
+    p_model, d_model = _model(tiny), _model(tiny)
+    cfg = p_model.cfg
+    p_pool = KVPool(cfg, 64, PAGE, torch.float64)
+    d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64)
+    prefill = PrefillWorker(
+        PREFILL,
+        1,
+        PrefillScheduler(
+            PrefillSchedulerConfig(
+                num_pages=64, page_size=PAGE, max_num_batched_tokens=64, max_model_len=512,
+                vocab_size=cfg.vocab_size,
+            )
+        ),
+        ModelRunner(p_model, p_pool),
+        NixlTransport(PREFILL.name, 1, p_pool.layout, store),
+    )  # fmt: skip
+    decode = DecodeWorker(
+        DECODE,
+        1,
+        DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
+        ModelRunner(d_model, d_pool),
+        NixlTransport(DECODE.name, 1, d_pool.layout, store),
+        DirectDispatcher(prefill),
+        speculative=spec,
+        drafter=make_drafter(spec) if spec.enabled else None,
+    )
+    return prefill, decode
+
+
+def _run(prefill: PrefillWorker, decode: DecodeWorker, requests: list[Request]) -> dict[str, RequestResult]:
+    decode.submit([(r, Routing(), time.monotonic()) for r in requests])
+    done: dict[str, RequestResult] = {}
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        decode.step()
+        decode.scheduler.check_integrity()  # after every step: no page lost to a rejected draft
+        done |= {r.request_id: r for r in decode.take_results()}
+        if len(done) == len(requests) and not prefill.pending() and decode.transport.in_flight() == (0, 0):
+            break
+    assert len(done) == len(requests)
+    return done
+
+
+TEXTS = [
+    "The river runs past the mill. The river runs past the mill and the",
+    "Once upon a time there was a king who had three daughters. Once upon a time",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "She said that she would come back, and she",
+    "A B C D A B C D A B",
+]
+
+
+def _cases() -> tuple[list[list[int]], list[SamplingParams]]:
+    tokenizer = Tokenizer.from_dir(DEMO_DIR)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    rng = random.Random(3)
+    prompts.append([rng.randrange(256) for _ in range(12)])  # no text: lookup rarely drafts
+    sampling = [
+        SamplingParams(max_tokens=24, ignore_eos=True) if i % 2 == 0 else
+        SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=7 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    prompts.append(prompts[0])
+    sampling.append(SamplingParams(max_tokens=2, ignore_eos=True))  # max_tokens below K
+    prompts.append(prompts[1])
+    sampling.append(SamplingParams(max_tokens=40))  # may stop at EOS within a step's tokens
+    return prompts, sampling
+
+
+@pytest.fixture(scope="module")
+def expected(tiny: Path) -> list[list[int]]:
+    prompts, sampling = _cases()
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=256))
+    return [o.token_ids for o in engine.generate(prompts, sampling)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_prompt_lookup_speculation_gives_the_tokens_of_plain_decoding(
+    tiny: Path, expected: list[list[int]], k: int
+) -> None:
+    prompts, sampling = _cases()
+    # 20 pages of 8 tokens: fewer than every request needs at once, so the pool preempts
+    prefill, decode = _workers(tiny, decode_pages=20, spec=SpeculativeConfig(num_tokens=k, drafter="ngram"))
+    requests = [
+        Request(f"r{i}", p, s, frozenset({EOS}), 512)
+        for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+    done = _run(prefill, decode, requests)
+    assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == expected
+    spec = decode.speculation
+    assert spec.accepted_tokens > 0 and spec.draft_tokens > spec.accepted_tokens  # real drafts, some wrong
+    for i in range(len(prompts)):
+        bill = done[f"r{i}"].bill
+        s = bill.speculation
+        # every output but the first (prefill's) came from a decode step, preempted or not
+        assert s.steps + s.accepted_tokens == bill.output_tokens - 1
+        assert s.accepted_tokens <= s.draft_tokens <= k * s.steps
+        assert len(bill.token_times_s) == bill.output_tokens
+    assert (
+        sum(done[f"r{i}"].bill.speculation.accepted_tokens for i in range(len(prompts)))
+        == spec.accepted_tokens
+    )
+    assert max(done[f"r{i}"].bill.preemptions for i in range(len(prompts))) > 0
+    decode.scheduler.check_integrity()
+    prefill.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 20 and prefill.scheduler.num_free_pages == 64
+    prefill.transport.close()
+    decode.transport.close()
