@@ -29,10 +29,10 @@ import grpc
 
 from tandem.bench.router_bench import TraceError, read_trace
 from tandem.bench.serve_stats import Pools, RequestRecord, point_stats
-from tandem.bench.serve_workload import BenchRequest, SyntheticWorkload, TraceReplay
+from tandem.bench.serve_workload import BenchRequest, SyntheticWorkload, TextWorkload, TraceReplay
 from tandem.client.grpc_client import ClientOptions, channel, message_dict, metadata, request_message
 from tandem.client.output import emit
-from tandem.client.prompts import PromptSpec
+from tandem.client.prompts import PromptSpec, read_prompts_file
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
@@ -72,6 +72,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix-tokens", type=int, default=128, help="of each prompt, shared")
     parser.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
     parser.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL: replay it instead")
+    parser.add_argument(
+        "--prompts-file",
+        type=Path,
+        default=None,
+        help='JSONL of {"prompt": text} lines: real text, not synthetic ids (--output-tokens each)',
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="send at timestamp x this")
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash block")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="cap on a trace's outputs")
@@ -89,7 +95,7 @@ class Plan:
     """What to send: a sweep (``synthetic`` and ``concurrency``) or a replay (``trace``)."""
 
     concurrency: tuple[int, ...] = ()
-    synthetic: SyntheticWorkload | None = None
+    synthetic: SyntheticWorkload | TextWorkload | None = None
     requests_per_point: int = 32
     duration_s: float | None = None
     trace: list[BenchRequest] | None = None
@@ -146,6 +152,20 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         )
     if args.duration is not None and not args.duration > 0:
         raise InvalidRequestError("--duration", f"must be > 0 seconds, got {args.duration}")
+    if args.prompts_file is not None:
+        specs = read_prompts_file(args.prompts_file, SamplingParams())
+        texts = tuple(s.text for s in specs if s.text is not None)
+        if len(texts) != len(specs):
+            raise InvalidRequestError(
+                "--prompts-file", 'a text workload takes "prompt" lines, not prompt_ids'
+            )
+        workload = TextWorkload(texts, args.output_tokens)
+        try:
+            workload.check()
+        except ValueError as exc:
+            flag, why = str(exc).split(": ", 1)
+            raise InvalidRequestError(flag, why) from None
+        return Plan(concurrency, workload, args.requests_per_point, args.duration, **slo)
     synthetic = SyntheticWorkload(
         args.prompt_tokens,
         args.output_tokens,
@@ -208,7 +228,8 @@ Send = Callable[[BenchRequest], Awaitable[RequestRecord]]
 def _sender(stub: tandem_pb2_grpc.TandemStub, options: ClientOptions) -> Send:
     async def send(request: BenchRequest) -> RequestRecord:
         sampling = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
-        message = request_message(PromptSpec(None, request.prompt, sampling))
+        spec = PromptSpec(request.text, None if request.text is not None else request.prompt, sampling)
+        message = request_message(spec)
         record = RequestRecord(sent_s=time.perf_counter())
         try:
             call = stub.Generate(message, metadata=metadata(options), timeout=options.timeout_s)
@@ -239,13 +260,19 @@ def _read_summary(record: RequestRecord, summary: tandem_pb2.Summary) -> None:
     record.predicted_cached_tokens = summary.placement.predicted_cached_tokens
     record.prefill_rank = summary.placement.prefill_rank
     record.decode_rank = summary.placement.decode_rank
+    spec = bill.speculation
+    record.draft_tokens, record.accepted_tokens, record.decode_steps = (
+        spec.draft_tokens,
+        spec.accepted_tokens,
+        spec.steps,
+    )
     if summary.error or summary.finish_reason in ("error", "abort"):
         record.error = summary.error or f"finished with {summary.finish_reason}"
 
 
 async def closed_loop(
     send: Send,
-    workload: SyntheticWorkload,
+    workload: SyntheticWorkload | TextWorkload,
     concurrency: int,
     count: int,
     duration_s: float | None,

@@ -51,7 +51,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
     latency_header = [
         "point", "done", "failed", "req/s", "goodput req/s", "in cached tok/s", "in new tok/s", "out tok/s",
         "TTFT ms p50/90/99", "ITL ms p50/90/99", "TPOT ms p50/90/99", "E2E ms p50/90/99", "tok/s/user",
-        "cache hit", "predicted/found cached",
+        "cache hit", "predicted/found cached", "accept len",
     ]  # fmt: skip
     latency = [
         [
@@ -70,6 +70,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
             _n(p["interactivity_tokens_per_s"]),
             _n(p["cache_hit_share"] * 100) + "%" if not math.isnan(p["cache_hit_share"]) else "-",
             f"{p['predicted_cached_tokens']}/{p['cached_tokens']}",
+            _n(p["speculation"]["acceptance_length"], 2) if p["speculation"]["draft_tokens"] else "-",
         ]
         for p in points
     ]

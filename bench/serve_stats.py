@@ -78,6 +78,9 @@ class RequestRecord:
     latency_s: dict[str, float] = field(default_factory=dict)  # the bill's Latency fields
     prefill_rank: str = ""
     decode_rank: str = ""
+    draft_tokens: int = 0  # the bill's speculation: drafts proposed, accepted, decode steps
+    accepted_tokens: int = 0
+    decode_steps: int = 0
 
     @property
     def completed(self) -> bool:
@@ -223,4 +226,20 @@ def point_stats(
         "predicted_cached_tokens": sum(r.predicted_cached_tokens for r in done),
         "cached_tokens": cached,
         "prompt_tokens": prompt,
+        "speculation": speculation_stats(done),
+    }
+
+
+def speculation_stats(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """The bills' drafts over a point: proposed, accepted, decode steps, and the mean acceptance
+    length (output tokens per decode step over all of them; 1.0 without speculation)."""
+    drafts = sum(r.draft_tokens for r in records)
+    accepted = sum(r.accepted_tokens for r in records)
+    steps = sum(r.decode_steps for r in records)
+    return {
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "decode_steps": steps,
+        "acceptance_length": (steps + accepted) / steps if steps else math.nan,
+        "acceptance_rate": accepted / drafts if drafts else math.nan,
     }

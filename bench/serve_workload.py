@@ -1,5 +1,10 @@
-"""The requests ``tandem bench serve`` sends: synthetic prompts with shared prefixes, or a
-Mooncake trace's requests with token ids made from its hash ids (pure Python, deterministic).
+"""The requests ``tandem bench serve`` sends: synthetic prompts with shared prefixes, real text
+(``--prompts-file``), or a Mooncake trace's requests with token ids made from its hash ids (pure
+Python, deterministic).
+
+Text: request ``i`` of a point is prompt ``(i + point) % n`` of the file, sent as text (the
+frontend tokenizes it with the model's tokenizer). Drafts and caches see real text: random
+token ids make any drafter look useless and any cache look cold.
 
 Synthetic: request ``i`` of a point is one of ``prefixes`` shared prefixes (``i % prefixes``) of
 ``shared_prefix_tokens`` tokens, then a suffix of its own up to ``prompt_tokens``. The prefixes
@@ -29,6 +34,24 @@ class BenchRequest:
     max_tokens: int
     send_at_s: float = 0.0  # from the start of the replay (open loop); 0 in a closed loop
     clipped: bool = False
+    text: str | None = None  # sent as text instead of ``prompt`` (a text workload)
+
+
+@dataclass(frozen=True)
+class TextWorkload:
+    """Prompts of real text, in turn; ``output_tokens`` each."""
+
+    prompts: tuple[str, ...]
+    output_tokens: int
+
+    def check(self) -> None:
+        if not self.prompts:
+            raise ValueError("--prompts-file: holds no prompt")
+        if self.output_tokens < 1:
+            raise ValueError(f"--output-tokens: must be at least 1, got {self.output_tokens}")
+
+    def request(self, point: int, index: int) -> BenchRequest:
+        return BenchRequest([], self.output_tokens, text=self.prompts[(index + point) % len(self.prompts)])
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ REQUIRED = (
     "tandem_kv_transfer_exposed_seconds_sum",
     "tandem_router_decisions_total",
     "tandem_group_state",
+    "tandem_spec_acceptance_length_sum",
+    "tandem_spec_accepted_tokens_total",
 )
 
 

@@ -1,0 +1,132 @@
+"""Speculative decoding on the Ray cluster: the ``local`` preset (a DEP2 prefill group and a
+DEP2 decode group, real NIXL) with prompt-lookup drafts gives, over gRPC, exactly the tokens
+of plain decoding for greedy and seeded requests, and its bills carry drafts the verify steps
+really accepted; a decode rank killed mid-stream hands its speculating streams to another,
+which goes on with the same tokens. Every page is free and accounted for after each."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from tandem.client.grpc_client import ClientOptions, generate_all
+from tandem.client.prompts import PromptSpec
+from tandem.cluster.serve import ServeOptions, Server
+from tandem.cluster.topology import PoolSpec, SpeculativeSpec, Topology
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.model.tokenizer import Tokenizer
+from tandem.model.train_demo import DEMO_DIR
+from tandem.wire.messages import RankId, RankStats
+from tandem.wire.request_params import SamplingParams
+from tandem.wire.stream_summary import StreamSummary
+
+PAGE = 8
+TEXTS = [
+    "The river runs past the mill. The river runs past the mill and the",
+    "Once upon a time there was a king who had three daughters. Once upon a time",
+    "She said that she would come back, and she",
+    "A B C D A B C D A B",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(ray_started: None) -> Path:
+    """The demo model: trained on English, its text repeats as real text does, so lookup drafts
+    are accepted (a random model's almost never are)."""
+    return DEMO_DIR
+
+
+def _topology(k: int, prefill: PoolSpec, decode: PoolSpec) -> Topology:
+    return Topology.preset("local").model_copy(
+        update={
+            "prefill": prefill,
+            "decode": decode,
+            "speculative": SpeculativeSpec(tokens=k, drafter="ngram"),
+        }
+    )
+
+
+def _serve(topology: Topology, model: Path) -> Server:
+    server = Server(ServeOptions(topology, model, port=0, dtype="float64"))
+    server.start()
+    return server
+
+
+def _expected(model: Path, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[list[int]]:
+    engine = ColocatedEngine.from_model_dir(model, torch.float64, EngineConfig(page_size=PAGE, num_pages=512))
+    return [o.token_ids for o in engine.generate(prompts, sampling)]
+
+
+def _all_pages_free(server: Server) -> None:
+    ray.get(server.controller.check_integrity.remote())
+    stats: list[RankStats] = ray.get(server.controller.stats.remote())
+    for s in stats:
+        assert s.free_pages == s.total_pages and (s.sends_in_flight, s.receives_in_flight) == (0, 0), s
+
+
+def test_local_preset_with_prompt_lookup_gives_plain_decodings_tokens_over_grpc(demo: Path) -> None:
+    sampling = [
+        SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, top_k=20, seed=i)
+        for i in range(2 * len(TEXTS))
+    ]
+    specs = [PromptSpec(TEXTS[i % len(TEXTS)], None, s) for i, s in enumerate(sampling)]
+    page = PoolSpec(dep=2, page_size=PAGE, num_pages=96)
+    server = _serve(_topology(3, page, page), demo)
+    try:
+        outcomes = asyncio.run(
+            generate_all(ClientOptions(f"127.0.0.1:{server.port}", timeout_s=120), specs, 8)
+        )
+        prompts = [Tokenizer.from_dir(demo).encode(t) for t in (TEXTS * 2)]
+        summaries = [o.summary for o in outcomes]
+        assert all(s is not None and not s.error for s in summaries)
+        assert [list(s.token_ids) for s in summaries if s] == _expected(demo, prompts, sampling)
+        spec = [s.bill.speculation for s in summaries if s]
+        assert sum(x.accepted_tokens for x in spec) > 0  # drafts were accepted on the DEP2 group
+        for x, s in zip(spec, summaries, strict=True):
+            assert s is not None and x.steps + x.accepted_tokens == s.bill.output_tokens - 1
+            assert x.accepted_tokens <= x.draft_tokens <= 3 * x.steps
+        _all_pages_free(server)
+    finally:
+        server.stop()
+
+
+def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_same_tokens(demo: Path) -> None:
+    topology = _topology(
+        3,
+        PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=200),
+        PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=200),
+    )
+    prompts = [Tokenizer.from_dir(demo).encode(t) for t in TEXTS] * 2
+    sampling = [
+        SamplingParams(max_tokens=1200, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+        for i in range(len(prompts))
+    ]
+    server = _serve(topology, demo)
+    try:
+        done: list[StreamSummary] = []
+        thread = threading.Thread(target=lambda: done.extend(server.generate(prompts, sampling)))
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive(), "the streams ended before a decode rank was killed"
+        view = ray.get(server.controller.routing_view.remote())
+        ray.kill(view.decode[RankId("decode0", 0)])
+        thread.join(timeout=300)
+        assert [d.error for d in done] == [None] * len(prompts)
+        assert [d.token_ids for d in done] == _expected(demo, prompts, sampling)
+        moved = [d for d in done if d.bill.migrations]
+        assert moved and all(d.decode_rank == RankId("decode1", 0) for d in moved)
+        assert sum(d.bill.speculation.accepted_tokens for d in done) > 0
+        deadline = time.monotonic() + 120
+        while not all(s.startswith("ready") for s in ray.get(server.controller.status.remote()).values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        _all_pages_free(server)
+    finally:
+        server.stop()
