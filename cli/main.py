@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = model.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--mtp", action="store_true", help="add a (random) multi-token-prediction layer")
     demo = model.add_parser("train-demo", help="train the tiny model on English text (the default model)")
     demo.add_argument("dir", type=Path, help="where to write the checkpoint (the committed one: model/demo)")
     demo.add_argument("--corpus", type=Path, default=None, help="UTF-8 text (default: model/demo/corpus.txt)")
@@ -221,7 +222,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
         from tandem.model.make_tiny import make_tiny_checkpoint
 
-        path = make_tiny_checkpoint(args.dir, seed=args.seed)
+        extra = {"num_nextn_predict_layers": 1} if args.mtp else {}
+        path = make_tiny_checkpoint(args.dir, seed=args.seed, **extra)
         emit(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
         return 0
     if args.command == "generate":

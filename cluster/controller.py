@@ -118,6 +118,7 @@ class Cluster:
                 kv_timeout_s=topology.kv_timeout_s,
                 max_num_batched_tokens=p.max_num_batched_tokens,
                 layerwise=topology.kv_transfer == "layerwise",
+                mtp=topology.speculative.tokens > 0 and topology.speculative.drafter == "mtp",
             ),
         )
         decode = DecodeRole(

@@ -76,14 +76,16 @@ class GroupRendezvous:
 
 
 def load_rank_model(
-    model_dir: str, dtype: str, device: torch.device, rank: int, world_size: int
+    model_dir: str, dtype: str, device: torch.device, rank: int, world_size: int, mtp: bool = False
 ) -> tuple[ModelConfig, DeepseekV3, ExpertParallelDispatcher]:
-    """The model with this rank's share of the routed experts (others are never read)."""
+    """The model with this rank's share of the routed experts (others are never read), and with
+    ``mtp`` its multi-token-prediction layer (the same share of that layer's experts)."""
     cfg = ModelConfig.from_dir(model_dir)
     dispatcher = ExpertParallelDispatcher(rank, world_size, cfg.n_routed_experts)
     experts = expert_slice(cfg.n_routed_experts, rank, world_size)
-    model = DeepseekV3(cfg, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher)
-    model.load_weights(load_checkpoint(model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert))
+    model = DeepseekV3(cfg, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher, mtp=mtp)
+    tensors = load_checkpoint(model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert, mtp=mtp)
+    model.load_weights(tensors)
     return cfg, model, dispatcher
 
 
@@ -94,7 +96,9 @@ def start_rank(
     the loop that will step it."""
     rank = spec.rank_id.rank
     rendezvous.join(device, master, rank, spec.world_size, spec.collective_timeout_s)
-    cfg, model, dispatcher = load_rank_model(spec.model_dir, spec.dtype, device, rank, spec.world_size)
+    cfg, model, dispatcher = load_rank_model(
+        spec.model_dir, spec.dtype, device, rank, spec.world_size, spec.role.uses_mtp
+    )
     ctx = RankContext(
         spec.rank_id, spec.incarnation, cfg, model, dispatcher, device, DTYPES[spec.dtype], outbox
     )

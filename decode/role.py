@@ -19,6 +19,10 @@ class DecodeRole(PooledRole):
     role: ClassVar[Role] = Role.DECODE
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    @property
+    def uses_mtp(self) -> bool:
+        return self.speculative.enabled and self.speculative.drafter == "mtp"
+
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
         from tandem.decode.dispatch import RayPrefillDispatcher
@@ -40,7 +44,8 @@ class DecodeRole(PooledRole):
         spec = self.speculative
         drafter = make_drafter(spec, model=ctx.model, pool=pool) if spec.enabled else None
         return DecodeWorker(
-            ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.runner(pool, self.max_num_seqs),
+            ctx.rank_id, ctx.incarnation, DecodeScheduler(config),
+            ctx.runner(pool, self.max_num_seqs, keep_hidden=self.uses_mtp),
             ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
             speculative=spec, drafter=drafter,
         )  # fmt: skip

@@ -37,6 +37,7 @@ running request therefore holds the same pages between steps with drafts as with
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections import deque
@@ -72,7 +73,7 @@ class _Entry:
     kv_retries: int = 0
     aborting: bool = False  # aborted while WAITING_FOR_KV: finishes as "abort" when the transfer ends
     expiry_reported: bool = False
-    num_drafts: int = 0  # drafts of the step scheduled and not yet updated: their pages are held
+    num_drafts: int = 0  # draft room of the step scheduled and not yet updated: its pages are held
 
 
 class DecodeScheduler:
@@ -266,17 +267,18 @@ class DecodeScheduler:
         left = min(request.sampling.max_tokens - len(request.output_token_ids), max_len - request.num_tokens)
         return max(0, min(k, left - 1))
 
-    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, draft_room: Mapping[str, int] | None = None) -> SchedulerOutput:
         """Plan one decode step: one token for each of the first ``max_num_seqs`` running requests,
         in arrival order. A request whose next token needs a page when none is free preempts the
         newest running request (perhaps itself, never one scheduled earlier in this step).
 
-        Then each scheduled request's ``drafts`` (speculative decoding), cut to ``draft_limit``,
-        get pages from those left free: drafts never preempt a request nor take the page another
-        one's next token needs."""
+        Speculative decoding: each scheduled request then gets pages for up to
+        ``draft_room[request_id]`` drafts (cut to ``draft_limit``) from those left free, its
+        chunk's ``draft_room``; drafts never preempt a request nor take the page another one's
+        next token needs. ``with_drafts`` puts the drafts in."""
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-        scheduled: list[Request] = []
+        scheduled: list[_Entry] = []
         index = 0
         while index < min(len(self._running), self.config.max_num_seqs):
             entry = self._running[index]
@@ -292,38 +294,50 @@ class DecodeScheduler:
             if new_pages is None:
                 break
             request.page_ids.extend(new_pages)
-            scheduled.append(request)
+            scheduled.append(entry)
             index += 1
-        for request in scheduled:
-            draft = self._fit_draft(request, (drafts or {}).get(request.request_id, ()))
-            self._entries[request.request_id].num_drafts = len(draft)
+        for entry in scheduled:
+            request = entry.request
+            entry.num_drafts = self._reserve_drafts(request, (draft_room or {}).get(request.request_id, 0))
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=(request.output_token_ids[-1], *draft),
+                    token_ids=(request.output_token_ids[-1],),
                     start_position=request.num_tokens - 1,
                     page_ids=tuple(request.page_ids),
                     sample=True,
                     sampling=request.sampling,
                     output_index=len(request.output_token_ids),
-                    draft_token_ids=draft,
+                    draft_room=entry.num_drafts,
                 )
             )
         return SchedulerOutput(
-            chunks=tuple(chunks),
-            num_batched_tokens=sum(len(c.token_ids) for c in chunks),
-            preempted_request_ids=tuple(preempted),
+            chunks=tuple(chunks), num_batched_tokens=len(chunks), preempted_request_ids=tuple(preempted)
         )
 
-    def _fit_draft(self, request: Request, draft: Sequence[int]) -> tuple[int, ...]:
-        """``draft`` cut to ``draft_limit`` and to the free pages, which it then holds."""
+    def with_drafts(self, output: SchedulerOutput, drafts: Mapping[str, Sequence[int]]) -> SchedulerOutput:
+        """``output`` with each chunk's drafts after its token (at most its ``draft_room``)."""
+        chunks = []
+        for chunk in output.chunks:
+            draft = tuple(drafts.get(chunk.request_id, ()))[: chunk.draft_room]
+            if draft:
+                chunk = dataclasses.replace(
+                    chunk, token_ids=(*chunk.token_ids, *draft), draft_token_ids=draft
+                )
+            chunks.append(chunk)
+        return dataclasses.replace(
+            output, chunks=tuple(chunks), num_batched_tokens=sum(len(c.token_ids) for c in chunks)
+        )
+
+    def _reserve_drafts(self, request: Request, room: int) -> int:
+        """Pages for up to ``room`` drafts, cut to ``draft_limit`` and to the free pages; how many."""
         size = self.config.page_size
-        room = (len(request.page_ids) + self.kv_cache.num_free_pages) * size - request.num_tokens
-        fitted = tuple(draft[: min(self.draft_limit(request, len(draft)), room)])
-        new_pages = self._pages_for(request, request.num_tokens + len(fitted))
+        free = (len(request.page_ids) + self.kv_cache.num_free_pages) * size - request.num_tokens
+        room = max(0, min(self.draft_limit(request, room), free))
+        new_pages = self._pages_for(request, request.num_tokens + room)
         assert new_pages is not None  # sized to the free pages above
         request.page_ids.extend(new_pages)
-        return fitted
+        return room
 
     def _pages_for(self, request: Request, num_positions: int) -> list[int] | None:
         """The pages to add so that ``request`` covers ``num_positions``, or ``None``."""
@@ -367,7 +381,7 @@ class DecodeScheduler:
             if request.is_finished:
                 self._running.remove(entry)
                 finished.append(self._finish(entry, request.finish_reason or FinishReason.LENGTH))
-            elif chunk.draft_token_ids:
+            elif chunk.draft_room:
                 self._trim_pages(request)
         return finished
 

@@ -164,7 +164,7 @@ class DecodeWorker(RankWorker):
         self.kv_bytes_received = 0
         self.preemptions = 0
         self.failure_counts = FailureCounts()
-        self._schedule_s = self._update_s = 0.0
+        self._schedule_s = self._update_s = self._draft_s = 0.0
 
     # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing, float]]:
@@ -249,7 +249,7 @@ class DecodeWorker(RankWorker):
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self._drafts())
+        plan = self.scheduler.schedule(self._draft_room())
         self._schedule_s += time.perf_counter() - t0
         preempted_at = time.monotonic()
         for request_id in plan.preempted_request_ids:  # back in the queue, to be recomputed
@@ -260,6 +260,12 @@ class DecodeWorker(RankWorker):
             if track is not None:
                 track.stop_running(preempted_at)
                 track.queued_at, track.preemptions = preempted_at, track.preemptions + 1
+        if self.drafter is not None:  # every step, a chunk or not: an MTP drafter steps with its group
+            t_draft = time.perf_counter()
+            running = [r for c in plan.chunks if (r := self.scheduler.get(c.request_id)) is not None]
+            drafts = self.drafter.propose(running, {c.request_id: c.draft_room for c in plan.chunks})
+            plan = self.scheduler.with_drafts(plan, drafts)
+            self._draft_s += time.perf_counter() - t_draft
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         sampled = self.runner.verify(plan) if self.speculative.enabled else self.runner.run(plan)
@@ -276,21 +282,24 @@ class DecodeWorker(RankWorker):
             track.token_at.extend([now] * given)  # a verify step's tokens are known together
             if self.speculative.enabled:
                 self._count_speculation(track, request.request_id, chunk.draft_token_ids, given)
-                if self.drafter is not None:
-                    self.drafter.observe(request.request_id, request.output_token_ids[-given:])
+                if self.drafter is not None and not request.is_finished:
+                    hidden = (
+                        self.runner.hidden_rows(request.request_id, given)
+                        if self.drafter.needs_hidden
+                        else None
+                    )
+                    self.drafter.observe(request.request_id, request.output_token_ids[-given:], hidden)
             self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
         self._update_s += time.perf_counter() - t1
 
-    def _drafts(self) -> dict[str, tuple[int, ...]]:
-        """Each running request's drafts for the next step (none without speculation)."""
-        if self.drafter is None or not self.speculative.enabled:
+    def _draft_room(self) -> dict[str, int]:
+        """The drafts each running request may have this step (none without speculation)."""
+        if self.drafter is None:
             return {}
-        running = self.scheduler.running_requests()
         k = self.speculative.num_tokens
-        limits = {r.request_id: self.scheduler.draft_limit(r, k) for r in running}
-        return self.drafter.propose(running, limits)
+        return {r.request_id: k for r in self.scheduler.running_requests()}
 
     def _count_speculation(self, track: _Track, request_id: str, drafts: tuple[int, ...], given: int) -> None:
         accepted = min(given - 1, len(drafts))
@@ -349,7 +358,7 @@ class DecodeWorker(RankWorker):
             speculation=self.speculation,
             transfer_failures=self.failure_counts.as_tuple(),
             forward_s=self.runner.stats.forward_s,
-            split=self.runner.split(self._schedule_s, self._update_s),
+            split=self.runner.split(self._schedule_s, self._update_s, self._draft_s),
         )
 
     def check_integrity(self) -> None:
@@ -397,6 +406,8 @@ class DecodeWorker(RankWorker):
             if not track.token_at:
                 track.token_at.append(usable)
         request = self.scheduler.get(transfer.request_id)
+        if self.drafter is not None and request is not None and not request.is_finished:
+            self.drafter.start(transfer.request_id, n.draft_state)
         if track is not None and request is not None:
             self._stream_new_tokens(request, track, time.time())
         if finished is not None:

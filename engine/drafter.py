@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
@@ -29,8 +29,13 @@ class Drafter(ABC):
         """At most ``k[request_id]`` draft tokens for each request (fewer, or none, when it has
         no guess); a request it leaves out decodes one token this step."""
 
-    def observe(self, request_id: str, accepted: Sequence[int]) -> None:  # noqa: B027
-        """The tokens the verify step gave ``request_id`` (its first is the target's own)."""
+    def start(self, request_id: str, hidden: Any = None) -> None:  # noqa: B027
+        """``request_id``'s KV arrived: ``hidden`` is the target's last hidden state of the prefix
+        the prefill rank computed (``needs_hidden`` drafters), or ``None`` when it sent none."""
+
+    def observe(self, request_id: str, accepted: Sequence[int], hidden: Any = None) -> None:  # noqa: B027
+        """The tokens the verify step gave ``request_id`` (its first is the target's own), with
+        the target's hidden states at the positions that gave them (``needs_hidden`` drafters)."""
 
     def forget(self, request_id: str) -> None:  # noqa: B027
         """The request left this rank (finished, preempted or moved): drop what is kept for it."""

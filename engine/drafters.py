@@ -17,4 +17,8 @@ def make_drafter(config: SpeculativeConfig, **parts: Any) -> Drafter:
         from tandem.engine.ngram_drafter import NgramDrafter
 
         return NgramDrafter(config, **parts)
-    raise ValueError(f"drafter: no drafter named {config.drafter!r} (known: ngram)")
+    if config.drafter == "mtp":
+        from tandem.engine.mtp_drafter import MtpDrafter
+
+        return MtpDrafter(config, **parts)
+    raise ValueError(f"drafter: no drafter named {config.drafter!r} (known: ngram, mtp)")

@@ -32,9 +32,13 @@ class RankContext:
     outbox: Outbox
 
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
-        return KVPool(self.model_config, num_pages, page_size, self.dtype, self.device)
+        return KVPool(
+            self.model_config, num_pages, page_size, self.dtype, self.device, self.model.num_kv_layers
+        )
 
-    def runner(self, pool: KVPool, max_batch: int | None = None) -> ModelRunner:
+    def runner(
+        self, pool: KVPool, max_batch: int | None = None, mtp_prefill: bool = False, keep_hidden: bool = False
+    ) -> ModelRunner:
         """The model over ``pool``, stepping in lockstep with the group; a role that decodes
         gives its ``max_batch``, and its decode batches run at static shapes where that is on
         (``static_decode_enabled``: CUDA graphs on a GPU)."""
@@ -42,7 +46,9 @@ class RankContext:
         if max_batch is not None and static_decode_enabled(self.device.type, self.dispatcher.world_size):
             cfg = self.model_config
             static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
-        return ModelRunner(self.model, pool, lockstep=True, static=static)
+        return ModelRunner(
+            self.model, pool, lockstep=True, static=static, mtp_prefill=mtp_prefill, keep_hidden=keep_hidden
+        )
 
     def transport(self, pool: KVPool) -> NixlTransport:
         """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""

@@ -21,6 +21,11 @@ class RoleSpec(ABC):
     # how long an idle rank waits for work before it joins the group's next agreement
     idle_wait_s: ClassVar[float] = 0.005
 
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether the rank loads the checkpoint's MTP layer (and its pool holds that layer)."""
+        return False
+
     @abstractmethod
     def build(self, ctx: RankContext) -> RankWorker:
         """The rank's worker, over the model and place in its group that ``ctx`` holds; runs on

@@ -33,19 +33,35 @@ class ModelRunner:
     ranks, so it runs the model even on an empty plan (an empty batch) to take part."""
 
     def __init__(
-        self, model: DeepseekV3, pool: KVPool, lockstep: bool = False, static: StaticDecode | None = None
+        self,
+        model: DeepseekV3,
+        pool: KVPool,
+        lockstep: bool = False,
+        static: StaticDecode | None = None,
+        mtp_prefill: bool = False,
+        keep_hidden: bool = False,
     ) -> None:
-        """``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU)."""
+        """``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU).
+        ``mtp_prefill``: each chunk's MTP-layer KV is computed after the model's (a prefill rank
+        of a deployment that drafts with MTP), and the last hidden state of each sampling chunk
+        is kept (``hidden_state``). ``keep_hidden``: the hidden states of every sampled row are
+        kept until the next step (``hidden_rows``), for an MTP drafter."""
         self.model = model
         self.pool = pool
         self.lockstep = lockstep
         self.static = static
         self.stats = RunnerStats()
+        if mtp_prefill and model.mtp is None:
+            raise ValueError("mtp_prefill needs a model built with its MTP layer")
+        self.mtp_prefill = mtp_prefill
+        self.keep_hidden = keep_hidden or mtp_prefill
+        self._hidden: torch.Tensor | None = None
+        self._hidden_at: dict[str, tuple[int, int]] = {}  # request -> (first row, rows) in _hidden
 
-    def split(self, schedule_s: float = 0.0, update_s: float = 0.0) -> StepSplit:
+    def split(self, schedule_s: float = 0.0, update_s: float = 0.0, draft_s: float = 0.0) -> StepSplit:
         """This runner's share of a rank's step split, with the worker's own pieces."""
         s = self.stats
-        return StepSplit(schedule_s, s.prepare_s, s.forward_s, s.sample_s, update_s)
+        return StepSplit(schedule_s, s.prepare_s, s.forward_s, s.sample_s, update_s, draft_s)
 
     def kv_event(self) -> ReadyEvent:
         """An event that completes once the KV queued so far is in the pool. On a GPU the kernels
@@ -73,6 +89,7 @@ class ModelRunner:
         if not plan.chunks and not self.lockstep:
             return {}
         start = time.perf_counter()
+        self._hidden, self._hidden_at = None, {}
         if self.static is not None and on_layer_kv is None and self.static.applies(plan):
             return self._sample(plan, self.static.run, start)
         device = self.model.device
@@ -97,6 +114,8 @@ class ModelRunner:
 
         def forward(_: SchedulerOutput) -> torch.Tensor:
             hidden = self.model.forward(ids, pos, meta, self.pool, on_layer_kv)
+            if self.mtp_prefill:
+                self._mtp_rows(plan, ids, pos, hidden, on_layer_kv)
             return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
 
         return self._sample(plan, forward, start)
@@ -114,7 +133,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             params, seeds, indices = [], [], []
             for c in chunks:
-                seed = _seed(c.request_id, c.sampling)
+                seed = seed_of(c.request_id, c.sampling)
                 for j in range(c.num_sampled):  # output o + j is drawn with (seed, o + j)
                     params.append(c.sampling)
                     seeds.append(seed)
@@ -123,16 +142,67 @@ class ModelRunner:
             at = 0
             for c in chunks:
                 target = tokens[at : at + c.num_sampled]
+                if self.keep_hidden:
+                    self._hidden_at[c.request_id] = (at, c.num_sampled)
                 at += c.num_sampled
                 sampled[c.request_id] = accept(c.draft_token_ids, target)
+        if self.keep_hidden:
+            self._hidden = rows
         self.stats.steps += 1
         self.stats.prepare_s += t0 - start
         self.stats.forward_s += t1 - t0
         self.stats.sample_s += time.perf_counter() - t1
         return sampled
 
+    def hidden_rows(self, request_id: str, count: int) -> torch.Tensor:
+        """The hidden states (after the final norm) of the first ``count`` positions the last
+        step sampled for ``request_id``: a verify chunk's last token and drafts, in order."""
+        at = self._hidden_at.get(request_id)
+        if self._hidden is None or at is None or count > at[1]:
+            raise KeyError(f"no {count} hidden rows of {request_id} from the last step")
+        return self._hidden[at[0] : at[0] + count]
 
-def _seed(request_id: str, sampling: SamplingParams) -> int:
+    def hidden_state(self, request_id: str) -> bytes:
+        """The last hidden state the last step computed for ``request_id`` (its last position),
+        as float32 bytes: what an MTP drafter on the decode rank starts from."""
+        return self.hidden_rows(request_id, 1)[-1:].float().cpu().numpy().tobytes()
+
+    def _mtp_rows(
+        self,
+        plan: SchedulerOutput,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        on_layer_kv: Callable[[int], None] | None,
+    ) -> None:
+        """The MTP layer's KV for each chunk's positions whose next token is known: row ``p``
+        reads the token at ``p + 1`` (the chunk's next, then ``next_token_id``) and the hidden
+        state at ``p``. A prompt's last position waits for the decode rank, which knows its next
+        token (the first output, or after a preemption the last one) and gets that hidden state."""
+        device = self.model.device
+        take: list[int] = []  # rows of the packed batch that get an MTP row
+        next_ids: list[int] = []
+        lens, ends, pages = [], [], []
+        at = 0
+        for chunk in plan.chunks:
+            n = len(chunk.token_ids)
+            following = list(chunk.token_ids[1:])
+            if chunk.next_token_id is not None:
+                following.append(chunk.next_token_id)
+            if following:
+                take.extend(range(at, at + len(following)))
+                next_ids.extend(following)
+                lens.append(len(following))
+                ends.append(chunk.start_position + len(following))
+                pages.append(list(chunk.page_ids))
+            at += n
+        index = torch.tensor(take, dtype=torch.int64, device=device)
+        meta = AttentionMetadata.build(self.pool.page_size, lens, ends, pages, device)
+        mtp_ids = torch.tensor(next_ids, dtype=torch.int64, device=device)
+        self.model.mtp_forward(mtp_ids, positions[index], hidden[index], meta, self.pool, on_layer_kv)
+
+
+def seed_of(request_id: str, sampling: SamplingParams) -> int:
     """The seed of a chunk's draw. Admission seeds every request (``SamplingParams.seeded``): one
     that samples without a seed would share its draws with every other such request."""
     if sampling.seed is not None:

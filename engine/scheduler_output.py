@@ -24,7 +24,8 @@ class ScheduledChunk:
     A verify chunk (speculative decoding) ends with ``draft_token_ids``: ``token_ids`` is the
     last output then the drafts, and the runner samples outputs ``output_index ..
     output_index + len(draft_token_ids)`` at its positions and keeps those the drafts earn
-    (``engine/speculation.py``).
+    (``engine/speculation.py``). ``next_token_id``: the token after the chunk when the request
+    has it (a prefill chunk before the prompt's last), which the MTP layer's last row reads.
     """
 
     request_id: str
@@ -35,6 +36,8 @@ class ScheduledChunk:
     sampling: SamplingParams
     output_index: int
     draft_token_ids: tuple[int, ...] = ()
+    draft_room: int = 0  # drafts the scheduler holds pages for (a decode step; 0 elsewhere)
+    next_token_id: int | None = None
 
     @property
     def num_sampled(self) -> int:

@@ -36,6 +36,8 @@ list of bounded length from which it could fall out.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import dataclasses
 import os
@@ -514,8 +516,9 @@ def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None
         kv_bytes = msg.get("kv_bytes") or 0
         if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes)):
             return None
-        return KVNotification(request_id, first_token, cached, timings, kv_bytes)
-    except (KeyError, TypeError, ValueError):
+        state = base64.b64decode(msg.get("draft_state") or "", validate=True)
+        return KVNotification(request_id, first_token, cached, timings, kv_bytes, state)
+    except (KeyError, TypeError, ValueError, binascii.Error):
         return None
 
 

@@ -3,6 +3,7 @@ notification, per-transfer statistics, and the typed errors."""
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
@@ -107,13 +108,15 @@ class SenderTimings:
 @dataclass(frozen=True)
 class KVNotification:
     """Sent once, after the last write of a request landed, with the sender's own ``timings``;
-    ``kv_bytes`` is what its write descriptors covered."""
+    ``kv_bytes`` is what its write descriptors covered. ``draft_state``: what the decode rank's
+    drafter starts from (with MTP, the prompt's last hidden state as float32 bytes), or empty."""
 
     request_id: str
     first_token: int
     cached_tokens: int
     timings: SenderTimings = field(default_factory=SenderTimings)
     kv_bytes: int = 0
+    draft_state: bytes = b""
 
 
 @dataclass
@@ -250,4 +253,5 @@ def notification_fields(n: KVNotification) -> dict[str, Any]:
     """The notification's fields other than the request id (which every message carries)."""
     fields = asdict(n)
     del fields["request_id"]
+    fields["draft_state"] = base64.b64encode(n.draft_state).decode()
     return fields

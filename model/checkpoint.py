@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem.model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expected_tensor_shapes
 from tandem.model.errors import ModelFileError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,18 +93,24 @@ def load_checkpoint(
     cfg: ModelConfig,
     dtype: torch.dtype,
     expert_filter: ExpertFilter | None = None,
+    mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Validate the checkpoint in ``model_dir`` against ``cfg`` and return its tensors in ``dtype``
     (the router's weight and bias in float32).
 
-    Tensors of layers ``>= cfg.num_hidden_layers`` (the multi-token-prediction layer) and rotary
-    ``inv_freq`` buffers are ignored. ``expert_filter(layer, expert)`` returning False keeps that
+    Tensors of layers ``>= cfg.num_hidden_layers`` (the multi-token-prediction layers) and rotary
+    ``inv_freq`` buffers are ignored; with ``mtp`` the first MTP layer's are loaded too (and must
+    be there, with their shapes). ``expert_filter(layer, expert)`` returning False keeps that
     routed expert's tensors out of the result without reading them.
     """
     model_dir = Path(model_dir)
     entries = _read_headers(model_dir)
     block = cfg.quant_block_size or DEFAULT_BLOCK
-    wanted = _validate(model_dir, entries, cfg, block)
+    if mtp and cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(
+            model_dir, "has no multi-token-prediction layer (num_nextn_predict_layers is 0 in config.json)"
+        )
+    wanted = _validate(model_dir, entries, cfg, block, mtp)
     if expert_filter is not None:
         wanted = [name for name in wanted if _keep_expert(name, expert_filter)]
 
@@ -128,10 +134,11 @@ def load_checkpoint(
     return tensors
 
 
-def check_model_dir(model_dir: Path | str) -> ModelConfig:
+def check_model_dir(model_dir: Path | str, mtp: bool = False) -> ModelConfig:
     """Everything a rank will read from ``model_dir``, checked from this process before any rank
     starts: ``config.json``, the tokenizer files, and every tensor's name, shape and dtype from
-    the safetensors headers (no tensor is read). Raises a ``ModelFileError`` naming the file."""
+    the safetensors headers (no tensor is read), the MTP layer's too with ``mtp``. Raises a
+    ``ModelFileError`` naming the file."""
     from tandem.model.tokenizer import Tokenizer  # tokenizers is heavy; only this check needs it
 
     model_dir = Path(model_dir)
@@ -139,7 +146,11 @@ def check_model_dir(model_dir: Path | str) -> ModelConfig:
         raise CheckpointError(model_dir, "model directory does not exist")
     cfg = ModelConfig.from_dir(model_dir)
     Tokenizer.from_dir(model_dir)
-    _validate(model_dir, _read_headers(model_dir), cfg, cfg.quant_block_size or DEFAULT_BLOCK)
+    if mtp and cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(
+            model_dir, "has no multi-token-prediction layer (num_nextn_predict_layers is 0 in config.json)"
+        )
+    _validate(model_dir, _read_headers(model_dir), cfg, cfg.quant_block_size or DEFAULT_BLOCK, mtp)
     return cfg
 
 
@@ -202,11 +213,14 @@ def _is_ignored(name: str, num_layers: int) -> bool:
 
 
 def _validate(
-    model_dir: Path, entries: dict[str, _Entry], cfg: ModelConfig, block: tuple[int, int]
+    model_dir: Path, entries: dict[str, _Entry], cfg: ModelConfig, block: tuple[int, int], mtp: bool = False
 ) -> list[str]:
     """Every problem with the checkpoint, raised together; returns the names to load."""
     expected = expected_tensor_shapes(cfg)
     num_layers = cfg.num_hidden_layers
+    if mtp:
+        expected |= expected_mtp_tensor_shapes(cfg)
+        num_layers += 1
     problems: list[str] = []
     for name, shape in expected.items():
         if name not in entries:

@@ -103,6 +103,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     quant_block_size: tuple[int, int] | None = None  # FP8 block-scaled checkpoints
+    # multi-token-prediction layers after the last decoder layer (DeepSeek-V3 ships one)
+    num_nextn_predict_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -186,6 +188,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             quant_block_size=(int(block[0]), int(block[1])) if block else None,
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
         cfg.validate(path)
         return cfg
@@ -220,47 +223,71 @@ class ModelConfig:
 
 def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold, by its Hugging Face name, with its shape."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            shapes[a + "q_proj.weight"] = (heads * cfg.qk_head_dim, h)
-        else:
-            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
-            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            shapes[a + "q_b_proj.weight"] = (heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_cache_dim, h)
-        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        shapes[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        shapes[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
-        if cfg.attention_bias:
-            if cfg.q_lora_rank is not None:
-                shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
-            shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_cache_dim,)
-            shapes[a + "o_proj.bias"] = (h,)
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            inter = cfg.moe_intermediate_size
-            shapes[m + "gate.weight"] = (cfg.n_routed_experts, h)
-            shapes[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
-            for e in range(cfg.n_routed_experts):
-                shapes[m + f"experts.{e}.gate_proj.weight"] = (inter, h)
-                shapes[m + f"experts.{e}.up_proj.weight"] = (inter, h)
-                shapes[m + f"experts.{e}.down_proj.weight"] = (h, inter)
-            if cfg.n_shared_experts:
-                shared = inter * cfg.n_shared_experts
-                shapes[m + "shared_experts.gate_proj.weight"] = (shared, h)
-                shapes[m + "shared_experts.up_proj.weight"] = (shared, h)
-                shapes[m + "shared_experts.down_proj.weight"] = (h, shared)
-        else:
-            shapes[m + "gate_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[m + "up_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[m + "down_proj.weight"] = (h, cfg.intermediate_size)
+        shapes |= _layer_shapes(cfg, i)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def expected_mtp_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The first multi-token-prediction layer's tensors: layer ``N = num_hidden_layers``, a full
+    decoder layer plus its own embedding, the norms of its two inputs, their projection and its
+    output head (``model.layers.N.shared_head.*``)."""
+    h, n = cfg.hidden_size, cfg.num_hidden_layers
+    p = f"model.layers.{n}."
+    return {
+        p + "embed_tokens.weight": (cfg.vocab_size, h),
+        p + "enorm.weight": (h,),
+        p + "hnorm.weight": (h,),
+        p + "eh_proj.weight": (h, 2 * h),
+        **_layer_shapes(cfg, n),
+        p + "shared_head.norm.weight": (h,),
+        p + "shared_head.head.weight": (cfg.vocab_size, h),
+    }
+
+
+def _layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    p = f"model.layers.{i}."
+    shapes[p + "input_layernorm.weight"] = (h,)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
+    a = p + "self_attn."
+    if cfg.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * cfg.qk_head_dim, h)
+    else:
+        shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
+        shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (heads * cfg.qk_head_dim, cfg.q_lora_rank)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_cache_dim, h)
+    shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    shapes[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    shapes[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
+    if cfg.attention_bias:
+        if cfg.q_lora_rank is not None:
+            shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+        shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_cache_dim,)
+        shapes[a + "o_proj.bias"] = (h,)
+    m = p + "mlp."
+    if cfg.is_moe_layer(i):
+        inter = cfg.moe_intermediate_size
+        shapes[m + "gate.weight"] = (cfg.n_routed_experts, h)
+        shapes[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+        for e in range(cfg.n_routed_experts):
+            shapes[m + f"experts.{e}.gate_proj.weight"] = (inter, h)
+            shapes[m + f"experts.{e}.up_proj.weight"] = (inter, h)
+            shapes[m + f"experts.{e}.down_proj.weight"] = (h, inter)
+        if cfg.n_shared_experts:
+            shared = inter * cfg.n_shared_experts
+            shapes[m + "shared_experts.gate_proj.weight"] = (shared, h)
+            shapes[m + "shared_experts.up_proj.weight"] = (shared, h)
+            shapes[m + "shared_experts.down_proj.weight"] = (h, shared)
+    else:
+        shapes[m + "gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[m + "up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[m + "down_proj.weight"] = (h, cfg.intermediate_size)
     return shapes

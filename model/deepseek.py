@@ -19,23 +19,18 @@ from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.registry import get_backend
 from tandem.model.kernels.rope import rope_cos_sin_table
 from tandem.model.kv_pool import KVPool
-from tandem.model.layers import DenseMLP, MLAttention, MoE, RMSNorm
+from tandem.model.layers import DecoderLayer, MoE, RMSNorm
+from tandem.model.mtp import MTPLayer
 
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
-    ) -> None:
-        super().__init__()
-        self.index = index
-        self.self_attn = MLAttention(cfg, dtype, device)
-        self.mlp: DenseMLP | MoE
-        if cfg.is_moe_layer(index):
-            self.mlp = MoE(cfg, dtype, device, experts.start, len(experts))
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+# the MTP layer's own tensors (``model.layers.N.<name>``) -> its parameters
+_MTP_NAMES = {
+    "embed_tokens.weight": "mtp.embed_tokens",
+    "enorm.weight": "mtp.enorm.weight",
+    "hnorm.weight": "mtp.hnorm.weight",
+    "eh_proj.weight": "mtp.eh_proj.weight",
+    "shared_head.norm.weight": "mtp.shared_head_norm.weight",
+    "shared_head.head.weight": "mtp.shared_head",
+}
 
 
 class DeepseekV3(nn.Module):
@@ -50,7 +45,10 @@ class DeepseekV3(nn.Module):
         ops: KernelBackend | None = None,
         experts: range | None = None,
         dispatcher: ExpertDispatcher | None = None,
+        mtp: bool = False,
     ) -> None:
+        """``mtp``: hold the checkpoint's multi-token-prediction layer too (``model/mtp.py``),
+        whose attention uses the KV pool's layer ``num_hidden_layers``."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -67,6 +65,9 @@ class DeepseekV3(nn.Module):
             DecoderLayer(cfg, i, dtype, device, self.experts) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if mtp and cfg.num_nextn_predict_layers < 1:
+            raise ValueError("the model's config.json has no multi-token-prediction layer")
+        self.mtp = MTPLayer(cfg, dtype, device, self.experts) if mtp else None
         self.lm_head = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -78,6 +79,36 @@ class DeepseekV3(nn.Module):
 
     def owns_expert(self, layer: int, expert: int) -> bool:
         return expert in self.experts
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the KV pool this model reads and writes: its decoder layers, and the MTP
+        layer's when it holds one."""
+        return self.cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pool: KVPool,
+        on_layer_kv: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The MTP layer over packed rows (``model/mtp.py``): ``g [T, hidden]``."""
+        if self.mtp is None:
+            raise ValueError("this model was built without its MTP layer (mtp=True)")
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        return self.mtp(
+            input_ids, positions, hidden, cos, sin, meta, pool, self.ops, self.dispatcher, on_layer_kv
+        )
+
+    @torch.inference_mode()
+    def mtp_logits(self, g: torch.Tensor) -> torch.Tensor:
+        assert self.mtp is not None
+        return self.mtp.compute_logits(g, self.ops)
 
     @torch.inference_mode()
     def forward(
@@ -150,6 +181,13 @@ class DeepseekV3(nn.Module):
         layer = int(parts[2])
         rest = ".".join(parts[3:])
         prefix = f"layers.{layer}."
+        if layer >= self.cfg.num_hidden_layers:  # the MTP layers: the first one, if held
+            if self.mtp is None or layer != self.cfg.num_hidden_layers:
+                return None, None
+            own = _MTP_NAMES.get(rest)
+            if own is not None:
+                return own, None
+            prefix = "mtp.layer."
         if rest.startswith("mlp.experts."):
             expert, proj = int(parts[5]), parts[6]
             if expert not in self.experts:

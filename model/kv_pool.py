@@ -26,13 +26,17 @@ class KVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_layers: int | None = None,
     ) -> None:
+        """``num_layers``: the decoder layers by default; one more with the MTP layer's KV."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv = torch.zeros(
-            (cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim), dtype=dtype, device=device
+            (num_layers or cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim),
+            dtype=dtype,
+            device=device,
         )
 
     def layer(self, index: int) -> torch.Tensor:

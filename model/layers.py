@@ -179,3 +179,19 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn = MLAttention(cfg, dtype, device)
+        self.mlp: DenseMLP | MoE
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg, dtype, device, experts.start, len(experts))
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from tandem.model.checkpoint import INDEX_FILE, SINGLE_FILE
-from tandem.model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expected_tensor_shapes
 from tandem.model.tokenizer import byte_level_alphabet
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
@@ -96,16 +96,20 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
 
 
 def tiny_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Random float32 weights for every tensor of ``cfg``, the same for the same seed."""
+    """Random float32 weights for every tensor of ``cfg``, the same for the same seed (the MTP
+    layer's, when ``cfg`` has one, come after the others': the rest is as without it)."""
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in expected_tensor_shapes(cfg).items():
+    shapes = expected_tensor_shapes(cfg)
+    if cfg.num_nextn_predict_layers:
+        shapes |= expected_mtp_tensor_shapes(cfg)
+    for name, shape in shapes.items():
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         if name.endswith("norm.weight"):
             tensors[name] = 1.0 + NORM_NOISE_STD * noise
         elif name.endswith("e_score_correction_bias"):
             tensors[name] = SCORE_BIAS_STD * noise
-        elif name == "model.embed_tokens.weight":
+        elif name == "model.embed_tokens.weight" or name.endswith(".embed_tokens.weight"):
             tensors[name] = EMBED_STD * noise
         elif name.endswith(".bias"):
             tensors[name] = 0.01 * noise

@@ -18,6 +18,11 @@ class PrefillRole(PooledRole):
     role: ClassVar[Role] = Role.PREFILL
     max_num_batched_tokens: int
     layerwise: bool = True  # post each layer's writes as soon as it is computed
+    mtp: bool = False  # compute the MTP layer's KV too (its decode ranks draft with MTP)
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.mtp
 
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
@@ -40,7 +45,7 @@ class PrefillRole(PooledRole):
             ctx.rank_id,
             ctx.incarnation,
             scheduler,
-            ctx.runner(pool),
+            ctx.runner(pool, mtp_prefill=self.mtp),
             ctx.transport(pool),
             self.layerwise,
             self.kv_timeout_s,

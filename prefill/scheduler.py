@@ -356,6 +356,7 @@ class PrefillScheduler:
             sample=end == job.num_prompt_tokens,
             sampling=job.sampling,
             output_index=job.output_index,
+            next_token_id=job.prompt_token_ids[end] if end < job.num_prompt_tokens else None,
         )
 
     def _find(self, request_id: str) -> _JobState | None:

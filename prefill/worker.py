@@ -239,7 +239,7 @@ class PrefillWorker(RankWorker):
         if not self.layerwise:
             for request_id in finishing:
                 self.transport.send_all_layers(request_id)
-        last_layer = self.runner.model.cfg.num_hidden_layers - 1
+        last_layer = self.runner.model.num_kv_layers - 1  # the MTP layer's, when it is computed
         kv_done: list[float] = []  # when the last layer's KV was queued
         last_ready: list[ReadyEvent] = []  # and its event, for whole-request writes
 
@@ -267,7 +267,13 @@ class PrefillWorker(RankWorker):
                 prefill_queue_s=done.timings.queue_s,
                 prefill_compute_s=done.timings.compute_s,
             )
-            notification = KVNotification(done.request_id, done.first_token, done.cached_tokens, timings)
+            notification = KVNotification(
+                done.request_id,
+                done.first_token,
+                done.cached_tokens,
+                timings,
+                draft_state=self.runner.hidden_state(done.request_id) if self.runner.mtp_prefill else b"",
+            )
             self.transport.finish_send(
                 done.request_id, notification, compute_done, last_ready[0] if last_ready else READY
             )

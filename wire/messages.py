@@ -355,13 +355,14 @@ class StepSplit:
     """Where a rank's steps went since start, each piece timed around itself on the rank's
     ``perf_counter``: ``schedule`` (the plan), ``prepare`` (input and attention-metadata tensors),
     ``forward`` (the model), ``sample`` (logits and sampling), ``update`` (sampled tokens into
-    their requests, stream deltas built)."""
+    their requests, stream deltas built), ``draft`` (speculative decoding's drafter)."""
 
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
     update_s: float = 0.0
+    draft_s: float = 0.0
 
 
 @dataclass(frozen=True)

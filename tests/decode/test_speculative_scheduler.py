@@ -31,8 +31,10 @@ def right_then_wrong(k: int, good: int) -> Drafts:
 class SpecCluster(Cluster):
     def spec_step(self, drafts: Drafts, k: int) -> SchedulerOutput:
         s = self.scheduler
-        proposed = {r.request_id: drafts(r)[: s.draft_limit(r, k)] for r in s.running_requests()}
-        output = s.schedule(proposed)
+        planned = s.schedule({r.request_id: k for r in s.running_requests()})
+        self.check()
+        proposed = {c.request_id: drafts(s.get(c.request_id))[: c.draft_room] for c in planned.chunks}  # type: ignore[arg-type]
+        output = s.with_drafts(planned, proposed)
         self.check()
         self.preempted.extend(output.preempted_request_ids)
         sampled: dict[str, tuple[int, ...]] = {}
@@ -41,7 +43,7 @@ class SpecCluster(Cluster):
             request = s.get(rid)
             assert request is not None and request.status is RequestStatus.RUNNING
             assert chunk.token_ids == (request.output_token_ids[-1], *chunk.draft_token_ids)
-            assert set(chunk.draft_token_ids) <= set(proposed.get(rid, ())) or not chunk.draft_token_ids
+            assert chunk.draft_token_ids == proposed[rid] and len(chunk.draft_token_ids) <= chunk.draft_room
             known = self.page_tables[rid]
             assert list(chunk.page_ids[: len(known)]) == known, "a running request's pages moved"
             self._blank(chunk.page_ids[len(known) :])
@@ -141,7 +143,7 @@ def test_an_update_with_more_tokens_than_drafts_is_refused() -> None:
     cluster.add(make_request("x", 4))
     cluster.reserve()
     cluster.deliver("x")
-    output = cluster.scheduler.schedule({"x": (5,)})
+    output = cluster.scheduler.with_drafts(cluster.scheduler.schedule({"x": 3}), {"x": (5,)})
     with pytest.raises(StaleSchedulerOutputError, match="3 tokens for x"):
         cluster.scheduler.update(output, {"x": (1, 2, 3)})
 

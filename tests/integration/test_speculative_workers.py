@@ -26,10 +26,12 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.speculation import SpeculativeConfig
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
+from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
+from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.model.tokenizer import Tokenizer
 from tandem.model.train_demo import DEMO_DIR
 from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
@@ -57,19 +59,20 @@ def tiny() -> Path:
     return DEMO_DIR
 
 
-def _model(path: Path) -> DeepseekV3:
+def _model(path: Path, mtp: bool = False) -> DeepseekV3:
     cfg = ModelConfig.from_dir(path)
-    model = DeepseekV3(cfg, torch.float64)
-    model.load_weights(load_checkpoint(path, cfg, torch.float64))
+    model = DeepseekV3(cfg, torch.float64, mtp=mtp)
+    model.load_weights(load_checkpoint(path, cfg, torch.float64, mtp=mtp))
     return model
 
 
 def _workers(tiny: Path, decode_pages: int, spec: SpeculativeConfig) -> tuple[PrefillWorker, DecodeWorker]:
     store = InMemoryMetadataStore()
-    p_model, d_model = _model(tiny), _model(tiny)
+    mtp = spec.enabled and spec.drafter == "mtp"
+    p_model, d_model = _model(tiny, mtp), _model(tiny, mtp)
     cfg = p_model.cfg
-    p_pool = KVPool(cfg, 64, PAGE, torch.float64)
-    d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64)
+    p_pool = KVPool(cfg, 64, PAGE, torch.float64, num_layers=p_model.num_kv_layers)
+    d_pool = KVPool(cfg, decode_pages, PAGE, torch.float64, num_layers=d_model.num_kv_layers)
     prefill = PrefillWorker(
         PREFILL,
         1,
@@ -79,18 +82,18 @@ def _workers(tiny: Path, decode_pages: int, spec: SpeculativeConfig) -> tuple[Pr
                 vocab_size=cfg.vocab_size,
             )
         ),
-        ModelRunner(p_model, p_pool),
+        ModelRunner(p_model, p_pool, mtp_prefill=mtp),
         NixlTransport(PREFILL.name, 1, p_pool.layout, store),
     )  # fmt: skip
     decode = DecodeWorker(
         DECODE,
         1,
         DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
-        ModelRunner(d_model, d_pool),
+        ModelRunner(d_model, d_pool, keep_hidden=mtp),
         NixlTransport(DECODE.name, 1, d_pool.layout, store),
         DirectDispatcher(prefill),
         speculative=spec,
-        drafter=make_drafter(spec) if spec.enabled else None,
+        drafter=make_drafter(spec, model=d_model, pool=d_pool) if spec.enabled else None,
     )
     return prefill, decode
 
@@ -176,5 +179,65 @@ def test_prompt_lookup_speculation_gives_the_tokens_of_plain_decoding(
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 20 and prefill.scheduler.num_free_pages == 64
+    prefill.transport.close()
+    decode.transport.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny", seed=0, num_nextn_predict_layers=1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mtp_drafts_are_the_mtp_layers_own_predictions_and_tokens_stay_exact(tiny_mtp: Path, k: int) -> None:
+    """With MTP drafts the tokens are plain decoding's; and every first draft of a step is what
+    the MTP layer predicts when run over the whole sequence at once (a fresh pool, the target's
+    hidden states of one forward): so the prefill rank's MTP KV, the hidden state it sent, and
+    each step's MTP rows on the decode rank are the right ones, through chunked prefill (chunks
+    of 64) and preemption."""
+    prompts, _ = _cases()
+    prompts = [p * 2 for p in prompts[:6]]  # some longer than one prefill chunk
+    sampling = [SamplingParams(max_tokens=16, ignore_eos=True) for _ in prompts]
+    engine = ColocatedEngine(_model(tiny_mtp), EngineConfig(page_size=PAGE, num_pages=256))
+    expected = [o.token_ids for o in engine.generate(prompts, sampling)]
+    prefill, decode = _workers(tiny_mtp, decode_pages=24, spec=SpeculativeConfig(num_tokens=k, drafter="mtp"))
+    seen: dict[tuple[str, int], int] = {}  # (request, output index) -> its first draft
+    propose = decode.drafter.propose  # type: ignore[union-attr]
+
+    def recording(requests: list[Request], room: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        drafts = propose(requests, room)
+        for r in requests:
+            if drafts.get(r.request_id):
+                seen[(r.request_id, len(r.output_token_ids))] = drafts[r.request_id][0]
+        return drafts
+
+    decode.drafter.propose = recording  # type: ignore[union-attr, method-assign]
+    requests = [
+        Request(f"m{i}", p, s, frozenset(), 512)
+        for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
+    ]
+    done = _run(prefill, decode, requests)
+    assert [list(done[f"m{i}"].token_ids) for i in range(len(prompts))] == expected
+    assert max(done[f"m{i}"].bill.preemptions for i in range(len(prompts))) > 0
+
+    model = _model(tiny_mtp, mtp=True)
+    checked = 0
+    for i, (prompt, outputs) in enumerate(zip(prompts, expected, strict=True)):
+        tokens = prompt + outputs
+        n = len(tokens)
+        pool = KVPool(model.cfg, 64, PAGE, torch.float64, num_layers=model.num_kv_layers)
+        pages = list(range(-(-n // PAGE)))
+        meta = AttentionMetadata.build(PAGE, [n], [n], [pages])
+        hidden = model.forward(torch.tensor(tokens), torch.arange(n), meta, pool)
+        meta = AttentionMetadata.build(PAGE, [n - 1], [n - 1], [pages])
+        g = model.mtp_forward(torch.tensor(tokens[1:]), torch.arange(n - 1), hidden[:-1], meta, pool)
+        predicted = model.mtp_logits(g).argmax(-1).tolist()  # row p predicts the token at p + 2
+        for (rid, o), draft in seen.items():
+            if rid == f"m{i}":
+                assert draft == predicted[len(prompt) + o - 2], (rid, o)
+                checked += 1
+    assert checked >= len(prompts) * 10
+    decode.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 24 and prefill.scheduler.num_free_pages == 64
     prefill.transport.close()
     decode.transport.close()
