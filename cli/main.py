@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--corpus", type=Path, default=None, help="UTF-8 text (default: model/demo/corpus.txt)")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1400)")
     demo.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
+    demo.add_argument(
+        "--mtp-steps", type=int, default=None, help="MTP layer steps after (default 600; 0: none)"
+    )
+    demo.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="train only the MTP layer of the checkpoint already in DIR (its model's weights kept)",
+    )
 
     gen = sub.add_parser("generate", help="generate with the colocated engine")
     gen.add_argument(
@@ -167,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(
         bench.add_parser("compare", help="goodput of a colocated and a disaggregated preset, same cores")
     )
+    from tandem.bench.spec_bench import add_arguments as add_spec_arguments
+
+    add_spec_arguments(
+        bench.add_parser("speculative", help="speculative decoding against plain, side by side")
+    )
     return parser
 
 
@@ -202,13 +215,31 @@ def _train_demo(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise CliError(f"--steps: expected a positive integer, got {args.steps}")
         settings = replace(settings, steps=args.steps)
+    if args.mtp_steps is not None:
+        if args.mtp_steps < 0 or (args.mtp_only and args.mtp_steps < 1):
+            raise CliError(f"--mtp-steps: expected an integer >= {int(args.mtp_only)}, got {args.mtp_steps}")
+        settings = replace(settings, mtp_steps=args.mtp_steps)
     corpus = args.corpus or td.DEMO_CORPUS
     if not corpus.is_file():
         raise CliError(f"--corpus: {corpus} is not a file")
+    if args.mtp_only and not (args.dir / "config.json").is_file():
+        raise CliError(f"--mtp-only: {args.dir} holds no checkpoint (config.json)")
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     try:
-        result = td.train_demo(args.dir, corpus, settings, log=lambda line: print(line, file=sys.stderr))
+        if args.mtp_only:
+            result = td.train_demo_mtp(args.dir, corpus, settings, log=log)
+        else:
+            result = td.train_demo(args.dir, corpus, settings, log=log)
     except td.TrainingDependencyMissing as exc:
         raise CliError(str(exc)) from exc
+    if settings.mtp_steps:
+        emit(
+            f"MTP layer: {settings.mtp_steps} steps in {result.mtp_wall_s:.0f} s, held-out next-next-byte "
+            f"loss {result.mtp_eval_bits:.2f} bits per character"
+        )
+    if args.mtp_only:
+        emit(f"wrote the demo checkpoint to {result.out_dir}, its model's weights as they were")
+        return 0
     emit(
         f"wrote the demo checkpoint to {result.out_dir}: {settings.steps} steps in {result.wall_s:.0f} s, "
         f"held-out loss {result.initial_eval_bits:.2f} -> {result.eval_bits:.2f} bits per character"
@@ -335,6 +366,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.bench.compare import run_compare_command
 
         return run_compare_command(args)
+    if args.command == "bench" and args.bench_command == "speculative":
+        from tandem.bench.spec_bench import run_speculative_command
+
+        return run_speculative_command(args)
     if args.command == "bench" and args.bench_command == "router":
         from tandem.bench import router_bench
 
@@ -440,7 +475,7 @@ def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
-    from tandem.cli.serving import with_speculative
+    from tandem.cli.serving import check_drafter_model, with_speculative
     from tandem.cluster.topology import Topology
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
@@ -448,7 +483,8 @@ def _generate_disaggregated(
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
     topology = with_speculative(args, topology)
-    cfg = check_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
+    cfg = check_model_dir(args.model)
+    check_drafter_model(topology, args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = _encode(specs, tokenizer)
     for prompt in prompts:  # rejected here, before any actor starts

@@ -187,6 +187,25 @@ def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
         raise InvalidRequestError("--speculative-tokens", str(exc)) from None
 
 
+def check_drafter_model(topology: Topology, model_dir: Path | None) -> None:
+    """With MTP drafts, the checkpoint's MTP layer is checked here (names and shapes), before
+    anything starts: a checkpoint without one, or with a wrong tensor, is refused naming it."""
+    from tandem.model.checkpoint import check_model_dir
+    from tandem.model.errors import ModelFileError
+
+    spec = topology.speculative
+    if not spec.tokens or spec.drafter != "mtp":
+        return
+    if model_dir is None:
+        from tandem.cluster.serve import demo_model_dir
+
+        model_dir = demo_model_dir()
+    try:
+        check_model_dir(model_dir, mtp=True)
+    except ModelFileError as exc:
+        raise InvalidRequestError("--drafter mtp", str(exc)) from None
+
+
 def _read_secret(path: Path | None, flag: str) -> str | None:
     if path is None:
         return None
@@ -269,6 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--model", f"{args.model} holds no config.json")
     if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out
         check_model_dir(args.model)
+    check_drafter_model(topology, args.model)
     if not 0 <= args.port < 65536:
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:

@@ -188,7 +188,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             quant_block_size=(int(block[0]), int(block[1])) if block else None,
-            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0),
         )
         cfg.validate(path)
         return cfg

@@ -18,6 +18,13 @@ Training, with Hugging Face ``transformers.DeepseekV3ForCausalLM`` on the CPU:
   balancing (after each step, +rate for an expert below the mean load, -rate above it), as the
   real model keeps its experts busy.
 
+Then its multi-token-prediction layer (``DemoMTP``, the form ``model/mtp.py`` runs): DeepSeek-V3's
+MTP loss, the cross-entropy of the byte after next from the model's final hidden state and the
+next byte, ``mtp_steps`` steps with the model frozen (DeepSeek trains the two together; a layer
+added to a trained model, as here, leaves the model's weights and figures as they were). Its
+embedding and head start as the model's. ``--mtp-only`` trains only this layer onto an existing
+checkpoint.
+
 The committed checkpoint: ``tandem model train-demo model/demo`` with the defaults below (seed 0,
 1400 steps of 32 sequences of 256 bytes, about 34 passes over the training text): 603 s of
 training on two cores shared with other work (10 min 43 s for the whole command). Held-out loss
@@ -60,7 +67,11 @@ class TrainingDependencyMissing(ImportError):
 
 @dataclass(frozen=True)
 class TrainSettings:
+    """``steps`` of the model, then ``mtp_steps`` of its MTP layer on the trained model."""
+
     steps: int = 1400
+    mtp_steps: int = 600
+    mtp_lr: float = 3e-3
     seq_tokens: int = 256  # bytes after BOS in each sequence
     batch: int = 32
     lr: float = 3e-3
@@ -76,6 +87,8 @@ class TrainSettings:
         for name in ("steps", "seq_tokens", "batch", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.mtp_steps < 0:
+            raise ValueError(f"mtp_steps: expected an integer >= 0, got {self.mtp_steps}")
 
 
 @dataclass
@@ -85,6 +98,9 @@ class TrainResult:
     initial_eval_bits: float = 0.0  # held-out loss before training
     eval_bits: float = 0.0  # held-out loss after training
     wall_s: float = 0.0
+    mtp_losses_bits: list[float] = field(default_factory=list)  # the MTP layer's, per step
+    mtp_eval_bits: float = 0.0  # its held-out loss on the next-next byte
+    mtp_wall_s: float = 0.0
 
 
 def _transformers() -> Any:
@@ -257,11 +273,171 @@ def train_demo(
             log(f"step {step}: loss {result.losses_bits[-1]:.3f} bits/byte, {time.monotonic() - began:.0f} s")
     result.wall_s = time.monotonic() - began
     result.eval_bits = held_out_bits(model, held_out, settings)
+    return _write(model, train_data, held_out, settings, result, log)
 
+
+def train_demo_mtp(
+    model_dir: Path | str,
+    corpus: Path | str = DEMO_CORPUS,
+    settings: TrainSettings | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train only the MTP layer of the demo checkpoint in ``model_dir`` (its model's weights are
+    kept bit for bit) and write the checkpoint back with it: the second half of ``train_demo``."""
+    settings = settings or TrainSettings()
+    model = _transformers().DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    train_data, held_out = corpus_split(corpus)
+    result = TrainResult(Path(model_dir), eval_bits=held_out_bits(model, held_out, settings))
+    result.initial_eval_bits = result.eval_bits
+    return _write(model, train_data, held_out, settings, result, log)
+
+
+def _write(
+    model: DeepseekV3ForCausalLM,
+    train_data: torch.Tensor,
+    held_out: torch.Tensor,
+    settings: TrainSettings,
+    result: TrainResult,
+    log: Callable[[str], None] | None,
+) -> TrainResult:
     raw = tiny_config_dict()
-    out = Path(out_dir)
-    write_checkpoint(out, raw, checkpoint_tensors(model, ModelConfig.from_dict(raw)))
+    tensors = checkpoint_tensors(model, ModelConfig.from_dict(raw))
+    if settings.mtp_steps:
+        mtp = train_mtp(model, train_data, held_out, settings, result, log)
+        raw = tiny_config_dict(num_nextn_predict_layers=1)
+        tensors |= mtp.tensors(ModelConfig.from_dict(raw).num_hidden_layers)
+    out = result.out_dir
+    write_checkpoint(out, raw, tensors)
     write_tokenizer(out)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (out / name).chmod(0o644)  # safetensors writes its file private; a model directory is shared
     return result
+
+
+# -- the multi-token-prediction layer -----------------------------------------------------------
+
+
+class DemoMTP(torch.nn.Module):
+    """DeepSeek-V3's MTP layer (depth 1) around the trained model, in the form
+    ``model/mtp.py`` runs it: row ``i`` combines the byte at ``i + 1`` with the model's final
+    hidden state at ``i`` and predicts the byte at ``i + 2``. Its decoder layer, final norm and
+    head are a one-layer ``DeepseekV3ForCausalLM`` (``block``): its ``model.norm`` is the MTP
+    layer's ``shared_head.norm``, its ``lm_head`` the ``shared_head.head``, its embedding the MTP
+    layer's own ``embed_tokens`` (initialised from the model's, as is the head)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, seed: int) -> None:
+        super().__init__()
+        transformers = _transformers()
+        raw = tiny_config_dict(num_hidden_layers=1, first_k_dense_replace=0)
+        config = transformers.DeepseekV3Config(
+            **{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+        )
+        torch.manual_seed(seed + 1)
+        self.block = transformers.DeepseekV3ForCausalLM(config)
+        h = config.hidden_size
+        with torch.no_grad():
+            self.block.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+            self.block.lm_head.weight.copy_(model.lm_head.weight)
+        self.enorm = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm(
+            h, config.rms_norm_eps
+        )
+        self.hnorm = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm(
+            h, config.rms_norm_eps
+        )
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        torch.nn.init.normal_(self.eh_proj.weight, std=config.initializer_range)
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The mean loss in nats of predicting ``ids[:, i + 2]`` from ``ids[:, i + 1]`` and
+        ``hidden[:, i]`` (``ids [B, L]``, ``hidden [B, L, H]`` the model's, after its final norm)."""
+        e = self.block.model.embed_tokens(ids[:, 1:])
+        e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], dim=1)  # row 0 sits at position 0
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden[:, :-1])], dim=-1))
+        return self.block(inputs_embeds=x, labels=ids[:, 1:]).loss  # labels shift once more: i + 2
+
+    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """Its weights under the checkpoint's names, as layer ``layer`` (``num_hidden_layers``)."""
+        cfg = ModelConfig.from_dict(tiny_config_dict(num_hidden_layers=1, first_k_dense_replace=0))
+        block = checkpoint_tensors(self.block, cfg)
+        p = f"model.layers.{layer}."
+        out = {
+            p + k.removeprefix("model.layers.0."): v
+            for k, v in block.items()
+            if k.startswith("model.layers.0.")
+        }
+        out[p + "embed_tokens.weight"] = block["model.embed_tokens.weight"]
+        out[p + "shared_head.norm.weight"] = block["model.norm.weight"]
+        out[p + "shared_head.head.weight"] = block["lm_head.weight"]
+        out[p + "enorm.weight"] = self.enorm.weight.detach().float().clone()
+        out[p + "hnorm.weight"] = self.hnorm.weight.detach().float().clone()
+        out[p + "eh_proj.weight"] = self.eh_proj.weight.detach().float().clone()
+        return out
+
+
+@torch.no_grad()
+def _final_hidden(model: DeepseekV3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    return model.model(input_ids=ids).last_hidden_state
+
+
+@torch.no_grad()
+def mtp_held_out_bits(
+    model: DeepseekV3ForCausalLM, mtp: DemoMTP, data: torch.Tensor, settings: TrainSettings
+) -> float:
+    """The MTP layer's mean next-next-byte loss in bits over the fixed held-out batches."""
+    mtp.eval()
+    starts = _verse_starts(data, settings.seq_tokens)
+    gen = torch.Generator().manual_seed(1234)
+    total = 0.0
+    for _ in range(settings.eval_batches):
+        ids = _batch(data, starts, settings, gen)
+        total += float(mtp(ids, _final_hidden(model, ids)))
+    mtp.train()
+    return total / settings.eval_batches / math.log(2)
+
+
+def train_mtp(
+    model: DeepseekV3ForCausalLM,
+    train_data: torch.Tensor,
+    held_out: torch.Tensor,
+    settings: TrainSettings,
+    result: TrainResult,
+    log: Callable[[str], None] | None = None,
+) -> DemoMTP:
+    """Train the MTP layer on the trained model, which stays frozen: DeepSeek-V3's MTP loss (the
+    next-next token's cross-entropy), the same schedule shape as the model's."""
+    mtp = DemoMTP(model, settings.seed)
+    model.eval()
+    starts = _verse_starts(train_data, settings.seq_tokens)
+    params = list(mtp.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=settings.mtp_lr,
+        betas=(0.9, 0.95),
+    )
+    balancer = _ExpertBalancer(mtp.block, settings.bias_update_rate)
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    schedule = TrainSettings(
+        steps=max(1, settings.mtp_steps), lr=settings.mtp_lr, warmup_steps=settings.warmup_steps
+    )
+    began = time.monotonic()
+    mtp.train()
+    for step in range(settings.mtp_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, schedule)
+        ids = _batch(train_data, starts, settings, gen)
+        loss = mtp(ids, _final_hidden(model, ids))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        balancer.update()
+        result.mtp_losses_bits.append(float(loss.detach()) / math.log(2))
+        if log is not None and (step % 50 == 0 or step == settings.mtp_steps - 1):
+            elapsed = time.monotonic() - began
+            log(f"mtp step {step}: loss {result.mtp_losses_bits[-1]:.3f} bits/byte, {elapsed:.0f} s")
+    result.mtp_wall_s = time.monotonic() - began
+    result.mtp_eval_bits = mtp_held_out_bits(model, mtp, held_out, settings)
+    return mtp

@@ -147,3 +147,23 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
         [*cli, "model", "make-tiny", str(tiny_dir), "--seed", "2"], capture_output=True, text=True
     )
     assert again.returncode == 2 and again.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--speculative-tokens", "17"], "--speculative-tokens: must be in 0..16, got 17"),
+        (["--speculative-tokens", "-1"], "--speculative-tokens: must be in 0..16"),
+        (["--speculative-tokens", "3", "--drafter", "eagle"], "--drafter: must be one of ngram, mtp"),
+        (["--speculative-tokens", "3", "--drafter", "mtp"], "has no multi-token-prediction layer"),
+    ],
+)
+def test_bad_speculation_is_refused_before_anything_starts(
+    tiny: Path, args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in (
+        ["serve", "--port", "0"],
+        ["generate", "--preset", "local", "--prompt", "x", "--max-tokens", "2"],
+    ):
+        code, out, err = _run([*command, "--model", str(tiny), *args], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and needle in err, (command, err)

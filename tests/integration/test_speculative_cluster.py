@@ -1,5 +1,5 @@
 """Speculative decoding on the Ray cluster: the ``local`` preset (a DEP2 prefill group and a
-DEP2 decode group, real NIXL) with prompt-lookup drafts gives, over gRPC, exactly the tokens
+DEP2 decode group, real NIXL) with prompt-lookup or MTP drafts gives, over gRPC, exactly the tokens
 of plain decoding for greedy and seeded requests, and its bills carry drafts the verify steps
 really accepted; a decode rank killed mid-stream hands its speculating streams to another,
 which goes on with the same tokens. Every page is free and accounted for after each."""
@@ -71,14 +71,15 @@ def _all_pages_free(server: Server) -> None:
         assert s.free_pages == s.total_pages and (s.sends_in_flight, s.receives_in_flight) == (0, 0), s
 
 
-def test_local_preset_with_prompt_lookup_gives_plain_decodings_tokens_over_grpc(demo: Path) -> None:
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_local_preset_with_drafts_gives_plain_decodings_tokens_over_grpc(demo: Path, drafter: str) -> None:
     sampling = [
         SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, top_k=20, seed=i)
         for i in range(2 * len(TEXTS))
     ]
     specs = [PromptSpec(TEXTS[i % len(TEXTS)], None, s) for i, s in enumerate(sampling)]
     page = PoolSpec(dep=2, page_size=PAGE, num_pages=96)
-    server = _serve(_topology(3, page, page), demo)
+    server = _serve(_topology(3, page, page, drafter), demo)
     try:
         outcomes = asyncio.run(
             generate_all(ClientOptions(f"127.0.0.1:{server.port}", timeout_s=120), specs, 8)
@@ -97,11 +98,15 @@ def test_local_preset_with_prompt_lookup_gives_plain_decodings_tokens_over_grpc(
         server.stop()
 
 
-def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_same_tokens(demo: Path) -> None:
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_same_tokens(
+    demo: Path, drafter: str
+) -> None:
     topology = _topology(
         3,
         PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=200),
         PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=200),
+        drafter,
     )
     prompts = [Tokenizer.from_dir(demo).encode(t) for t in TEXTS] * 2
     sampling = [

@@ -1,5 +1,5 @@
 """Speculative decoding on a decode worker fed by a prefill worker over real NIXL, in one
-process: with prompt-lookup drafts and K in {1, 3, 5}, greedy and seeded requests give exactly
+process: with prompt-lookup or MTP drafts and K in {1, 3, 5}, greedy and seeded requests give exactly
 the tokens they give with speculation off (the colocated engine, itself checked against
 ``transformers``), drafts are really accepted, a pool too small for every request preempts and
 still matches, and every page is free and accounted for at the end."""
@@ -149,13 +149,14 @@ def expected(tiny: Path) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, sampling)]
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_prompt_lookup_speculation_gives_the_tokens_of_plain_decoding(
-    tiny: Path, expected: list[list[int]], k: int
+def test_speculation_gives_the_tokens_of_plain_decoding(
+    tiny: Path, expected: list[list[int]], k: int, drafter: str
 ) -> None:
     prompts, sampling = _cases()
     # 20 pages of 8 tokens: fewer than every request needs at once, so the pool preempts
-    prefill, decode = _workers(tiny, decode_pages=20, spec=SpeculativeConfig(num_tokens=k, drafter="ngram"))
+    prefill, decode = _workers(tiny, decode_pages=20, spec=SpeculativeConfig(num_tokens=k, drafter=drafter))
     requests = [
         Request(f"r{i}", p, s, frozenset({EOS}), 512)
         for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
@@ -164,6 +165,8 @@ def test_prompt_lookup_speculation_gives_the_tokens_of_plain_decoding(
     assert [list(done[f"r{i}"].token_ids) for i in range(len(prompts))] == expected
     spec = decode.speculation
     assert spec.accepted_tokens > 0 and spec.draft_tokens > spec.accepted_tokens  # real drafts, some wrong
+    if drafter == "mtp":  # the demo model's trained MTP layer: most of its first drafts are right
+        assert spec.acceptance_length > 1 + 0.4 * min(k, 2), spec
     for i in range(len(prompts)):
         bill = done[f"r{i}"].bill
         s = bill.speculation
@@ -239,5 +242,52 @@ def test_mtp_drafts_are_the_mtp_layers_own_predictions_and_tokens_stay_exact(tin
     assert checked >= len(prompts) * 10
     decode.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 24 and prefill.scheduler.num_free_pages == 64
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_aborts_at_every_stage_of_a_speculating_step_free_every_page(tiny: Path) -> None:
+    """With MTP drafts (K=3): requests aborted while queued, while their KV is on its way,
+    between steps, and in the middle of a verify step (after the drafts took their pages, before
+    the tokens come back) all end as aborts; every page is free, page accounting holds after
+    every step, and the drafter keeps nothing of them."""
+    prefill, decode = _workers(tiny, decode_pages=40, spec=SpeculativeConfig(num_tokens=3, drafter="mtp"))
+    tokenizer = Tokenizer.from_dir(DEMO_DIR)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    requests = [
+        Request(f"a{i}", tokenizer.encode(TEXTS[i % len(TEXTS)]), long, frozenset(), 512) for i in range(6)
+    ]
+    decode.submit([(r, Routing(), time.monotonic()) for r in requests])
+    verify = decode.runner.verify
+    mid_step: list[str] = []
+
+    def verify_then_abort(plan: object, *args: object) -> dict[str, tuple[int, ...]]:
+        out = verify(plan, *args)  # type: ignore[arg-type]
+        drafting = [c for c in plan.chunks if c.draft_token_ids]  # type: ignore[attr-defined]
+        if drafting and not mid_step:
+            mid_step.append(drafting[-1].request_id)
+            decode.abort(drafting[-1].request_id)  # its chunk is computed: update must skip it
+        return out
+
+    decode.runner.verify = verify_then_abort  # type: ignore[method-assign]
+    decode.tick()
+    decode.abort("a5")  # queued or waiting for its KV
+    done: dict[str, RequestResult] = {}
+    for step in range(3000):
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+        decode.step()
+        decode.scheduler.check_integrity()
+        if step == 12:
+            decode.abort("a0")  # running, between steps
+        done |= {r.request_id: r for r in decode.take_results()}
+        if len(done) == 6 and not prefill.pending() and decode.transport.in_flight() == (0, 0):
+            break
+    assert mid_step and {done[r].finish_reason for r in ("a0", "a5", mid_step[0])} == {"abort"}
+    assert all(done[r].finish_reason in ("abort", "length") for r in done)
+    assert decode.scheduler.num_free_pages == 40 and prefill.scheduler.num_free_pages == 64
+    assert not decode.drafter._pending and not decode.drafter._drafting  # type: ignore[union-attr]
     prefill.transport.close()
     decode.transport.close()

@@ -4,6 +4,7 @@ checkpoint (the tiny model's exact shapes, text that reads as English) and its t
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 from pathlib import Path
@@ -15,7 +16,7 @@ from tandem.cluster.serve import demo_model_dir
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.model.checkpoint import check_model_dir, load_checkpoint
-from tandem.model.config import ModelConfig, expected_tensor_shapes
+from tandem.model.config import expected_mtp_tensor_shapes, expected_tensor_shapes
 from tandem.model.make_tiny import tiny_config_dict, write_tokenizer
 from tandem.model.train_demo import (
     DEMO_CORPUS,
@@ -56,10 +57,10 @@ def test_serve_and_generate_default_to_the_committed_demo_checkpoint() -> None:
 
 
 def test_demo_checkpoint_has_the_tiny_models_shapes_and_tokenizer(tmp_path: Path) -> None:
-    cfg = check_model_dir(DEMO_DIR)  # config, tokenizer and every tensor's header
-    assert json.loads((DEMO_DIR / "config.json").read_text()) == tiny_config_dict()
-    tensors = load_checkpoint(DEMO_DIR, cfg, torch.float32)
-    want = expected_tensor_shapes(ModelConfig.from_dict(tiny_config_dict()))
+    cfg = check_model_dir(DEMO_DIR, mtp=True)  # config, tokenizer and every tensor's header
+    assert json.loads((DEMO_DIR / "config.json").read_text()) == tiny_config_dict(num_nextn_predict_layers=1)
+    tensors = load_checkpoint(DEMO_DIR, cfg, torch.float32, mtp=True)
+    want = expected_tensor_shapes(cfg) | expected_mtp_tensor_shapes(cfg)
     assert {name: tuple(t.shape) for name, t in tensors.items()} == {n: tuple(s) for n, s in want.items()}
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
     write_tokenizer(tmp_path)
@@ -82,15 +83,54 @@ def test_train_demo_lowers_the_loss_and_writes_what_it_trained(tmp_path: Path) -
     transformers = pytest.importorskip("transformers")
     corpus = tmp_path / "slice.txt"
     corpus.write_bytes(DEMO_CORPUS.read_bytes()[:20_000])
-    settings = TrainSettings(steps=12, seq_tokens=64, batch=8, warmup_steps=1, eval_batches=2)
+    settings = TrainSettings(steps=12, mtp_steps=8, seq_tokens=64, batch=8, warmup_steps=1, eval_batches=2)
     result = train_demo(tmp_path / "out", corpus, settings)
 
     assert len(result.losses_bits) == 12
     assert result.losses_bits[-1] < result.losses_bits[0] - 0.5
     assert result.eval_bits < result.initial_eval_bits - 0.5
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == tiny_config_dict()
-    check_model_dir(tmp_path / "out")
+    # then the MTP layer, on the next-next byte, from the trained model's hidden states
+    assert len(result.mtp_losses_bits) == 8 and result.mtp_losses_bits[-1] < result.mtp_losses_bits[0] - 0.5
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == tiny_config_dict(
+        num_nextn_predict_layers=1
+    )
+    check_model_dir(tmp_path / "out", mtp=True)
     # the files hold the trained weights: loaded back, the held-out loss is the one measured in training
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out")
     _, held_out = corpus_split(corpus)
     assert held_out_bits(reloaded, held_out, settings) == pytest.approx(result.eval_bits, abs=1e-4)
+
+
+def test_the_trained_mtp_layer_is_what_the_engine_runs(tmp_path: Path) -> None:
+    """The MTP layer ``train-demo`` writes, run by the engine's own ``MTPLayer`` over the paged
+    pool, has the held-out next-next-byte loss measured in training: the names and the form
+    (embedding at position 0 zeroed, the norms, the projection, the head) agree."""
+    pytest.importorskip("transformers")
+    from tandem.model.attention_metadata import AttentionMetadata
+    from tandem.model.deepseek import DeepseekV3
+    from tandem.model.kv_pool import KVPool
+    from tandem.model.train_demo import _batch, _verse_starts
+
+    corpus = tmp_path / "slice.txt"
+    corpus.write_bytes(DEMO_CORPUS.read_bytes()[:20_000])
+    settings = TrainSettings(steps=4, mtp_steps=6, seq_tokens=32, batch=4, warmup_steps=1, eval_batches=2)
+    result = train_demo(tmp_path / "out", corpus, settings)
+    cfg = check_model_dir(tmp_path / "out", mtp=True)
+    model = DeepseekV3(cfg, torch.float32, mtp=True)
+    model.load_weights(load_checkpoint(tmp_path / "out", cfg, torch.float32, mtp=True))
+    _, held_out = corpus_split(corpus)
+    starts = _verse_starts(held_out, settings.seq_tokens)
+    gen = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(settings.eval_batches):
+        for ids in _batch(held_out, starts, settings, gen):
+            n = ids.numel()
+            pool = KVPool(cfg, 8, 16, torch.float32, num_layers=model.num_kv_layers)
+            pages = list(range(-(-n // 16)))
+            hidden = model.forward(ids, torch.arange(n), AttentionMetadata.build(16, [n], [n], [pages]), pool)
+            meta = AttentionMetadata.build(16, [n - 1], [n - 1], [pages])
+            g = model.mtp_forward(ids[1:], torch.arange(n - 1), hidden[:-1], meta, pool)
+            losses.append(torch.nn.functional.cross_entropy(model.mtp_logits(g)[:-1], ids[2:]))
+    # training averages each batch's rows, then the batches: the same rows, the same weights
+    bits = float(torch.stack(losses).mean()) / math.log(2)
+    assert bits == pytest.approx(result.mtp_eval_bits, abs=1e-3)
