@@ -7,7 +7,8 @@ warm-up requests, then the same workload as ``tandem bench serve`` over gRPC (a 
 useless). ``--rounds`` repeats the whole set, in a rotated order each round, so the machine's
 drift falls on every configuration alike. Per configuration and point it reports output tokens
 a second per user (1000 / median TPOT), its ratio to ``off`` of the same round, the mean
-acceptance length from the bills (output tokens per decode step) and the ITL::
+acceptance length from the bills (output tokens per decode step), the ITL, and the decode
+ranks' own mean step: its whole, the forward (the verify step) and the drafter::
 
     for round in rounds:  for config in rotated(configs):
         Server(topology + speculative) -> warm-up -> run_plan(plan) -> stop
@@ -16,16 +17,23 @@ acceptance length from the bills (output tokens per decode step) and the ITL::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.compare import run_one
-from tandem.bench.serve_bench import Plan, add_workload_arguments, plan_from_args
+import ray
+
+from tandem.bench.compare import _warm_up
+from tandem.bench.serve_bench import Plan, add_workload_arguments, plan_from_args, run_plan
 from tandem.bench.serve_report import to_json
+from tandem.client.grpc_client import ClientOptions
 from tandem.client.output import emit
+from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
+from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
 from tandem.engine.speculation import DRAFTERS, MAX_SPECULATIVE_TOKENS
+from tandem.wire.messages import RankStats, Role
 from tandem.wire.request_params import InvalidRequestError
 
 
@@ -48,6 +56,55 @@ def parse_configs(value: str) -> dict[str, SpeculativeSpec]:
     return configs
 
 
+def run_one(
+    topology: Topology, plan: Plan, model_dir: Path | None, dtype: str, warmup: int
+) -> dict[str, Any]:
+    """One configuration's run, with its decode ranks' own step split over the measured part:
+    per step, the verify forward and the drafter, each timed on the rank's clock."""
+    pinned = topology.model_copy(update={"pin_cores_per_rank": 1})
+    init_ray()
+    try:
+        server = Server(ServeOptions(pinned, model_dir, port=0, dtype=dtype))
+        server.start()
+        try:
+            _warm_up(server, warmup)
+            before = _decode_stats(server)
+            result = asyncio.run(run_plan(ClientOptions(f"127.0.0.1:{server.port}"), plan))
+            after = _decode_stats(server)
+        finally:
+            server.stop()
+    finally:
+        shutdown_ray()
+    return {"topology": pinned.describe(), **result, "decode_step": _split(before, after)}
+
+
+def _decode_stats(server: Server) -> list[RankStats]:
+    stats: list[RankStats] = ray.get(server.controller.stats.remote())
+    return sorted((s for s in stats if s.role is Role.DECODE), key=lambda s: s.rank)
+
+
+def _split(before: list[RankStats], after: list[RankStats]) -> dict[str, float]:
+    """Milliseconds per step of the decode ranks' loops, the mean over the ranks."""
+    steps = sum(a.loop.steps - b.loop.steps for a, b in zip(after, before, strict=True))
+    if steps <= 0:
+        return {"steps": 0}
+
+    def ms(part: str) -> float:
+        total = sum(
+            getattr(a.split, part) - getattr(b.split, part) for a, b in zip(after, before, strict=True)
+        )
+        return round(1e3 * total / steps, 3)
+
+    step_s = sum(a.loop.step_s - b.loop.step_s for a, b in zip(after, before, strict=True))
+    return {
+        "steps": steps / len(after),
+        "step_ms": round(1e3 * step_s / steps, 3),
+        "forward_ms": ms("forward_s"),
+        "draft_ms": ms("draft_s"),
+        "sample_ms": ms("sample_s"),
+    }
+
+
 def run_speculative(
     topology: Topology,
     configs: dict[str, SpeculativeSpec],
@@ -65,7 +122,7 @@ def run_speculative(
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             spec_topology = topology.model_copy(update={"speculative": configs[name]})
-            runs[name].append(run_one(spec_topology, 1, plan, model_dir, dtype, warmup))
+            runs[name].append(run_one(spec_topology, plan, model_dir, dtype, warmup))
     return {
         "topology": topology.describe(),
         "rounds": rounds,
@@ -108,6 +165,15 @@ def _points(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                     "ttft_p50_ms": statistics.fmean(p["ttft_ms"]["p50"] for p in per_round),
                     "output_tokens_per_s": statistics.fmean(p["output_tokens_per_s"] for p in per_round),
                     "failed": sum(p["failed"] for p in per_round),
+                    "decode_step_ms": statistics.fmean(
+                        run["decode_step"].get("step_ms", 0.0) for run in rounds
+                    ),
+                    "decode_forward_ms": statistics.fmean(
+                        run["decode_step"].get("forward_ms", 0.0) for run in rounds
+                    ),
+                    "decode_draft_ms": statistics.fmean(
+                        run["decode_step"].get("draft_ms", 0.0) for run in rounds
+                    ),
                 }
             )
     return out
@@ -117,15 +183,19 @@ def format_speculative(result: dict[str, Any]) -> str:
     lines = [
         f"{result['topology']}; means over {result['rounds']} round(s), each ratio to off within its round",
         f"{'config':<10} {'C':>3} {'tok/s/user':>10} {'x off':>6} {'accept len':>10} {'accept rate':>11} "
-        f"{'ITL p50 ms':>10} {'TPOT p50 ms':>11} {'TTFT p50 ms':>11} {'out tok/s':>9} {'failed':>6}",
+        f"{'ITL p50 ms':>10} {'TPOT p50 ms':>11} {'TTFT p50 ms':>11} {'out tok/s':>9} {'failed':>6}"
+        f" {'step ms':>8} {'forward':>8} {'draft':>6}",
     ]
     for p in result["points"]:
         ratio = "-" if p["ratio_to_off"] is None else f"{p['ratio_to_off']:.2f}"
         rate = "-" if p["acceptance_rate"] is None else f"{p['acceptance_rate']:.2f}"
+        length = p["acceptance_length"]
+        length = "-" if length is None or length != length else f"{length:.2f}"  # NaN: no decode step
         lines.append(
             f"{p['config']:<10} {p['concurrency']:>3} {p['tokens_per_s_per_user']:>10.1f} {ratio:>6} "
-            f"{p['acceptance_length']:>10.2f} {rate:>11} {p['itl_p50_ms']:>10.1f} {p['tpot_p50_ms']:>11.1f} "
+            f"{length:>10} {rate:>11} {p['itl_p50_ms']:>10.1f} {p['tpot_p50_ms']:>11.1f} "
             f"{p['ttft_p50_ms']:>11.1f} {p['output_tokens_per_s']:>9.1f} {p['failed']:>6}"
+            f" {p['decode_step_ms']:>8.2f} {p['decode_forward_ms']:>8.2f} {p['decode_draft_ms']:>6.2f}"
         )
     return "\n".join(lines)
 

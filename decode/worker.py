@@ -280,15 +280,11 @@ class DecodeWorker(RankWorker):
             if track is None or given <= 0:
                 continue
             track.token_at.extend([now] * given)  # a verify step's tokens are known together
-            if self.speculative.enabled:
-                self._count_speculation(track, request.request_id, chunk.draft_token_ids, given)
-                if self.drafter is not None and not request.is_finished:
-                    hidden = (
-                        self.runner.hidden_rows(request.request_id, given)
-                        if self.drafter.needs_hidden
-                        else None
-                    )
-                    self.drafter.observe(request.request_id, request.output_token_ids[-given:], hidden)
+            self._count_speculation(track, chunk.draft_token_ids, given)
+            if self.drafter is not None and not request.is_finished:
+                needs = self.drafter.needs_hidden
+                hidden = self.runner.hidden_rows(request.request_id, given) if needs else None
+                self.drafter.observe(request.request_id, request.output_token_ids[-given:], hidden)
             self._stream_new_tokens(request, track, now_unix_s)
         for record in finished:
             self._finish(record)
@@ -301,11 +297,13 @@ class DecodeWorker(RankWorker):
         k = self.speculative.num_tokens
         return {r.request_id: k for r in self.scheduler.running_requests()}
 
-    def _count_speculation(self, track: _Track, request_id: str, drafts: tuple[int, ...], given: int) -> None:
+    def _count_speculation(self, track: _Track, drafts: tuple[int, ...], given: int) -> None:
+        """A decode step's drafts and tokens, in the request's bill and the rank's totals (steps
+        are counted with speculation off too: its acceptance length is 1.0)."""
         accepted = min(given - 1, len(drafts))
         track.speculation = track.speculation.plus(len(drafts), accepted)
         self.speculation = self.speculation.plus(len(drafts), accepted)
-        if self.metrics is not None:
+        if self.metrics is not None and self.speculative.enabled:
             self.metrics.spec_step_tokens.observe(given)
 
     def take_results(self) -> list[RequestResult]:

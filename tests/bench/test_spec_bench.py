@@ -41,10 +41,14 @@ def _point(c: int, user: float, steps: int, accepted: int) -> dict[str, Any]:
 
 def test_each_ratio_is_taken_within_its_round() -> None:
     runs = {
-        "off": [{"points": [_point(1, 40.0, 10, 0)]}, {"points": [_point(1, 20.0, 10, 0)]}],
-        "mtp:3": [{"points": [_point(1, 80.0, 10, 15)]}, {"points": [_point(1, 30.0, 10, 5)]}],
+        "off": [{"points": [_point(1, 40.0, 10, 0)], "decode_step": {"step_ms": 2.0}}] * 2,
+        "mtp:3": [
+            {"points": [_point(1, 80.0, 10, 15)], "decode_step": {"step_ms": 3.0, "draft_ms": 1.0}},
+            {"points": [_point(1, 30.0, 10, 5)], "decode_step": {"steps": 0}},
+        ],
     }
     off, mtp = _points(runs)
     assert off["ratio_to_off"] == 1.0 and off["acceptance_rate"] is None
-    assert mtp["ratios_to_off"] == [2.0, 1.5] and mtp["ratio_to_off"] == pytest.approx(1.75)
+    assert mtp["ratios_to_off"] == [2.0, 0.75] and mtp["ratio_to_off"] == pytest.approx(1.375)
+    assert mtp["decode_step_ms"] == 1.5 and mtp["decode_draft_ms"] == 0.5
     assert mtp["tokens_per_s_per_user"] == 55.0 and mtp["acceptance_length"] == pytest.approx(2.0)

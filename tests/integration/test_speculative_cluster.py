@@ -2,7 +2,8 @@
 DEP2 decode group, real NIXL) with prompt-lookup or MTP drafts gives, over gRPC, exactly the tokens
 of plain decoding for greedy and seeded requests, and its bills carry drafts the verify steps
 really accepted; a decode rank killed mid-stream hands its speculating streams to another,
-which goes on with the same tokens. Every page is free and accounted for after each."""
+which goes on with the same tokens; the reference topology (DEP16 prefill, DEP2 decode) with
+MTP drafts gives plain decoding's tokens too. Every page is free and accounted for after each."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, SpeculativeSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
+from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.model.tokenizer import Tokenizer
 from tandem.model.train_demo import DEMO_DIR
 from tandem.wire.messages import RankId, RankStats
@@ -43,13 +45,10 @@ def demo(ray_started: None) -> Path:
     return DEMO_DIR
 
 
-def _topology(k: int, prefill: PoolSpec, decode: PoolSpec) -> Topology:
+def _topology(k: int, prefill: PoolSpec, decode: PoolSpec, drafter: str) -> Topology:
+    spec = SpeculativeSpec(tokens=k, drafter=drafter)  # type: ignore[arg-type]
     return Topology.preset("local").model_copy(
-        update={
-            "prefill": prefill,
-            "decode": decode,
-            "speculative": SpeculativeSpec(tokens=k, drafter="ngram"),
-        }
+        update={"prefill": prefill, "decode": decode, "speculative": spec}
     )
 
 
@@ -108,9 +107,9 @@ def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_sa
         PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=200),
         drafter,
     )
-    prompts = [Tokenizer.from_dir(demo).encode(t) for t in TEXTS] * 2
+    prompts = [Tokenizer.from_dir(demo).encode(t) for t in TEXTS]
     sampling = [
-        SamplingParams(max_tokens=1200, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+        SamplingParams(max_tokens=800, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
         for i in range(len(prompts))
     ]
     server = _serve(topology, demo)
@@ -118,7 +117,7 @@ def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_sa
         done: list[StreamSummary] = []
         thread = threading.Thread(target=lambda: done.extend(server.generate(prompts, sampling)))
         thread.start()
-        time.sleep(1.5)
+        time.sleep(1.0)
         assert thread.is_alive(), "the streams ended before a decode rank was killed"
         view = ray.get(server.controller.routing_view.remote())
         ray.kill(view.decode[RankId("decode0", 0)])
@@ -132,6 +131,36 @@ def test_a_decode_rank_killed_while_speculating_hands_its_streams_on_with_the_sa
         while not all(s.startswith("ready") for s in ray.get(server.controller.status.remote()).values()):
             assert time.monotonic() < deadline
             time.sleep(0.5)
+        _all_pages_free(server)
+    finally:
+        server.stop()
+
+
+def test_the_reference_topology_with_mtp_drafts_gives_plain_decodings_tokens(
+    ray_started: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``dep16-dep2`` (one DEP16 prefill group, one DEP2 decode group) on a tiny checkpoint with a
+    (random) MTP layer: every prefill rank runs the MTP layer's MoE with the group, the decode
+    group drafts with it, and greedy and seeded tokens are plain decoding's."""
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny", seed=0, num_nextn_predict_layers=1)
+    topology = Topology.preset("dep16-dep2").model_copy(
+        update={
+            "prefill": PoolSpec(groups=1, dep=16, page_size=PAGE, num_pages=64),
+            "decode": PoolSpec(groups=1, dep=2, page_size=PAGE, num_pages=96),
+            "speculative": SpeculativeSpec(tokens=3, drafter="mtp"),
+        }
+    )
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)] for i in range(6)]
+    sampling = [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+        for i in range(6)
+    ]
+    server = _serve(topology, model)
+    try:
+        done = server.generate(prompts, sampling)
+        assert [d.error for d in done] == [None] * len(prompts)
+        assert [d.token_ids for d in done] == _expected(model, prompts, sampling)
+        assert sum(d.bill.speculation.draft_tokens for d in done) > 0
         _all_pages_free(server)
     finally:
         server.stop()

@@ -317,3 +317,23 @@ def test_missing_directory_and_files(tmp_path: Path, tiny_cfg: ModelConfig) -> N
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="cannot read safetensors file"):
         load_checkpoint(tmp_path, tiny_cfg, torch.float32)
+
+
+def test_an_fp8_mtp_layer_is_dequantised_like_the_rest(tmp_path: Path) -> None:
+    """DeepSeek-V3's release quantizes the MTP layer's linear weights too (``eh_proj``, its
+    attention and experts): loaded with ``mtp``, each is its block-scaled dequantisation."""
+    cfg = ModelConfig.from_dict(tiny_config_dict(num_nextn_predict_layers=1))
+    tensors = tiny_weights(cfg, seed=2)
+    quantized = quantize_like_deepseek(tensors)
+    out = write(tmp_path, quantized, quantization_config=FP8_CONFIG, num_nextn_predict_layers=1)
+    loaded = load_checkpoint(out, ModelConfig.from_dir(out), torch.float32, mtp=True)
+    assert sorted(loaded) == sorted(tensors)
+    mtp = f"model.layers.{cfg.num_hidden_layers}."
+    for name in (
+        mtp + "eh_proj.weight",
+        mtp + "self_attn.kv_b_proj.weight",
+        mtp + "mlp.experts.5.up_proj.weight",
+    ):
+        assert name + "_scale_inv" in quantized
+        bound = fp8_error_bound(tensors[name], quantized[name + "_scale_inv"])
+        assert torch.all((loaded[name] - tensors[name]).abs() <= bound), name
