@@ -45,7 +45,7 @@ class DecodeRole(PooledRole):
         drafter = make_drafter(spec, model=ctx.model, pool=pool) if spec.enabled else None
         return DecodeWorker(
             ctx.rank_id, ctx.incarnation, DecodeScheduler(config),
-            ctx.runner(pool, self.max_num_seqs, keep_hidden=self.uses_mtp),
+            ctx.runner(pool, self.max_num_seqs * (1 + spec.num_tokens), keep_hidden=self.uses_mtp),
             ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
             speculative=spec, drafter=drafter,
         )  # fmt: skip

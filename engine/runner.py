@@ -85,7 +85,12 @@ class ModelRunner:
         self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None
     ) -> dict[str, tuple[int, ...]]:
         """As ``run``, for plans whose chunks may end with drafts: each sampling chunk's tokens,
-        the target's samples its drafts earned (``engine/speculation.accept``), 1 to 1 + drafts."""
+        the target's samples its drafts earned (``engine/speculation.accept``), 1 to 1 + drafts.
+
+        A verify chunk's positions are attention rows of one token each over the request's pages
+        (row ``j`` sees positions ``.. start + j``; every position's KV is stored before any row
+        attends): the arithmetic of plain decode steps at those positions, so a greedy token is
+        the one plain decoding computes, and the shapes of a decode batch (``StaticDecode``)."""
         if not plan.chunks and not self.lockstep:
             return {}
         start = time.perf_counter()
@@ -96,19 +101,27 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        page_lists: list[list[int]] = []
         for chunk in plan.chunks:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
             if chunk.sample:
                 end = len(input_ids)
                 sample_rows.extend(range(end - chunk.num_sampled, end))
-        meta = AttentionMetadata.build(
-            self.pool.page_size,
-            [len(c.token_ids) for c in plan.chunks],
-            [c.start_position + len(c.token_ids) for c in plan.chunks],
-            [list(c.page_ids) for c in plan.chunks],
-            device,
-        )
+            pages = list(chunk.page_ids)
+            if chunk.draft_token_ids:  # each position a decode row of its own: see verify_rows
+                query_lens.extend([1] * len(chunk.token_ids))
+                seq_lens.extend(
+                    range(chunk.start_position + 1, chunk.start_position + len(chunk.token_ids) + 1)
+                )
+                page_lists.extend([pages] * len(chunk.token_ids))
+            else:
+                query_lens.append(len(chunk.token_ids))
+                seq_lens.append(chunk.start_position + len(chunk.token_ids))
+                page_lists.append(pages)
+        meta = AttentionMetadata.build(self.pool.page_size, query_lens, seq_lens, page_lists, device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
 

@@ -1,7 +1,9 @@
 """Decode steps of static shape, for CUDA graphs.
 
-A step whose every chunk is one new token of a request (the decode batch) runs padded to the
-smallest batch-size bucket that holds it, with every input of a bucket's fixed shape:
+A step whose every chunk is one new token of a request (the decode batch), or a verify step
+(each request's last token and its drafts, every position sampled: a row a position, row ``j``
+over the request's positions up to its own), runs padded to the smallest bucket of rows that
+holds it, with every input of a bucket's fixed shape:
 
     input_ids, positions, seq_lens_t, slot_mapping   [bucket]
     page_table                                       [bucket, max_model_len / page_size]
@@ -44,8 +46,13 @@ def default_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def is_decode_batch(plan: SchedulerOutput) -> bool:
-    """Every chunk is one token of a request that samples its next token."""
-    return bool(plan.chunks) and all(len(c.token_ids) == 1 and c.sample for c in plan.chunks)
+    """Every chunk is one token of a request that samples its next token, or a verify chunk (its
+    last token and drafts, each position sampled): each position one decode row."""
+    return bool(plan.chunks) and all(c.sample and c.num_sampled == len(c.token_ids) for c in plan.chunks)
+
+
+def decode_rows(plan: SchedulerOutput) -> int:
+    return sum(len(c.token_ids) for c in plan.chunks)
 
 
 @dataclass
@@ -87,27 +94,33 @@ class StaticDecode:
         return next((b for b in self.buckets if b >= batch), None)
 
     def applies(self, plan: SchedulerOutput) -> bool:
-        return is_decode_batch(plan) and self.bucket(len(plan.chunks)) is not None
+        return is_decode_batch(plan) and self.bucket(decode_rows(plan)) is not None
 
     def inputs(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's padded inputs, each of its bucket's shape."""
-        batch = len(plan.chunks)
+        """The step's padded inputs, each of its bucket's shape (a verify chunk: a row a position)."""
+        batch = decode_rows(plan)
         size = self.bucket(batch)
         if size is None:
             raise ValueError(f"a decode batch of {batch} is past the largest bucket {self.buckets[-1]}")
         page_size, pad = self.pool.page_size, size - batch
         table = torch.zeros((size, self.max_pages), dtype=torch.int64)
-        ids, positions, seq_lens, slots = [], [], [], []
-        for i, c in enumerate(plan.chunks):
-            position = c.start_position
-            ids.append(c.token_ids[0])
-            positions.append(position)
-            seq_lens.append(position + 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        for c in plan.chunks:
             pages = list(c.page_ids)
-            if len(pages) > self.max_pages or -(-(position + 1) // page_size) > len(pages):
+            last = c.start_position + len(c.token_ids) - 1
+            if len(pages) > self.max_pages or -(-(last + 1) // page_size) > len(pages):
                 raise ValueError(f"request {c.request_id}: its pages do not fit a static step")
-            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-            slots.append(pages[position // page_size] * page_size + position % page_size)
+            row_pages = torch.tensor(pages, dtype=torch.int64)
+            for j, token in enumerate(c.token_ids):
+                position = c.start_position + j
+                table[len(ids), : len(pages)] = row_pages
+                ids.append(token)
+                positions.append(position)
+                seq_lens.append(position + 1)
+                slots.append(pages[position // page_size] * page_size + position % page_size)
         ids += [0] * pad
         positions += [0] * pad
         seq_lens += [1] * pad
@@ -129,9 +142,9 @@ class StaticDecode:
         return as_tensor(ids, device=device), as_tensor(positions, device=device), meta
 
     def run(self, plan: SchedulerOutput) -> torch.Tensor:
-        """The hidden states ``[len(plan.chunks), hidden]`` of the batch's rows."""
+        """The hidden states ``[rows, hidden]`` of the batch's rows, a row a position."""
         ids, positions, meta = self.inputs(plan)
-        batch = len(plan.chunks)
+        batch = decode_rows(plan)
         self.padded_rows += ids.shape[0] - batch
         if not self.graphs:
             return self.model.forward(ids, positions, meta, self.pool)[:batch]

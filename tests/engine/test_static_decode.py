@@ -85,3 +85,47 @@ def test_the_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_STATIC_DECODE", "yes")
     with pytest.raises(ValueError, match="TANDEM_STATIC_DECODE: expected 0 or 1"):
         static_decode_enabled("cpu", 1)
+
+
+def test_verify_steps_run_at_static_shapes_and_give_the_eager_tokens_and_pool() -> None:
+    """A verify step (each request's last token and its drafts, of different lengths) is a row a
+    position: at its bucket's shape it gives the eager path's tokens and KV, and with drafts that
+    are plain decoding's own tokens it gives exactly those, plus the next."""
+    from tandem.model.attention_metadata import AttentionMetadata
+
+    runs = []
+    for static in (False, True):
+        engine = _engine(False)
+        model, pool = engine.model, engine.pool
+        prompts = [PROMPTS[0], PROMPTS[2]]
+        pages = [[1, 2], [5, 6, 7]]
+        for prompt, own in zip(prompts, pages, strict=True):  # the prompts' KV, as prefill leaves it
+            n = len(prompt) - 1
+            meta = AttentionMetadata.build(64, [n], [n], [own])
+            model.forward(torch.tensor(prompt[:-1]), torch.arange(n), meta, pool)
+        decode = StaticDecode(model, pool, 8, engine.max_model_len, buckets=(4, 8)) if static else None
+        runner = ModelRunner(model, pool, static=decode)
+        greedy = SamplingParams(max_tokens=32)
+        # plain decoding's next tokens of request 0, computed one step at a time on a copy
+        plain_pool = pool.kv.clone()
+        tokens, position = [prompts[0][-1]], len(prompts[0]) - 1
+        for i in range(3):
+            chunk = ScheduledChunk("p", (tokens[-1],), position + i, tuple(pages[0]), True, greedy, 1 + i)
+            tokens.append(runner.run(SchedulerOutput((chunk,), 1, ()))["p"])
+        pool.kv.copy_(plain_pool)
+        drafts = (tuple(tokens[1:3]), (17, 23, 5))  # request 0's are right, request 1's wrong
+        chunks = tuple(
+            ScheduledChunk(
+                f"r{i}", (prompt[-1], *d), len(prompt) - 1, tuple(own), True, greedy, 1, draft_token_ids=d
+            )
+            for i, (prompt, own, d) in enumerate(zip(prompts, pages, drafts, strict=True))
+        )
+        padded = decode.padded_rows if decode is not None else 0
+        got = runner.verify(SchedulerOutput(chunks, 7, ()))
+        assert got["r0"] == tuple(tokens[1:4])  # both drafts kept, then the next token
+        assert decode is None or decode.padded_rows - padded == 1  # 7 rows in the bucket of 8
+        runs.append((got, pool.kv.clone()))
+    (eager, eager_kv), (static_got, static_kv) = runs
+    assert static_got == eager
+    assert torch.equal(static_kv != 0, eager_kv != 0)  # the same slots: padding wrote none
+    torch.testing.assert_close(static_kv, eager_kv, rtol=1e-5, atol=1e-5)

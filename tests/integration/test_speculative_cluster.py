@@ -164,3 +164,51 @@ def test_the_reference_topology_with_mtp_drafts_gives_plain_decodings_tokens(
         _all_pages_free(server)
     finally:
         server.stop()
+
+
+def _wait_all_pages_free(server: Server, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _all_pages_free(server)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_deadline_and_a_cancel_while_speculating_free_every_page(demo: Path) -> None:
+    """MTP drafts on the local preset: a request whose gRPC deadline passes mid-stream and one
+    whose client cancels it after its first chunks both end on the ranks, and every page (the
+    drafts' too) is free and accounted for."""
+    import grpc
+
+    from tandem.client.grpc_client import request_message
+    from tandem.protos import tandem_pb2_grpc
+
+    page = PoolSpec(dep=2, page_size=PAGE, num_pages=96)
+    server = _serve(_topology(3, page, page, "mtp"), demo)
+    addr = f"127.0.0.1:{server.port}"
+    long = PromptSpec(TEXTS[0], None, SamplingParams(max_tokens=1500, ignore_eos=True))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            asyncio.run(generate_all(ClientOptions(addr, timeout_s=1.0), [long], 1))
+        assert error.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_all_pages_free(server)
+
+        async def cancel_midway() -> int:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                call = tandem_pb2_grpc.TandemStub(channel).Generate(request_message(long, "cancel-me"))
+                chunks = 0
+                async for response in call:
+                    chunks += response.HasField("chunk")
+                    if chunks == 3:
+                        call.cancel()
+                        break
+                return chunks
+
+        assert asyncio.run(cancel_midway()) == 3
+        _wait_all_pages_free(server)
+    finally:
+        server.stop()
