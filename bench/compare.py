@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,22 +72,29 @@ def _warm_up(server: Server, requests: int) -> None:
             raise RuntimeError(f"warm-up request failed: {summary.error}")
 
 
+@contextlib.contextmanager
+def served(topology: Topology, model_dir: Path | None, dtype: str, warmup: int) -> Iterator[Server]:
+    """``topology`` deployed on an embedded Ray in this process and warmed up; stopped after."""
+    init_ray()
+    try:
+        server = Server(ServeOptions(topology, model_dir, port=0, dtype=dtype))
+        server.start()
+        try:
+            _warm_up(server, warmup)
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutdown_ray()
+
+
 def run_one(
     topology: Topology, cores_per_rank: int, plan: Plan, model_dir: Path | None, dtype: str, warmup: int
 ) -> dict[str, Any]:
     """One preset's run: its deployment started, warmed up, driven by ``plan``, stopped."""
     pinned = topology.model_copy(update={"pin_cores_per_rank": cores_per_rank})
-    init_ray()
-    try:
-        server = Server(ServeOptions(pinned, model_dir, port=0, dtype=dtype))
-        server.start()
-        try:
-            _warm_up(server, warmup)
-            result = asyncio.run(run_plan(ClientOptions(f"127.0.0.1:{server.port}"), plan))
-        finally:
-            server.stop()
-    finally:
-        shutdown_ray()
+    with served(pinned, model_dir, dtype, warmup) as server:
+        result = asyncio.run(run_plan(ClientOptions(f"127.0.0.1:{server.port}"), plan))
     return {"topology": pinned.describe(), "ranks": pinned.ranks, **result}
 
 

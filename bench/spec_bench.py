@@ -24,13 +24,12 @@ from typing import Any
 
 import ray
 
-from tandem.bench.compare import _warm_up
+from tandem.bench.compare import served
 from tandem.bench.serve_bench import Plan, add_workload_arguments, plan_from_args, run_plan
 from tandem.bench.serve_report import to_json
 from tandem.client.grpc_client import ClientOptions
 from tandem.client.output import emit
-from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
-from tandem.cluster.serve import ServeOptions, Server
+from tandem.cluster.serve import Server
 from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
 from tandem.engine.speculation import DRAFTERS, MAX_SPECULATIVE_TOKENS
 from tandem.wire.messages import RankStats, Role
@@ -62,19 +61,10 @@ def run_one(
     """One configuration's run, with its decode ranks' own step split over the measured part:
     per step, the verify forward and the drafter, each timed on the rank's clock."""
     pinned = topology.model_copy(update={"pin_cores_per_rank": 1})
-    init_ray()
-    try:
-        server = Server(ServeOptions(pinned, model_dir, port=0, dtype=dtype))
-        server.start()
-        try:
-            _warm_up(server, warmup)
-            before = _decode_stats(server)
-            result = asyncio.run(run_plan(ClientOptions(f"127.0.0.1:{server.port}"), plan))
-            after = _decode_stats(server)
-        finally:
-            server.stop()
-    finally:
-        shutdown_ray()
+    with served(pinned, model_dir, dtype, warmup) as server:
+        before = _decode_stats(server)
+        result = asyncio.run(run_plan(ClientOptions(f"127.0.0.1:{server.port}"), plan))
+        after = _decode_stats(server)
     return {"topology": pinned.describe(), **result, "decode_step": _split(before, after)}
 
 

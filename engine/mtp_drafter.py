@@ -63,7 +63,8 @@ class MtpDrafter(Drafter):
 
     def observe(self, request_id: str, accepted: Sequence[int], hidden: Any = None) -> None:
         if isinstance(hidden, torch.Tensor) and request_id in self._drafting:
-            self._pending[request_id] = hidden[: len(accepted)]
+            # a copy: a captured step's output buffer is written again by the next replay
+            self._pending[request_id] = hidden[: len(accepted)].clone()
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

@@ -350,7 +350,7 @@ def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_another_and_they_f
     requests = [
         (
             [rng.randrange(256) for _ in range(rng.randrange(5, 30))],
-            SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i),
+            SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i),
         )
         for i in range(6)
     ]
