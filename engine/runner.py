@@ -111,7 +111,7 @@ class ModelRunner:
                 end = len(input_ids)
                 sample_rows.extend(range(end - chunk.num_sampled, end))
             pages = list(chunk.page_ids)
-            if chunk.draft_token_ids:  # each position a decode row of its own: see verify_rows
+            if chunk.draft_token_ids:  # each position a decode row of its own: see verify
                 query_lens.extend([1] * len(chunk.token_ids))
                 seq_lens.extend(
                     range(chunk.start_position + 1, chunk.start_position + len(chunk.token_ids) + 1)
