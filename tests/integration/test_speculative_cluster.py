@@ -190,7 +190,7 @@ def test_a_deadline_and_a_cancel_while_speculating_free_every_page(demo: Path) -
     from tandem.client.grpc_client import request_message
     from tandem.protos import tandem_pb2_grpc
 
-    page = PoolSpec(dep=2, page_size=PAGE, num_pages=96)
+    page = PoolSpec(dep=2, page_size=PAGE, num_pages=256)  # room for the 1500-token request
     server = _serve(_topology(3, page, page, "mtp"), demo)
     addr = f"127.0.0.1:{server.port}"
     long = PromptSpec(TEXTS[0], None, SamplingParams(max_tokens=1500, ignore_eos=True))
