@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
 from tandem.engine.admission import admit_new_request, resumed_outputs
-from tandem.engine.bill_builder import build_bill, delivered_prompt_tokens
+from tandem.engine.bill_builder import build_bill, delivered_cached_by_tier, delivered_prompt_tokens
 from tandem.engine.drafter import Drafter
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
@@ -37,6 +37,7 @@ from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.wire.messages import (
     Bill,
+    CachedByTier,
     LoopStats,
     PrefillAttempt,
     RankId,
@@ -113,6 +114,7 @@ class _Track:
         self.stop_running(now)
         cached, new = delivered_prompt_tokens(self.attempts)
         return build_bill(
+            cached_by_tier=delivered_cached_by_tier(self.attempts),
             prompt_tokens=request.num_prompt_tokens if request else 0,
             cached_tokens=cached,
             new_prompt_tokens=new,
@@ -388,6 +390,7 @@ class DecodeWorker(RankWorker):
                 delivered=True,
                 prompt_tokens=track.job_tokens,
                 cached_tokens=n.cached_tokens,
+                cached_by_tier=CachedByTier(n.cached_device_tokens, n.cached_host_tokens, n.cached_store_tokens),
                 kv_bytes=n.kv_bytes,
                 kv_wait_s=seen - track.expect_at,
                 kv_accept_s=usable - seen,

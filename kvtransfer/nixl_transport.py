@@ -514,10 +514,13 @@ def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None
         timings = SenderTimings.parse(msg.get("timings"))
         first_token, cached = msg["first_token"], msg["cached_tokens"]
         kv_bytes = msg.get("kv_bytes") or 0
-        if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes)):
+        host, store = msg.get("cached_host_tokens") or 0, msg.get("cached_store_tokens") or 0
+        if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes, host, store)):
+            return None
+        if host + store > cached:
             return None
         state = base64.b64decode(msg.get("draft_state") or "", validate=True)
-        return KVNotification(request_id, first_token, cached, timings, kv_bytes, state)
+        return KVNotification(request_id, first_token, cached, timings, kv_bytes, state, host, store)
     except (KeyError, TypeError, ValueError, binascii.Error):
         return None
 

@@ -109,7 +109,10 @@ class SenderTimings:
 class KVNotification:
     """Sent once, after the last write of a request landed, with the sender's own ``timings``;
     ``kv_bytes`` is what its write descriptors covered. ``draft_state``: what the decode rank's
-    drafter starts from (with MTP, the prompt's last hidden state as float32 bytes), or empty."""
+    drafter starts from (with MTP, the prompt's last hidden state as float32 bytes), or empty.
+    ``cached_tokens`` is the prompt's prefix the sender did not compute; ``cached_host_tokens``
+    and ``cached_store_tokens`` are the parts of it it loaded from its host tier and from the
+    shared store (the rest was in its device pages)."""
 
     request_id: str
     first_token: int
@@ -117,6 +120,12 @@ class KVNotification:
     timings: SenderTimings = field(default_factory=SenderTimings)
     kv_bytes: int = 0
     draft_state: bytes = b""
+    cached_host_tokens: int = 0
+    cached_store_tokens: int = 0
+
+    @property
+    def cached_device_tokens(self) -> int:
+        return self.cached_tokens - self.cached_host_tokens - self.cached_store_tokens
 
 
 @dataclass

@@ -83,6 +83,26 @@ class RankRequest:
 
 
 @dataclass(frozen=True)
+class CachedByTier:
+    """Cached prompt tokens by the tier they came from: the prefill rank's device pages, its
+    host-memory pool, or the shared store. ``total`` is the bill's ``cached_tokens``."""
+
+    device: int = 0
+    host: int = 0
+    store: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.store
+
+    def plus(self, other: CachedByTier) -> CachedByTier:
+        return CachedByTier(self.device + other.device, self.host + other.host, self.store + other.store)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device": self.device, "host": self.host, "store": self.store}
+
+
+@dataclass(frozen=True)
 class PrefillAttempt:
     """One attempt at a request's KV: a prefill job on a prefill rank and the transfer of its
     pages to the decode rank. A request has one per reservation: a retry after a failed
@@ -104,7 +124,8 @@ class PrefillAttempt:
     delivered: bool = False
     error: str | None = None
     prompt_tokens: int = 0  # tokens the prefill rank computed KV for (a re-prefill: prompt + outputs)
-    cached_tokens: int = 0  # of those, found in its prefix cache
+    cached_tokens: int = 0  # of those, found in its prefix cache (any tier)
+    cached_by_tier: CachedByTier = field(default_factory=CachedByTier)  # cached_tokens by tier
     kv_bytes: int = 0  # the bytes the sender's write descriptors covered
     kv_wait_s: float = 0.0
     kv_accept_s: float = 0.0
@@ -158,10 +179,12 @@ class Bill:
     each output token known). The KV figures are the sums over ``attempts``; ``cached_tokens``
     and ``new_prompt_tokens`` are too, so a retry or a re-prefill bills its tokens again.
     A colocated rank has no attempts: its cached tokens are its own prefix-cache hits.
+    ``cached_tokens_by_tier`` splits ``cached_tokens`` by where they came from (their sum).
     """
 
     prompt_tokens: int = 0  # the request's prompt, as the client sent it
     cached_tokens: int = 0
+    cached_tokens_by_tier: CachedByTier = field(default_factory=CachedByTier)
     new_prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
