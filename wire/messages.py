@@ -389,6 +389,33 @@ class StepSplit:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """A rank's KV tiers below its device pages, since start: what it loaded from each (bytes
+    and the seconds the copies took, on its own clock), what it wrote to the store, the store's
+    failures (``store_errors``: calls that failed or timed out; ``store_rejected``: blocks read
+    that failed their check: corrupt, truncated, another model or layout), the cached tokens
+    it chose to compute again because loading them was priced slower, and its measured prices
+    (bytes/s from each tier, prefill tokens/s; 0 until measured). Host pages: the pool's size
+    and how many hold a block."""
+
+    host_pages_total: int = 0
+    host_pages_used: int = 0
+    host_load_bytes: int = 0
+    host_load_s: float = 0.0
+    store_load_bytes: int = 0
+    store_load_s: float = 0.0
+    store_write_bytes: int = 0
+    store_write_s: float = 0.0
+    store_writes: int = 0
+    store_errors: int = 0
+    store_rejected: int = 0
+    recomputed_tokens: int = 0
+    host_bytes_per_s: float = 0.0
+    store_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class RankStats:
     """One rank as it reports itself. Request and page counts are the role's (a prefill rank
     has no ``running``, a decode rank no ``computing``); expert-parallel figures are the MoE
@@ -423,3 +450,4 @@ class RankStats:
     moe_rows_sent: int = 0
     moe_rows_received: int = 0
     split: StepSplit = field(default_factory=StepSplit)
+    tiers: TierStats = field(default_factory=TierStats)  # a prefill, colocated or writing-back rank's
