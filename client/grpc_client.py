@@ -97,6 +97,7 @@ class Outcome:
             "text": summary.text,
             "prompt_tokens": summary.bill.prompt_tokens,
             "cached_tokens": summary.bill.cached_tokens,
+            "cached_tokens_by_tier": message_dict(summary.bill.cached_tokens_by_tier),
             "finish_reason": summary.finish_reason,
             "error": summary.error,
             "placement": message_dict(summary.placement),
@@ -175,10 +176,12 @@ def bill_line(outcome: Outcome) -> str:
         return f"{seconds * 1e3:.2f}"
 
     error = f" error={s.error!r}" if s.error else ""
+    t = b.cached_tokens_by_tier
+    tiers = f": device {t.device}, host {t.host}, store {t.store}" if t.host or t.store else ""
     retries = f" attempts={len(b.attempts)}" if len(b.attempts) > 1 else ""
     return (
         f"[{outcome.index}] finish={s.finish_reason}{error} prompt={b.prompt_tokens} "
-        f"(cached {b.cached_tokens}, new {b.new_prompt_tokens}) output={b.output_tokens} "
+        f"(cached {b.cached_tokens}{tiers}, new {b.new_prompt_tokens}) output={b.output_tokens} "
         f"kv={b.kv_bytes}B{retries} ttft={ms(lat.ttft_s)}ms e2e={ms(lat.e2e_s)}ms "
         f"= queue {ms(lat.queue_s)} + routing {ms(lat.routing_s)} + pickup {ms(lat.pickup_s)} "
         f"+ reservation {ms(lat.reservation_wait_s)} + kv wait {ms(lat.kv_wait_s)} "

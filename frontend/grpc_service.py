@@ -39,7 +39,7 @@ from tandem.frontend.request_stream import StreamChunk
 from tandem.frontend.running import GenerateSpec
 from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
-from tandem.wire.messages import ProcessPlace, RankId
+from tandem.wire.messages import CachedByTier, ProcessPlace, RankId
 from tandem.wire.request_params import InvalidRequestError, SamplingParams, check_prompt
 from tandem.wire.stream_summary import StreamSummary
 
@@ -332,6 +332,7 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
             error=a.error or "",
             prompt_tokens=a.prompt_tokens,
             cached_tokens=a.cached_tokens,
+            cached_tokens_by_tier=_by_tier(a.cached_by_tier),
             kv_bytes=a.kv_bytes,
             kv_wait_s=a.kv_wait_s,
             kv_accept_s=a.kv_accept_s,
@@ -363,6 +364,7 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
                 steps=bill.speculation.steps,
                 acceptance_length=bill.speculation.acceptance_length,
             ),
+            cached_tokens_by_tier=_by_tier(bill.cached_tokens_by_tier),
         ),
         placement=tandem_pb2.Placement(
             prefill_group=item.prefill_rank.group_id if item.prefill_rank else "",
@@ -380,6 +382,10 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
 
 def _name(rank: RankId | None) -> str:
     return rank.name if rank else ""
+
+
+def _by_tier(cached: CachedByTier) -> tandem_pb2.CachedTokensByTier:
+    return tandem_pb2.CachedTokensByTier(device=cached.device, host=cached.host, store=cached.store)
 
 
 def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:

@@ -93,13 +93,14 @@ class Latency(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., routing_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., pickup_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., rank_s: _Optional[float] = ...) -> None: ...
 
 class Attempt(_message.Message):
-    __slots__ = ("attempt", "prefill_rank", "delivered", "error", "prompt_tokens", "cached_tokens", "kv_bytes", "kv_wait_s", "kv_accept_s", "prefill_pickup_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s")
+    __slots__ = ("attempt", "prefill_rank", "delivered", "error", "prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "kv_bytes", "kv_wait_s", "kv_accept_s", "prefill_pickup_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "kv_transfer_exposed_s")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_RANK_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     KV_ACCEPT_S_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +115,7 @@ class Attempt(_message.Message):
     error: str
     prompt_tokens: int
     cached_tokens: int
+    cached_tokens_by_tier: CachedTokensByTier
     kv_bytes: int
     kv_wait_s: float
     kv_accept_s: float
@@ -122,10 +124,10 @@ class Attempt(_message.Message):
     prefill_compute_s: float
     kv_transfer_s: float
     kv_transfer_exposed_s: float
-    def __init__(self, attempt: _Optional[int] = ..., prefill_rank: _Optional[str] = ..., delivered: _Optional[bool] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, attempt: _Optional[int] = ..., prefill_rank: _Optional[str] = ..., delivered: _Optional[bool] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Union[CachedTokensByTier, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., kv_accept_s: _Optional[float] = ..., prefill_pickup_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_exposed_s: _Optional[float] = ...) -> None: ...
 
 class Bill(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency", "attempts", "preemptions", "migrations", "seed", "speculation")
+    __slots__ = ("prompt_tokens", "cached_tokens", "new_prompt_tokens", "output_tokens", "kv_bytes", "latency", "attempts", "preemptions", "migrations", "seed", "speculation", "cached_tokens_by_tier")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class Bill(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     new_prompt_tokens: int
@@ -148,7 +151,18 @@ class Bill(_message.Message):
     migrations: int
     seed: int
     speculation: Speculation
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    cached_tokens_by_tier: CachedTokensByTier
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., latency: _Optional[_Union[Latency, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., preemptions: _Optional[int] = ..., migrations: _Optional[int] = ..., seed: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., cached_tokens_by_tier: _Optional[_Union[CachedTokensByTier, _Mapping]] = ...) -> None: ...
+
+class CachedTokensByTier(_message.Message):
+    __slots__ = ("device", "host", "store")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    host: int
+    store: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., store: _Optional[int] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "steps", "acceptance_length")
