@@ -84,6 +84,7 @@ def summary_record(summary: StreamSummary) -> dict[str, Any]:
         "bill": {
             "prompt_tokens": bill.prompt_tokens,
             "cached_tokens": bill.cached_tokens,
+            "cached_tokens_by_tier": bill.cached_tokens_by_tier.as_dict(),
             "new_prompt_tokens": bill.new_prompt_tokens,
             "output_tokens": bill.output_tokens,
             "kv_bytes": bill.kv_bytes,

@@ -7,11 +7,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tandem.client.output import command_output, emit
 from tandem.client.prompts import PromptSpec
 from tandem.engine.engine_config import EngineConfig
+from tandem.wire.messages import CachedByTier
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -445,9 +446,19 @@ def _generate(args: argparse.Namespace) -> int:
     engine = ColocatedEngine.from_model_dir(args.model, DTYPES[args.dtype], engine_config)
     prompts = _encode(specs, engine.tokenizer)
     outputs = engine.generate(prompts, [s.sampling for s in specs])
-    _print_outputs(
-        args.json, [(o.token_ids, o.text, o.prompt_tokens, o.cached_tokens, o.finish_reason) for o in outputs]
-    )
+    # the engine in this process has one tier: every cached token is on its device pages
+    rows = [
+        Output(
+            o.token_ids,
+            o.text,
+            o.prompt_tokens,
+            o.cached_tokens,
+            CachedByTier(o.cached_tokens),
+            o.finish_reason,
+        )
+        for o in outputs
+    ]
+    _print_outputs(args.json, rows)
     return 0
 
 
@@ -462,13 +473,26 @@ def _encode(specs: list[PromptSpec], tokenizer: Tokenizer | None) -> list[list[i
     return prompts
 
 
-def _print_outputs(as_json: bool, outputs: Sequence[tuple[list[int], str, int, int, str]]) -> None:
+class Output(NamedTuple):
+    """One output as ``generate`` prints it; ``--json`` prints each as an object of these fields."""
+
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: CachedByTier
+    finish_reason: str
+
+    def record(self) -> dict[str, object]:
+        return self._asdict() | {"cached_tokens_by_tier": self.cached_tokens_by_tier.as_dict()}
+
+
+def _print_outputs(as_json: bool, outputs: Sequence[Output]) -> None:
     if as_json:
-        keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
-        emit(json.dumps({"outputs": [dict(zip(keys, o, strict=True)) for o in outputs]}))
+        emit(json.dumps({"outputs": [o.record() for o in outputs]}))
     else:
         for o in outputs:
-            emit(o[1])
+            emit(o.text)
 
 
 def _generate_disaggregated(
@@ -496,14 +520,18 @@ def _generate_disaggregated(
     if errors:
         raise CliError(errors[0])
     rows = [
-        (s.token_ids, s.text, s.bill.prompt_tokens, s.bill.cached_tokens, s.finish_reason) for s in summaries
+        Output(
+            s.token_ids,
+            s.text,
+            s.bill.prompt_tokens,
+            s.bill.cached_tokens,
+            s.bill.cached_tokens_by_tier,
+            s.finish_reason,
+        )
+        for s in summaries
     ]
     if args.json:
-        keys = ("token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason")
-        outputs = [
-            dict(zip(keys, row, strict=True)) | summary_record(s)
-            for row, s in zip(rows, summaries, strict=True)
-        ]
+        outputs = [row.record() | summary_record(s) for row, s in zip(rows, summaries, strict=True)]
         emit(json.dumps({"outputs": outputs}))
     else:
         _print_outputs(False, rows)
@@ -533,11 +561,12 @@ def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_conf
     _print_outputs(
         args.json,
         [
-            (
+            Output(
                 list(r.token_ids),
                 tokenizer.decode(list(r.token_ids)),
                 r.bill.prompt_tokens,
                 r.bill.cached_tokens,
+                r.bill.cached_tokens_by_tier,
                 r.finish_reason,
             )
             for r in results

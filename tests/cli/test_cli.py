@@ -54,7 +54,11 @@ def test_prompts_file_runs_concurrently_in_input_order(
     assert code == 0, err
     outputs = json.loads(out)["outputs"]
     assert [len(o["token_ids"]) for o in outputs] == [6, 6, 3, 6]
-    assert set(outputs[0]) == {"token_ids", "text", "prompt_tokens", "cached_tokens", "finish_reason"}
+    keys = {"token_ids", "text", "prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "finish_reason"}
+    assert set(outputs[0]) == keys
+    # the engine in this process has its device pages only: every cached token is there
+    for o in outputs:
+        assert o["cached_tokens_by_tier"] == {"device": o["cached_tokens"], "host": 0, "store": 0}
     assert outputs[1]["prompt_tokens"] == 8 and outputs[0]["finish_reason"] == "length"
 
     engine = ColocatedEngine.from_model_dir(tiny)
