@@ -10,7 +10,8 @@ Fields this server implements: ``model``, ``prompt`` (one string or one list of 
 ``ignore_eos`` and ``return_token_ids``. ``user`` is accepted and ignored. A field OpenAI defines
 that would change the output but is not implemented (``logprobs``, ``best_of``, ``tools``, ...)
 is refused when set, and so is any field OpenAI does not define: :class:`OpenAIError` 400 naming
-it in ``param``.
+it in ``param``. Responses' ``usage`` carries one field OpenAI does not define,
+``prompt_tokens_details.cached_tokens_by_tier`` (:func:`usage`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tandem.frontend.grpc_auth import ANONYMOUS
 from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
 from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
-from tandem.wire.messages import Bill
+from tandem.wire.messages import Bill, CachedByTier
 from tandem.wire.request_params import (
     FinishReason,
     InvalidRequestError,
@@ -432,12 +433,25 @@ def finish_reason(reason: FinishReason, stopped_by_string: bool) -> str:
     return "stop" if stopped_by_string else str(reason)
 
 
+def cached_within(by_tier: CachedByTier, limit: int) -> CachedByTier:
+    """``by_tier`` with at most ``limit`` tokens in all, the excess taken off the store's part
+    first, then the host's, then the device's."""
+    store = min(by_tier.store, max(0, limit - by_tier.device - by_tier.host))
+    host = min(by_tier.host, max(0, limit - by_tier.device))
+    return CachedByTier(min(by_tier.device, limit), host, store)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, bill: Bill) -> dict[str, Any]:
+    """OpenAI's ``usage`` from the bill. ``prompt_tokens_details.cached_tokens`` is a part of
+    ``prompt_tokens``, so the bill's (which counts a retry's or a re-prefill's tokens again) is
+    capped at the prompt; ``cached_tokens_by_tier`` (an extension) splits it by the tier the
+    tokens came from, ``device``, ``host`` and ``store``, and adds up to it."""
+    cached = cached_within(bill.cached_tokens_by_tier, min(bill.cached_tokens, prompt_tokens))
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": min(bill.cached_tokens, prompt_tokens)},
+        "prompt_tokens_details": {"cached_tokens": cached.total, "cached_tokens_by_tier": cached.as_dict()},
         # speculative decoding's drafts, in the fields OpenAI gives predicted outputs
         "completion_tokens_details": {
             "accepted_prediction_tokens": bill.speculation.accepted_tokens,

@@ -21,6 +21,7 @@ from tandem.frontend.openai_protocol import (
     ResponseShape,
     ServedModel,
     StopMatcher,
+    cached_within,
     parse_request,
     prepare_chat,
     prepare_completion,
@@ -28,7 +29,7 @@ from tandem.frontend.openai_protocol import (
 )
 from tandem.model.make_tiny import BOS_ID, write_tokenizer
 from tandem.model.tokenizer import Tokenizer
-from tandem.wire.messages import Bill, Speculation
+from tandem.wire.messages import Bill, CachedByTier, Speculation
 from tandem.wire.request_params import SamplingParams
 
 CONTEXT = 2048
@@ -218,14 +219,20 @@ def test_stop_strings_cut_the_text_before_them_across_chunks() -> None:
 
 
 def test_usage_and_response_shapes() -> None:
-    used = usage(
-        10, 4, Bill(cached_tokens=8, speculation=Speculation(draft_tokens=5, accepted_tokens=2, steps=1))
+    bill = Bill(
+        cached_tokens=8,
+        cached_tokens_by_tier=CachedByTier(device=3, host=4, store=1),
+        speculation=Speculation(draft_tokens=5, accepted_tokens=2, steps=1),
     )
+    used = usage(10, 4, bill)
     assert used == {
         "prompt_tokens": 10,
         "completion_tokens": 4,
         "total_tokens": 14,
-        "prompt_tokens_details": {"cached_tokens": 8},
+        "prompt_tokens_details": {
+            "cached_tokens": 8,
+            "cached_tokens_by_tier": {"device": 3, "host": 4, "store": 1},
+        },
         "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 3},
     }
     chat = ResponseShape.of(True, "chatcmpl-1", "tiny")
@@ -242,6 +249,39 @@ def test_usage_and_response_shapes() -> None:
         "finish_reason": "length",
         "token_ids": [5],
     }
+
+
+def test_a_retried_bills_cached_tokens_are_capped_at_the_prompt_store_first() -> None:
+    """A retry bills its cached tokens again: OpenAI's cached_tokens is a part of prompt_tokens,
+    so it is capped there, and the split still adds up to it."""
+    split = CachedByTier(device=6, host=5, store=4)  # 15 over two attempts of a 10-token prompt
+    details = usage(10, 1, Bill(cached_tokens=15, cached_tokens_by_tier=split))["prompt_tokens_details"]
+    assert details == {"cached_tokens": 10, "cached_tokens_by_tier": {"device": 6, "host": 4, "store": 0}}
+    assert cached_within(split, 5) == CachedByTier(5, 0, 0)
+    assert cached_within(split, 13) == CachedByTier(6, 5, 2)
+    assert cached_within(split, 100) == split
+
+
+def test_the_official_client_parses_usage_with_the_tier_extension() -> None:
+    """openai's response types keep fields they do not define: the sum in cached_tokens, the
+    split beside it."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    bill = Bill(cached_tokens=7, cached_tokens_by_tier=CachedByTier(device=4, host=2, store=1))
+    used = usage(9, 2, bill)
+    chat = ChatCompletion.model_validate(
+        ResponseShape.of(True, "chatcmpl-1", "tiny").response("hi", "stop", None, used)
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    details = chat.usage.prompt_tokens_details
+    assert details.cached_tokens == 7
+    assert details.model_dump()["cached_tokens_by_tier"] == {"device": 4, "host": 2, "store": 1}
+    text = Completion.model_validate(
+        ResponseShape.of(False, "cmpl-1", "tiny").response("hi", "length", None, used)
+    )
+    assert text.usage is not None and text.usage.prompt_tokens_details is not None
+    assert text.usage.prompt_tokens_details.cached_tokens == 7
 
 
 def test_the_apps_errors_over_http_before_any_cluster(tiny_dir: Path) -> None:
