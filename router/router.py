@@ -3,7 +3,8 @@
 ::
 
     set_ranks(prefill, decode)       membership; ranks that leave are forgotten
-    apply_events(rank, events)       a prefill rank's KV events -> BlockIndex
+    apply_events(rank, events)       a prefill rank's KV events (device, host, store) -> BlockIndex
+    set_tier_costs(rank, ...)        a prefill rank's measured host and store load prices
     update_decode_stats(rank, ...)   a decode rank's report     -> LoadTracker
     route(request_id, ...)           -> RouteDecision; counts the request's load
     prefill_done / finished / abort  -> drop the load (each idempotent)
@@ -20,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
-from tandem.router.index import BlockIndex, IndexIntegrityError
+from tandem.router.index import BlockIndex, IndexIntegrityError, TierMatch
 from tandem.router.load import LoadTracker
-from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery
+from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery, load_cost
 from tandem.router.rank_key import K
 from tandem.router.registry import DEFAULT_POLICY, make_prefill_policy
-from tandem.wire.kv_events import KVEvent
+from tandem.wire.kv_events import KVEvent, Tier
 
 
 class NoRankAvailable(RuntimeError):
@@ -61,10 +62,12 @@ class RouterConfig:
 class RouteDecision(Generic[K]):
     prefill_rank: K
     decode_rank: K
-    matched_blocks: int  # on prefill_rank, capped by the one-token rule
+    matched_blocks: int  # usable run on prefill_rank (all tiers), capped by the one-token rule
     predicted_cached_tokens: int  # matched_blocks * page_size: what the rank's own match will find
     branch: str  # the policy branch that chose prefill_rank
     decode_pages: int  # pages promised on decode_rank
+    # matched_blocks by the tier each is loaded from
+    matched_by_tier: TierMatch = field(default_factory=TierMatch)
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,18 @@ class Router(Generic[K]):
         self._prefill_ranks: list[K] = []
         self._prefill_set: frozenset[K] = frozenset()
         self._decode_ranks: list[K] = []
+        self._tier_costs: dict[K, tuple[float, float]] = {}  # rank -> measured (host, store) prices
         self._counters: dict[str, int] = dict.fromkeys(
-            ["requests_routed", "matched_blocks", "queried_blocks", "events_applied", "events_dropped"], 0
+            [
+                "requests_routed",
+                "matched_blocks",
+                "matched_host_blocks",
+                "matched_store_blocks",
+                "queried_blocks",
+                "events_applied",
+                "events_dropped",
+            ],
+            0,
         )
         for branch in self.policy.branches:
             self._counters[f"branch_{branch}"] = 0
@@ -110,6 +123,7 @@ class Router(Generic[K]):
         for rank in self._prefill_ranks:
             if rank not in prefill_set:
                 self._index.remove_rank(rank)
+                self._tier_costs.pop(rank, None)
         self._prefill_set = prefill_set
         self._prefill_ranks, self._decode_ranks = sorted(prefill_set), sorted(set(decode))
         self._load.set_ranks(self._prefill_ranks, self._decode_ranks)
@@ -123,6 +137,42 @@ class Router(Generic[K]):
         for event in events:
             self._index.apply(rank, event)
             self._counters["events_applied"] += 1
+
+    def set_tier_costs(self, rank: K, host: float | None = None, store: float | None = None) -> None:
+        """A prefill rank's prices: the time to load one cached token from its host tier and
+        from the store, as a fraction of the time it takes to compute one (``None``: the
+        config's default, ``PolicyConfig.host_load_cost`` / ``store_load_cost``). Forgotten when
+        the rank leaves."""
+        policy = self.config.policy_config
+        host_cost = policy.host_load_cost if host is None else host
+        store_cost = policy.store_load_cost if store is None else store
+        if not (host_cost >= 0.0 and store_cost >= 0.0):
+            raise ValueError(f"bad tier costs from {rank}: {host=} {store=}")
+        if rank in self._prefill_set:
+            self._tier_costs[rank] = (host_cost, store_cost)
+
+    def set_tier_speeds(
+        self,
+        rank: K,
+        host_bytes_per_s: float,
+        store_bytes_per_s: float,
+        prefill_tokens_per_s: float,
+        kv_bytes_per_token: int,
+    ) -> None:
+        """``set_tier_costs`` from a rank's measured speeds (``wire.messages.TierStats``); a
+        speed of 0 (not measured yet) keeps the default price of that tier."""
+
+        def cost(bytes_per_s: float) -> float | None:
+            if bytes_per_s <= 0 or prefill_tokens_per_s <= 0:
+                return None
+            return load_cost(bytes_per_s, prefill_tokens_per_s, kv_bytes_per_token)
+
+        self.set_tier_costs(rank, cost(host_bytes_per_s), cost(store_bytes_per_s))
+
+    def tier_costs(self, rank: K) -> tuple[float, float]:
+        """The (host, store) prices the router uses for ``rank``."""
+        policy = self.config.policy_config
+        return self._tier_costs.get(rank, (policy.host_load_cost, policy.store_load_cost))
 
     def update_decode_stats(self, rank: K, free_pages: int, running: int, total_pages: int) -> None:
         self._load.update_decode_stats(rank, free_pages, running, total_pages)
@@ -161,25 +211,34 @@ class Router(Generic[K]):
             raise DuplicateRequestId(request_id)
 
         max_reusable = (num_prompt_tokens - 1) // page_size
-        matched = self._index.match(block_hashes[:max_reusable])
+        matched = self._index.match_tiers(block_hashes[:max_reusable])
         query = PrefillQuery(num_prompt_tokens, len(block_hashes), max_reusable, page_size)
         load, index = self._load, self._index
-        candidates = [
-            PrefillCandidate(
+        candidates: dict[K, PrefillCandidate[K]] = {}
+        for rank in self._prefill_ranks:
+            found = matched.get(rank)
+            host_cost, store_cost = self.tier_costs(rank)
+            candidates[rank] = PrefillCandidate(
                 rank,
-                matched.get(rank, 0),
+                found.blocks,
                 load.prefill_load(rank),
                 load.routed_tokens(rank),
                 index.num_blocks(rank),
                 self._tie_break(rank),
+                found.host,
+                found.store,
+                host_cost,
+                store_cost,
             )
-            for rank in self._prefill_ranks
-        ]
-        choice = self.policy.choose(query, candidates)
-        if choice.rank not in self._prefill_set:
+        choice = self.policy.choose(query, list(candidates.values()))
+        chosen = candidates.get(choice.rank)
+        if chosen is None:
             raise ValueError(f"policy {self.policy.name} chose {choice.rank!r}, which is not a prefill rank")
-        matched_blocks = matched.get(choice.rank, 0)
+        by_tier = matched.get(choice.rank)
+        matched_blocks = by_tier.blocks
         cached_tokens = matched_blocks * page_size
+        # The rank's work in compute-token units: what it computes, and its loads at their price.
+        work_tokens = num_prompt_tokens - math.floor(chosen.saved_blocks() * page_size)
 
         reserve = min(max_new_tokens, self.config.decode_output_reserve_tokens)
         pages = math.ceil((num_prompt_tokens + reserve) / page_size)
@@ -189,14 +248,18 @@ class Router(Generic[K]):
             candidates_d = [self._decode_candidate(rank) for rank in self._decode_ranks]
             decode_rank = choose_decode_rank(candidates_d, pages).rank
 
-        self._load.add(request_id, choice.rank, num_prompt_tokens - cached_tokens, decode_rank, pages)
+        self._load.add(request_id, choice.rank, work_tokens, decode_rank, pages)
         counters = self._counters
         counters["requests_routed"] += 1
         counters["matched_blocks"] += matched_blocks
+        counters["matched_host_blocks"] += by_tier.host
+        counters["matched_store_blocks"] += by_tier.store
         counters["queried_blocks"] += len(block_hashes)
         key = f"branch_{choice.branch}"
         counters[key] = counters.get(key, 0) + 1
-        return RouteDecision(choice.rank, decode_rank, matched_blocks, cached_tokens, choice.branch, pages)
+        return RouteDecision(
+            choice.rank, decode_rank, matched_blocks, cached_tokens, choice.branch, pages, by_tier
+        )
 
     def prefill_done(self, request_id: str) -> None:
         """The request's prefill finished (or failed): its tokens leave the prefill load."""
@@ -210,7 +273,8 @@ class Router(Generic[K]):
         self._load.finish(request_id)
 
     def counters(self) -> dict[str, int]:
-        """``requests_routed``, ``matched_blocks`` and ``queried_blocks`` (totals over routed
+        """``requests_routed``, ``matched_blocks`` (of which ``matched_host_blocks`` and
+        ``matched_store_blocks`` from those tiers) and ``queried_blocks`` (totals over routed
         requests), ``events_applied``/``events_dropped``, and ``branch_<name>`` per branch."""
         return dict(self._counters)
 
@@ -221,13 +285,22 @@ class Router(Generic[K]):
             {rank: self._load.promised_pages(rank) for rank in self._decode_ranks},
         )
 
-    def cached_blocks(self) -> dict[K, int]:
-        """Blocks each prefill rank caches, as its events tell."""
-        return {rank: self._index.num_blocks(rank) for rank in self._prefill_ranks}
+    def cached_blocks(self, tier: Tier = "device") -> dict[K, int]:
+        """Blocks each prefill rank caches in ``tier``, as its events tell (for ``store``, the
+        store's blocks, which every rank reads)."""
+        return {rank: self._index.num_blocks(rank, tier) for rank in self._prefill_ranks}
 
     def match(self, block_hashes: Sequence[int]) -> dict[K, int]:
-        """Leading blocks each prefill rank holds (uncapped), for ranks holding any."""
-        return self._index.match(block_hashes)
+        """Each prefill rank's usable run (uncapped; device, host and store), for ranks with a
+        run. With device events only, the leading blocks each rank holds."""
+        matched = self._index.match_tiers(block_hashes)
+        runs = {rank: matched.get(rank).blocks for rank in self._prefill_ranks}
+        return {rank: run for rank, run in runs.items() if run}
+
+    def match_tiers(self, block_hashes: Sequence[int]) -> dict[K, TierMatch]:
+        """Each prefill rank's usable run (uncapped), split by tier."""
+        matched = self._index.match_tiers(block_hashes)
+        return {rank: matched.get(rank) for rank in self._prefill_ranks}
 
     @property
     def num_in_flight(self) -> int:

@@ -5,7 +5,13 @@ import math
 import pytest
 
 from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
-from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillQuery
+from tandem.router.policy import (
+    DEFAULT_HOST_LOAD_COST,
+    PolicyConfig,
+    PrefillCandidate,
+    PrefillQuery,
+    load_cost,
+)
 from tandem.router.registry import PREFILL_POLICIES, UnknownPolicy, make_prefill_policy
 
 PAGE = 16
@@ -92,3 +98,63 @@ def test_decode_choice_prefers_room_then_fewest_requests() -> None:
     assert choose_decode_rank(ranks, pages_needed=100).rank == "d-r2"  # none has room: most free
     fresh = DecodeCandidate("d-r3", num_requests=0, free_pages=math.inf)
     assert choose_decode_rank([*ranks, fresh], pages_needed=10**6).rank == "d-r3"
+
+
+def tiered(
+    rank: str,
+    device: int = 0,
+    host: int = 0,
+    store: int = 0,
+    in_flight: int = 0,
+    host_load_cost: float = DEFAULT_HOST_LOAD_COST,
+) -> PrefillCandidate:
+    """A candidate whose run of ``device + host + store`` blocks is split by tier."""
+    run = device + host + store
+    return PrefillCandidate(
+        rank, run, in_flight, 0, device, host_blocks=host, store_blocks=store, host_load_cost=host_load_cost
+    )
+
+
+def test_default_tier_prices_follow_the_bandwidth_arithmetic() -> None:
+    # DeepSeek-V3's 70,272-byte tokens at 6,000 tokens/s: 25 GB/s from host, 5 GB/s from the store
+    assert load_cost(25e9, 6_000, 70_272) == pytest.approx(0.0169, abs=1e-4)
+    assert PolicyConfig().host_load_cost == pytest.approx(load_cost(25e9, 6_000, 70_272))
+    assert PolicyConfig().store_load_cost == pytest.approx(0.0843, abs=1e-4)
+    assert PolicyConfig().host_load_cost < PolicyConfig().store_load_cost < 1.0
+    with pytest.raises(ValueError, match="store_load_cost"):
+        PolicyConfig(store_load_cost=-0.1)
+    with pytest.raises(ValueError, match="in a run of 2"):
+        PrefillCandidate("a", 2, 0, 0, 0, host_blocks=2, store_blocks=1)
+
+
+def test_at_equal_load_device_beats_host_beats_store_only() -> None:
+    policy = make_prefill_policy("cache_aware")
+    device, host, store = tiered("c", device=8), tiered("b", host=8), tiered("a", store=8)
+    assert device.saved_blocks() > host.saved_blocks() > store.saved_blocks() > 0
+    choice = policy.choose(QUERY, [store, host, device])
+    assert (choice.rank, choice.branch) == ("c", "cache_hit")
+    assert policy.choose(QUERY, [store, host]).rank == "b"
+    # the same run, one part on the device: that rank saves more
+    assert policy.choose(QUERY, [tiered("a", 2, 6), tiered("b", 1, 7)]).rank == "a"
+    # every rank reads the store: a store-only run is a tie that load decides
+    assert policy.choose(QUERY, [tiered("a", store=8, in_flight=9), tiered("b", store=8)]).rank == "b"
+
+
+def test_a_tier_priced_slower_than_compute_saves_nothing() -> None:
+    policy = make_prefill_policy("cache_aware", PolicyConfig(load_weight=0.5))
+    slow = tiered("a", host=8, in_flight=1, host_load_cost=1.5)
+    assert slow.saved_blocks() == 0.0
+    # its run still counts as a match (not a new conversation), but it saves nothing: load decides
+    choice = policy.choose(QUERY, [slow, tiered("b", in_flight=0)])
+    assert (choice.rank, choice.branch) == ("b", "cache_hit")
+    busy_idle = [tiered("a", host=8, host_load_cost=1.5), tiered("b", store=1, in_flight=2)]
+    assert policy.choose(QUERY, busy_idle).rank == "b"
+    # a fast store beats a host tier priced at 0.9 for the same run
+    assert policy.choose(QUERY, [tiered("a", host=8, host_load_cost=0.9), tiered("b", store=8)]).rank == "b"
+
+
+def test_the_low_match_threshold_counts_the_whole_usable_run() -> None:
+    policy = make_prefill_policy("cache_aware", PolicyConfig(cache_threshold=0.3))
+    # 1 device block alone is under 30% of 10; with 3 store blocks behind it, it is a match
+    assert policy.choose(QUERY, [tiered("a", device=1), tiered("b")]).branch == "low_match"
+    assert policy.choose(QUERY, [tiered("a", device=1, store=3), tiered("b", store=0)]).branch == "cache_hit"

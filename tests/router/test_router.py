@@ -1,14 +1,16 @@
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
 import pytest
 
 from tandem.engine.prefix_cache import block_hashes
+from tandem.router.index import TierMatch
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillChoice, PrefillPolicy, PrefillQuery
 from tandem.router.router import DuplicateRequestId, NoRankAvailable, RouteDecision, Router, RouterConfig
-from tandem.wire.kv_events import AllBlocksCleared, BlockStored
+from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 PAGE = 4
 PREFILL = ["prefill0-r0", "prefill0-r1", "prefill1-r0"]
@@ -227,3 +229,52 @@ def test_colocated_ranks_decode_where_the_policy_sends_the_prompt() -> None:
     apart = route(router, "b", [*range(16), 7])
     assert (apart.prefill_rank, apart.decode_rank) == ("colocated0-r1", "colocated0-r0")
     router.check_integrity()
+
+
+def test_tiered_events_steer_routing_and_the_decision_splits_the_prediction() -> None:
+    router = make_router(load_weight=0.0)
+    prefix = list(range(16))  # 4 pages
+    hashes = tuple(block_hashes(prefix, PAGE))
+    router.apply_events("prefill0-r0", [BlockStored(hashes[:1], None, PAGE, "store")])
+    router.apply_events("prefill0-r1", [BlockStored(hashes, None, PAGE)])
+    router.apply_events(
+        "prefill0-r1", [BlockRemoved(hashes[2:], "device"), BlockStored(hashes[2:], None, PAGE, "host")]
+    )
+    decision = route(router, "a", [*prefix, 5])
+    assert decision.prefill_rank == "prefill0-r1"  # 2 device + 2 host pages beat the store's 1
+    assert decision.matched_by_tier == TierMatch(device=2, host=2)
+    assert (decision.matched_blocks, decision.predicted_cached_tokens) == (4, 16)
+    assert router.match(hashes) == {"prefill0-r0": 1, "prefill0-r1": 4, "prefill1-r0": 1}
+    assert router.match_tiers(hashes)["prefill1-r0"] == TierMatch(store=1)
+    # the rank's load is its work in compute tokens: 1 new token and 8 host tokens at their price
+    host_cost, _ = router.tier_costs("prefill0-r1")
+    assert router.loads().prefill_tokens["prefill0-r1"] == 17 - math.floor(16 - 8 * host_cost)
+    assert router.counters()["matched_host_blocks"] == 2
+    # measured on the rank: its host tier is slower than recomputing, so its host pages save
+    # nothing; its 2 device pages still beat the others' store page, and the rank computes 9 tokens
+    router.prefill_done("a")
+    router.set_tier_costs("prefill0-r1", host=1.2)
+    again = route(router, "b", [*prefix, 6])
+    assert again.prefill_rank == "prefill0-r1" and again.matched_by_tier == TierMatch(device=2, host=2)
+    assert router.loads().prefill_tokens["prefill0-r1"] == 17 - 8
+    router.apply_events("prefill0-r1", [BlockRemoved(hashes[:2], "device")])  # only the store run is left
+    third = route(router, "c", [*prefix, 7])
+    assert third.prefill_rank != "prefill0-r1" and third.matched_by_tier == TierMatch(store=1)
+    assert router.cached_blocks("host") == {"prefill0-r0": 0, "prefill0-r1": 2, "prefill1-r0": 0}
+    router.check_integrity()
+
+
+def test_tier_speeds_become_prices_and_fall_back_to_the_defaults() -> None:
+    router = make_router()
+    defaults = (PolicyConfig().host_load_cost, PolicyConfig().store_load_cost)
+    assert router.tier_costs("prefill0-r0") == defaults
+    router.set_tier_speeds("prefill0-r0", 50e9, 0.0, 6_000.0, 70_272)  # store not measured yet
+    host, store = router.tier_costs("prefill0-r0")
+    assert host == pytest.approx(70_272 * 6_000 / 50e9) and store == defaults[1]
+    with pytest.raises(ValueError, match="tier costs"):
+        router.set_tier_costs("prefill0-r0", host=-1.0)
+    router.set_tier_costs("gone-r0", host=0.5)  # not a prefill rank: ignored
+    assert router.tier_costs("gone-r0") == defaults
+    router.set_ranks(PREFILL[1:], DECODE)
+    router.set_ranks(PREFILL, DECODE)
+    assert router.tier_costs("prefill0-r0") == defaults  # a rank that left starts over
