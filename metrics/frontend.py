@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem.metrics.labels import FrontendLabels
+from tandem.wire.kv_events import TIERS
 
 if TYPE_CHECKING:
     from tandem.wire.stream_summary import StreamSummary
@@ -186,10 +187,15 @@ class FrontendMetrics:
         self.prompt_tokens = counter(
             "tandem_prompt_tokens", "Prompt tokens of ended requests (the sum of the bills' prompt_tokens)"
         ).labels(**base)
-        self.cached_prompt_tokens = counter(
+        self._cached_prompt_tokens = Counter(
             "tandem_cached_prompt_tokens",
-            "Prompt tokens found in a prefill rank's prefix cache (the sum of the bills' cached_tokens)",
-        ).labels(**base)
+            "Prompt tokens found in a prefill rank's prefix cache, by the tier they came from: device "
+            "pages, host-memory pool, shared store (the sum of the bills' cached_tokens_by_tier)",
+            [*names, "tier"],
+            registry=r,
+        )
+        for tier in TIERS:  # at zero from the start, as the parts above
+            self._child(self._cached_prompt_tokens, tier=tier)
         self.new_prompt_tokens = counter(
             "tandem_new_prompt_tokens",
             "Prompt tokens a prefill rank computed (the sum of the bills' new_prompt_tokens)",
@@ -244,7 +250,9 @@ class FrontendMetrics:
         bill = summary.bill
         self._child(self._requests, finish_reason=str(summary.finish_reason), code=code).inc()
         self.prompt_tokens.inc(bill.prompt_tokens)
-        self.cached_prompt_tokens.inc(bill.cached_tokens)
+        for tier, tokens in bill.cached_tokens_by_tier.as_dict().items():
+            if tokens:
+                self._child(self._cached_prompt_tokens, tier=tier).inc(tokens)
         self.new_prompt_tokens.inc(bill.new_prompt_tokens)
         self.generation_tokens.inc(len(summary.token_ids))
         if bill.attempts and bill.attempts[0].delivered:

@@ -6,6 +6,7 @@ time on its receiver."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,12 +15,13 @@ from prometheus_client.registry import Collector
 from tandem.engine.speculation import MAX_SPECULATIVE_TOKENS
 from tandem.metrics.frontend import PART_BUCKETS
 from tandem.metrics.labels import RankLabels
-from tandem.wire.messages import RankStats, Role
+from tandem.wire.messages import RankStats, Role, TierStats
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TRANSFER_BUCKETS = PART_BUCKETS
 SPEC_STEP_BUCKETS = tuple(float(n) for n in range(1, MAX_SPECULATIVE_TOKENS + 2))
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
 
 
 class RankMetrics:
@@ -170,3 +172,93 @@ class _StatsCollector(Collector):
         yield failures
         yield counter("tandem_steps", "Steps of the rank's loop", s.loop.steps)
         yield counter("tandem_step_seconds", "Time in steps of the rank's loop", s.loop.step_s)
+        yield from _tier_families(s.tiers, names, values)
+
+
+def _tier_families(t: TierStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """The KV tiers below the device pages: loads from the host pool and the store, the store's
+    writes and failures, recomputes chosen over loads, the host pool's pages, measured prices."""
+
+    def by_tier(family: Family, host: float, store: float) -> Family:
+        family.add_metric([*values, "host"], host)
+        family.add_metric([*values, "store"], store)
+        return family
+
+    def one(family: Family, value: float) -> Family:
+        family.add_metric(values, value)
+        return family
+
+    tier = [*names, "tier"]
+    yield by_tier(
+        CounterMetricFamily(
+            "tandem_kv_tier_load_bytes", "KV bytes loaded into device pages, by the tier read", labels=tier
+        ),
+        t.host_load_bytes,
+        t.store_load_bytes,
+    )
+    yield by_tier(
+        CounterMetricFamily(
+            "tandem_kv_tier_load_seconds",
+            "Time the loads into device pages took, by the tier read (the rank's own clock)",
+            labels=tier,
+        ),
+        t.host_load_s,
+        t.store_load_s,
+    )
+    yield one(
+        CounterMetricFamily("tandem_kv_store_writes", "Blocks written to the store", labels=names),
+        t.store_writes,
+    )
+    yield one(
+        CounterMetricFamily("tandem_kv_store_write_bytes", "KV bytes written to the store", labels=names),
+        t.store_write_bytes,
+    )
+    yield one(
+        CounterMetricFamily("tandem_kv_store_write_seconds", "Time the store writes took", labels=names),
+        t.store_write_s,
+    )
+    yield one(
+        CounterMetricFamily("tandem_kv_store_errors", "Store calls that failed or timed out", labels=names),
+        t.store_errors,
+    )
+    yield one(
+        CounterMetricFamily(
+            "tandem_kv_store_rejected_blocks",
+            "Blocks read from the store that failed their check (corrupt, truncated, another model or "
+            "layout)",
+            labels=names,
+        ),
+        t.store_rejected,
+    )
+    yield one(
+        CounterMetricFamily(
+            "tandem_kv_recomputed_tokens",
+            "Cached prompt tokens computed again because loading them was priced slower",
+            labels=names,
+        ),
+        t.recomputed_tokens,
+    )
+    pages = GaugeMetricFamily(
+        "tandem_kv_host_pages", "Host-memory pool pages by state", labels=[*names, "state"]
+    )
+    pages.add_metric([*values, "used"], t.host_pages_used)
+    pages.add_metric([*values, "free"], t.host_pages_total - t.host_pages_used)
+    yield pages
+    yield by_tier(
+        GaugeMetricFamily(
+            "tandem_kv_tier_measured_bytes_per_second",
+            "The rank's measured load bandwidth from each tier, which prices a load against a "
+            "recompute (0 until measured)",
+            labels=tier,
+        ),
+        t.host_bytes_per_s,
+        t.store_bytes_per_s,
+    )
+    yield one(
+        GaugeMetricFamily(
+            "tandem_prefill_measured_tokens_per_second",
+            "The rank's measured prefill rate, which prices a recompute against a load (0 until measured)",
+            labels=names,
+        ),
+        t.prefill_tokens_per_s,
+    )

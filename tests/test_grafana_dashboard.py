@@ -33,6 +33,8 @@ REQUIRED = (
     "tandem_group_state",
     "tandem_spec_acceptance_length_sum",
     "tandem_spec_accepted_tokens_total",
+    "tandem_kv_tier_load_bytes_total",
+    "tandem_kv_store_errors_total",
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ from tandem.metrics.frontend import E2E_PARTS, PREFILL_PARTS, FrontendMetrics
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, FrontendLabels, RankLabels
 from tandem.metrics.rank import RankMetrics
-from tandem.wire.messages import Bill, PrefillAttempt, RankId, RankStats, Role
+from tandem.wire.messages import Bill, CachedByTier, PrefillAttempt, RankId, RankStats, Role, TierStats
 from tandem.wire.request_params import FinishReason
 from tandem.wire.scrape_target import ScrapeTarget
 from tandem.wire.stream_summary import Route, StreamSummary
@@ -49,8 +50,9 @@ def _summary() -> StreamSummary:
         kv_transfer_s=0.04, kv_sender_exposed_s=0.02,
     )  # fmt: skip
     bill = Bill(
-        prompt_tokens=40, cached_tokens=32, new_prompt_tokens=8, output_tokens=4, attempts=(attempt,),
-        pickup_s=0.002, reservation_wait_s=0.003, decode_s=0.2, rank_s=0.51,
+        prompt_tokens=40, cached_tokens=32, cached_tokens_by_tier=CachedByTier(device=32),
+        new_prompt_tokens=8, output_tokens=4, attempts=(attempt,), pickup_s=0.002, reservation_wait_s=0.003,
+        decode_s=0.2, rank_s=0.51,
     )  # fmt: skip
     route = Route(
         RankId("prefill0", 1), RankId("decode0", 0), 32, "cache_hit", queue_s=0.004, routing_s=0.001
@@ -71,7 +73,9 @@ def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     assert _value(s, "tandem_requests_total", finish_reason="length", code="OK") == 1
     assert _value(s, "tandem_requests_total", finish_reason="rejected", code="INVALID_ARGUMENT") == 1
     assert _value(s, "tandem_prompt_tokens_total", model="tiny", frontend="fe") == 40
-    assert _value(s, "tandem_cached_prompt_tokens_total") == 32
+    assert _value(s, "tandem_cached_prompt_tokens_total", tier="device") == 32
+    assert _value(s, "tandem_cached_prompt_tokens_total", tier="host") == 0
+    assert _value(s, "tandem_cached_prompt_tokens_total", tier="store") == 0
     assert _value(s, "tandem_new_prompt_tokens_total") == 8
     assert _value(s, "tandem_generation_tokens_total") == 4
     assert _value(s, "tandem_time_to_first_token_seconds_sum") == pytest.approx(0.35)
@@ -91,6 +95,27 @@ def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     assert _value(s, "tandem_streams_open") == 3
 
 
+def test_cached_prompt_tokens_count_by_tier_and_add_up_to_the_bills() -> None:
+    """Bills whose cached tokens came from the host pool and the store count there; the tiers
+    summed (the dashboard's sum(rate(...))) are the bills' cached_tokens."""
+    metrics = FrontendMetrics(FrontendLabels("tiny", "fe"))
+    base = _summary()
+    splits = [
+        CachedByTier(device=16, host=8, store=8),
+        CachedByTier(host=24),
+        CachedByTier(device=4, store=12),
+    ]
+    for split in splits:
+        metrics.ended(
+            replace(base, bill=replace(base.bill, cached_tokens=split.total, cached_tokens_by_tier=split))
+        )
+    s = _samples(metrics.registry)
+    tiers = {t: _value(s, "tandem_cached_prompt_tokens_total", tier=t) for t in ("device", "host", "store")}
+    assert tiers == {"device": 20, "host": 32, "store": 20}
+    assert sum(tiers.values()) == sum(split.total for split in splits) == 72
+    assert _value(s, "tandem_prompt_tokens_total") == 3 * 40
+
+
 def test_every_part_series_is_exported_at_zero_before_any_request() -> None:
     """So that rate() over the autoscaler's window counts the first requests: a series that
     first appears with a request's observation already in it has no increase to show."""
@@ -102,6 +127,8 @@ def test_every_part_series_is_exported_at_zero_before_any_request() -> None:
         for part in parts:
             assert _value(s, f"{name}_count", part=part) == 0
             assert _value(s, f"{name}_sum", part=part) == 0
+    for tier in ("device", "host", "store"):
+        assert _value(s, "tandem_cached_prompt_tokens_total", tier=tier) == 0
 
 
 def test_a_rank_exports_its_stats_at_scrape() -> None:
@@ -126,6 +153,34 @@ def test_a_rank_exports_its_stats_at_scrape() -> None:
     assert _value(s, "tandem_kv_transfer_failures_total", direction="recv", cause="timeout") == 2
     assert _value(s, "tandem_step_duration_seconds_count") == 1
     assert _value(s, "tandem_kv_transfer_exposed_seconds_sum") == pytest.approx(0.004)
+
+
+def test_a_rank_exports_its_kv_tier_figures_at_scrape() -> None:
+    metrics = RankMetrics(RankLabels("tiny", "prefill", "prefill0", "prefill0-r0", "1"))
+    tiers = TierStats(
+        host_pages_total=100, host_pages_used=60, host_load_bytes=1 << 20, host_load_s=0.05,
+        store_load_bytes=3 << 20, store_load_s=0.6, store_write_bytes=5 << 20, store_write_s=0.9,
+        store_writes=12, store_errors=2, store_rejected=1, recomputed_tokens=256, host_bytes_per_s=2.0e10,
+        store_bytes_per_s=5.0e9, prefill_tokens_per_s=4000.0,
+    )  # fmt: skip
+    stats = RankStats(RankId("prefill0", 0), Role.PREFILL, 1, tiers=tiers)
+    metrics.watch(lambda: stats)
+    s = _samples(metrics.registry)
+    assert _value(s, "tandem_kv_tier_load_bytes_total", tier="host", rank="prefill0-r0") == 1 << 20
+    assert _value(s, "tandem_kv_tier_load_bytes_total", tier="store") == 3 << 20
+    assert _value(s, "tandem_kv_tier_load_seconds_total", tier="host") == pytest.approx(0.05)
+    assert _value(s, "tandem_kv_tier_load_seconds_total", tier="store") == pytest.approx(0.6)
+    assert _value(s, "tandem_kv_store_writes_total") == 12
+    assert _value(s, "tandem_kv_store_write_bytes_total") == 5 << 20
+    assert _value(s, "tandem_kv_store_write_seconds_total") == pytest.approx(0.9)
+    assert _value(s, "tandem_kv_store_errors_total") == 2
+    assert _value(s, "tandem_kv_store_rejected_blocks_total") == 1
+    assert _value(s, "tandem_kv_recomputed_tokens_total") == 256
+    assert _value(s, "tandem_kv_host_pages", state="used") == 60
+    assert _value(s, "tandem_kv_host_pages", state="free") == 40
+    assert _value(s, "tandem_kv_tier_measured_bytes_per_second", tier="host") == 2.0e10
+    assert _value(s, "tandem_kv_tier_measured_bytes_per_second", tier="store") == 5.0e9
+    assert _value(s, "tandem_prefill_measured_tokens_per_second") == 4000.0
 
 
 def test_the_controller_exports_group_states_and_restarts() -> None:
