@@ -23,14 +23,16 @@ from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop
 from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name
+from tandem.cluster.kv_store_master import StoreMaster
 from tandem.cluster.placement import RankResources
 from tandem.cluster.rank_spec import MetricsSpec
-from tandem.cluster.topology import PoolSpec, Topology
+from tandem.cluster.topology import PoolSpec, StoreSpec, Topology
 from tandem.decode.role import DecodeRole
 from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.process_place import this_place
 from tandem.engine.role_spec import RoleSpec
+from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
@@ -95,6 +97,8 @@ class Cluster:
 
         self._draining: set[str] = set()
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
+        self.store_master: StoreMaster | None = None
+        store = self._store_config(topology.store)
         self.colocated = topology.colocated is not None
         if topology.colocated is not None:  # one pool that prefills and decodes: held as `decode`
             c = topology.colocated
@@ -119,6 +123,8 @@ class Cluster:
                 max_num_batched_tokens=p.max_num_batched_tokens,
                 layerwise=topology.kv_transfer == "layerwise",
                 mtp=topology.speculative.tokens > 0 and topology.speculative.drafter == "mtp",
+                host_cache_pages=p.host_cache_pages,
+                store=store,
             ),
         )
         decode = DecodeRole(
@@ -127,8 +133,22 @@ class Cluster:
             max_num_seqs=d.max_num_seqs,
             kv_timeout_s=topology.kv_timeout_s,
             speculative=topology.speculative.config(),
+            store=store,
         )
         self.decode = groups("decode", d, decode)
+
+    def _store_config(self, spec: StoreSpec | None) -> StoreConfig | None:
+        """The ranks' store client settings; starts the deployment's own master if asked to."""
+        if spec is None:
+            return None
+        if spec.master is not None:
+            host = spec.master.rsplit(":", 1)[0]
+            metadata = spec.metadata or f"http://{host}:8080/metadata"
+            return StoreConfig(spec.master, metadata, segment_bytes=spec.segment_mb << 20)
+        self.store_master = StoreMaster.start(spec.host)
+        return StoreConfig(
+            self.store_master.master, self.store_master.metadata, segment_bytes=spec.segment_mb << 20
+        )
 
     @property
     def groups(self) -> list[RankGroup]:
@@ -401,6 +421,8 @@ class Cluster:
     def stop(self) -> None:
         for g in self.groups:
             g.stop()
+        if self.store_master is not None:
+            self.store_master.stop()
 
 
 @ray.remote(max_concurrency=8)  # type: ignore[call-overload]

@@ -20,6 +20,7 @@ from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.dtypes import DTYPES
+from tandem.model.fingerprint import checkpoint_fingerprint
 
 if TYPE_CHECKING:
     from tandem.cluster.outbox import ChannelOutbox
@@ -100,7 +101,15 @@ def start_rank(
         spec.model_dir, spec.dtype, device, rank, spec.world_size, spec.role.uses_mtp
     )
     ctx = RankContext(
-        spec.rank_id, spec.incarnation, cfg, model, dispatcher, device, DTYPES[spec.dtype], outbox
+        spec.rank_id,
+        spec.incarnation,
+        cfg,
+        model,
+        dispatcher,
+        device,
+        DTYPES[spec.dtype],
+        outbox,
+        model_key=checkpoint_fingerprint(spec.model_dir),
     )
     worker = spec.role.build(ctx)
 

@@ -38,6 +38,12 @@ class PoolSpec(BaseModel):
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     max_num_seqs: int = Field(64, ge=1, description="requests in one rank's batch at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one rank's step")
+    host_cache_pages: int = Field(
+        0,
+        ge=0,
+        description="host-memory KV pages per prefill (or colocated) rank: the tier evicted device "
+        "pages go to (pinned memory on a GPU); 0 = none",
+    )
 
     @property
     def ranks(self) -> int:
@@ -71,6 +77,34 @@ class SpeculativeSpec(BaseModel):
         return SpeculativeConfig(
             num_tokens=self.tokens, drafter=self.drafter, ngram_min=self.ngram_min, ngram_max=self.ngram_max
         )
+
+
+class StoreSpec(BaseModel):
+    """``store:`` of a topology: the shared KV store (Mooncake Store) every prefill rank reads
+    and writes and every decode rank writes finished requests to. Without ``master`` the
+    deployment starts ``mooncake_master`` on ``host`` and stops it with the deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:-]+:[0-9]+$", description="HOST:PORT of a running master"
+    )
+    metadata: str | None = Field(
+        None,
+        description="its metadata server's URL (default: the master's own HTTP one, http://HOST:8080/metadata)",
+    )
+    host: str = Field(
+        "127.0.0.1", description="address the deployment's own master binds (a node address on a cluster)"
+    )
+    segment_mb: int = Field(256, ge=1, description="MiB of memory each rank's client lends the store")
+
+    @model_validator(mode="after")
+    def _metadata_with_master(self) -> StoreSpec:
+        if self.metadata is not None and self.master is None:
+            raise ValueError(
+                "metadata: give master too (the deployment's own master has its own metadata server)"
+            )
+        return self
 
 
 class PoolBounds(BaseModel):
@@ -167,6 +201,7 @@ class Topology(BaseModel):
     )
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
+    store: StoreSpec | None = Field(None, description="the shared KV store (off by default)")
     placement: PlacementSpec = Field(
         default_factory=lambda: PlacementSpec(), description="which Ray nodes each pool uses (node labels)"
     )

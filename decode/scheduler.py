@@ -487,7 +487,8 @@ class DecodeScheduler:
     def _finish(self, entry: _Entry, reason: FinishReason, error: str | None = None) -> DecodeFinished:
         """Free the pages and forget the request; the caller has taken it out of its container."""
         request = entry.request
+        pages, computed = tuple(request.page_ids), request.num_computed_tokens
         self._release_pages(entry)
         request.status = FINISHED_STATUS[reason]
         del self._entries[request.request_id]
-        return DecodeFinished(request, reason, error, entry.kv_retries)
+        return DecodeFinished(request, reason, error, entry.kv_retries, pages, computed)

@@ -55,6 +55,10 @@ class DecodeFinished:
     finish_reason: FinishReason
     error: str | None = None
     num_kv_retries: int = 0
+    # the pages it held and the leading tokens whose KV they hold, as they were when it finished:
+    # freed, but not written again before the step that finished it is over (the write-back's)
+    page_ids: tuple[int, ...] = ()
+    num_computed_tokens: int = 0
 
     @property
     def request_id(self) -> str:

@@ -28,6 +28,7 @@ from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError
 from tandem.engine.admission import admit_new_request, resumed_outputs
 from tandem.engine.bill_builder import build_bill, delivered_cached_by_tier, delivered_prompt_tokens
 from tandem.engine.drafter import Drafter
+from tandem.engine.prefix_cache import ChainBlock, block_hash
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
@@ -47,6 +48,7 @@ from tandem.wire.messages import (
     Role,
     Speculation,
     StreamBatch,
+    TierStats,
     TransferId,
 )
 from tandem.wire.prefill_job import PrefillJob
@@ -54,6 +56,7 @@ from tandem.wire.request_params import FinishReason, InvalidRequestError, check_
 
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
+    from tandem.engine.tier_copier import TierCopier
     from tandem.model.config import ModelConfig
 
 
@@ -145,13 +148,17 @@ class DecodeWorker(RankWorker):
         outbox: Outbox | None = None,
         speculative: SpeculativeConfig | None = None,
         drafter: Drafter | None = None,
+        writeback: TierCopier | None = None,
     ) -> None:
-        """``speculative`` with ``num_tokens`` > 0: each step verifies ``drafter``'s drafts."""
+        """``speculative`` with ``num_tokens`` > 0: each step verifies ``drafter``'s drafts.
+        ``writeback``: the shared store's writer over this rank's pool; finished requests' pages
+        go there."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.speculative = speculative or SpeculativeConfig()
         if self.speculative.enabled and drafter is None:
             raise ValueError(f"decode rank {rank_id.name}: speculative decoding needs a drafter")
         self.drafter = drafter
+        self.writeback = writeback
         self.speculation = Speculation()
         self.scheduler = scheduler
         self.runner = runner
@@ -359,6 +366,7 @@ class DecodeWorker(RankWorker):
             transfer_failures=self.failure_counts.as_tuple(),
             forward_s=self.runner.stats.forward_s,
             split=self.runner.split(self._schedule_s, self._update_s, self._draft_s),
+            tiers=self.writeback.tiers.stats() if self.writeback is not None else TierStats(),
         )
 
     def check_integrity(self) -> None:
@@ -390,7 +398,9 @@ class DecodeWorker(RankWorker):
                 delivered=True,
                 prompt_tokens=track.job_tokens,
                 cached_tokens=n.cached_tokens,
-                cached_by_tier=CachedByTier(n.cached_device_tokens, n.cached_host_tokens, n.cached_store_tokens),
+                cached_by_tier=CachedByTier(
+                    n.cached_device_tokens, n.cached_host_tokens, n.cached_store_tokens
+                ),
                 kv_bytes=n.kv_bytes,
                 kv_wait_s=seen - track.expect_at,
                 kv_accept_s=usable - seen,
@@ -483,6 +493,25 @@ class DecodeWorker(RankWorker):
         self._stream_new_tokens(request, track, time.time())
         result = self._result(request.request_id, request, track, finished.finish_reason, finished.error)
         self._report(track, result)
+        self._write_back(finished)
+
+    def _write_back(self, finished: DecodeFinished) -> None:
+        """A finished request's full pages (prompt and output) to the shared store, so the next
+        turn of its conversation finds its whole prefix wherever it is routed. The bytes are
+        read now, before any later step can reuse the pages; the writes go on in the
+        background."""
+        copier = self.writeback
+        if copier is None or finished.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        size = self.scheduler.config.page_size
+        tokens = finished.request.all_token_ids[: finished.num_computed_tokens]
+        parent: int | None = None
+        for index, page_id in enumerate(finished.page_ids[: len(tokens) // size]):
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            block = block_hash(parent, block_tokens)
+            copier.tiers.computed(page_id, ChainBlock(block, parent, block_tokens))
+            parent = block
+        copier.run(copier.tiers.take_ops())
 
     def _result(
         self, request_id: str, request: Request | None, track: _Track, reason: FinishReason, error: str | None

@@ -8,7 +8,7 @@ between them; a subscriber applies batches in ``seq`` order and subscribes again
 
 from __future__ import annotations
 
-from tandem.wire.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from tandem.wire.kv_events import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch, Tier
 from tandem.wire.messages import RankId
 
 
@@ -23,13 +23,26 @@ class KVEventPublisher:
     def subscribers(self) -> list[str]:
         return sorted(self._next_seq)
 
-    def subscribe(self, subscriber: str, cached_block_hashes: list[int]) -> KVEventBatch:
-        """(Re)start ``subscriber`` from a snapshot of the cache."""
+    def subscribe(
+        self,
+        subscriber: str,
+        cached_block_hashes: list[int],
+        host_block_hashes: list[int] | None = None,
+        store_block_hashes: list[int] | None = None,
+    ) -> KVEventBatch:
+        """(Re)start ``subscriber`` from a snapshot of the cache: its device blocks, and the
+        blocks of its host tier and those it knows are in the store."""
         self._next_seq[subscriber] = 1
         events: list[KVEvent] = [AllBlocksCleared()]
-        if cached_block_hashes:
-            # the index needs only the hashes; chaining is already in each hash
-            events.append(BlockStored(tuple(cached_block_hashes), None, self.page_size))
+        tiers: tuple[tuple[Tier, list[int] | None], ...] = (
+            ("device", cached_block_hashes),
+            ("host", host_block_hashes),
+            ("store", store_block_hashes),
+        )
+        for tier, blocks in tiers:
+            if blocks:
+                # the index needs only the hashes; chaining is already in each hash
+                events.append(BlockStored(tuple(blocks), None, self.page_size, tier))
         return KVEventBatch(self.rank, self.incarnation, 0, True, events)
 
     def unsubscribe(self, subscriber: str) -> None:

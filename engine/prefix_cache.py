@@ -16,6 +16,12 @@ the same prefix reuse them. Page states, as the cache sees them::
 Invariant: ``free + evictable + referenced == total``. Only requests hold references; the cache
 holds none. A referenced non-cached page has exactly one owner (only cached pages are shared).
 Every change to the set of cached hashes is reported as a ``KVEvent`` for the router.
+
+With ``tiers`` (``engine/kv_tiers.py``) the cache has lower tiers: an evicted page's block goes
+to the rank's host tier, every computed block to the shared store, and a lookup continues past
+the device's run into them: each block found there gets a fresh device page, registered under
+its hash at once (so the next lookup shares it), whose KV the rank copies in (the ``TierOp``s,
+executed in order before the forward that reads them).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -57,11 +65,58 @@ def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     return hashes
 
 
+@dataclass(frozen=True)
+class ChainBlock:
+    """One full page of a prompt, as a lookup walks it: its hash, its parent's, its tokens."""
+
+    block: int
+    parent: int | None
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class LowerMatch:
+    """What the lower tiers hold of a chain's leading run: per block, its tier (``order``:
+    "device", "host" or "store"), with the host slot or the checked store payload."""
+
+    host: list[tuple[ChainBlock, int]] = field(default_factory=list)
+    store: list[tuple[ChainBlock, bytes]] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+
+
+class LowerTiers(Protocol):
+    """The tiers below the device (``engine/kv_tiers.py`` ``KVTiers``), as the cache calls them."""
+
+    def evicted(self, page_id: int, block: int) -> None: ...
+    def computed(self, page_id: int, chain: ChainBlock) -> None: ...
+    def lookup(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> LowerMatch: ...
+    def still_in_host(self, block: int, slot: int) -> bool: ...
+    def loaded(self, kind: str, page_id: int, block: int, slot: int = -1, payload: bytes = b"") -> None: ...
+    def take_events(self) -> list[KVEvent]: ...
+    def clear_host(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A lookup's pages (the caller's to free) and how many of its tokens each tier held."""
+
+    page_ids: list[int] = field(default_factory=list)
+    device_tokens: int = 0
+    host_tokens: int = 0
+    store_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens + self.store_tokens
+
+
 class PrefixCache:
     """Page allocation with prefix reuse, for one KV pool. With ``enabled=False`` it is a plain
     allocator: nothing is matched or cached and no events are emitted."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, enabled: bool = True, tiers: LowerTiers | None = None
+    ) -> None:
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         self._allocator = allocator
@@ -74,6 +129,7 @@ class PrefixCache:
         self._hash_to_page: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = evicted first
         self._events: list[KVEvent] = []
+        self.tiers = tiers if enabled else None
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -121,30 +177,98 @@ class PrefixCache:
         return None
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Take a reference on the longest cached run of leading full pages.
+        """``match``'s pages and token count."""
+        found = self.match(token_ids)
+        return found.page_ids, found.num_tokens
 
-        Returns the page ids (now owned by the caller: ``free`` them) and the number of tokens
-        they hold. At least one token is always left to compute, so the caller has logits to
-        sample from: at most ``(len(token_ids) - 1) // page_size`` pages match.
+    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Take a reference on the longest cached run of leading full pages, in any tier.
+
+        Returns the page ids (now owned by the caller: ``free`` them) and the tokens each tier
+        held. At least one token is always left to compute, so the caller has logits to sample
+        from: at most ``(len(token_ids) - 1) // page_size`` pages match.
         """
         self.num_queried_tokens += len(token_ids)
         if not self._enabled:
-            return [], 0
+            return PrefixMatch()
         size = self._page_size
+        num_blocks = (len(token_ids) - 1) // size
         page_ids: list[int] = []
         parent: int | None = None
-        for index in range((len(token_ids) - 1) // size):
-            parent = block_hash(parent, token_ids[index * size : (index + 1) * size])
-            page_id = self._hash_to_page.get(parent)
+        for index in range(num_blocks):
+            block = block_hash(parent, token_ids[index * size : (index + 1) * size])
+            page_id = self._hash_to_page.get(block)
             if page_id is None:
                 break
             page_ids.append(page_id)
+            parent = block
+        self._take(page_ids)
+        found = PrefixMatch(page_ids, device_tokens=len(page_ids) * size)
+        if self.tiers is not None and len(page_ids) < num_blocks:
+            found = self._match_lower(token_ids, page_ids, parent, num_blocks)
+        self.num_hit_tokens += found.num_tokens
+        return found
+
+    def _take(self, page_ids: Sequence[int]) -> None:
         for page_id in page_ids:
             self._evictable.pop(page_id, None)
         self._allocator.incref(page_ids)
-        num_tokens = len(page_ids) * size
-        self.num_hit_tokens += num_tokens
-        return page_ids, num_tokens
+
+    def _match_lower(
+        self, token_ids: Sequence[int], page_ids: list[int], parent: int | None, num_blocks: int
+    ) -> PrefixMatch:
+        """Continue a device run into the host tier and the store (see the module docstring)."""
+        tiers, size = self.tiers, self._page_size
+        assert tiers is not None
+        chain: list[ChainBlock] = []
+        for index in range(len(page_ids), num_blocks):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            block = block_hash(parent, tokens)
+            chain.append(ChainBlock(block, parent, tokens))
+            parent = block
+        lower = tiers.lookup(chain, [c.block in self._hash_to_page for c in chain])
+        device_later = [
+            self._hash_to_page[c.block]
+            for c, kind in zip(chain, lower.order, strict=False)
+            if kind == "device"
+        ]
+        self._take(device_later)  # referenced now: the allocation below cannot evict them
+        need = len(lower.host) + len(lower.store)
+        fresh = self.allocate(min(need, self.num_free_pages)) or []
+        host = dict((b.block, slot) for b, slot in lower.host)
+        store = dict((b.block, payload) for b, payload in lower.store)
+        counts = {"device": len(page_ids), "host": 0, "store": 0}
+        taken, later, used = list(page_ids), iter(device_later), 0
+        run: list[int] = []
+        run_parent = chain[0].parent if chain else None
+        for block, kind in zip(chain, lower.order, strict=False):
+            if kind == "device":
+                self._flush_stored(run, run_parent)
+                taken.append(next(later))
+                run_parent = block.block
+                counts["device"] += 1
+                continue
+            if used == len(fresh) or (
+                kind == "host" and not tiers.still_in_host(block.block, host[block.block])
+            ):
+                break
+            page_id = fresh[used]
+            used += 1
+            if kind == "host":
+                tiers.loaded("host", page_id, block.block, slot=host[block.block])
+            else:
+                tiers.loaded("store", page_id, block.block, payload=store[block.block])
+            self._page_hash[page_id] = block.block
+            self._hash_to_page[block.block] = page_id
+            if not run:
+                run_parent = block.parent
+            run.append(block.block)
+            taken.append(page_id)
+            counts[kind] += 1
+        self._flush_stored(run, run_parent)
+        self.free(fresh[used:])
+        self.free(list(later))  # device pages past the point where the run broke
+        return PrefixMatch(taken, counts["device"] * size, counts["host"] * size, counts["store"] * size)
 
     def undo_match(self, page_ids: Sequence[int], num_queried_tokens: int) -> None:
         """Give back a ``match_prefix`` result whose request could not be admitted after all,
@@ -168,6 +292,8 @@ class PrefixCache:
                 page_hash = self._page_hash.pop(page_id)
                 del self._hash_to_page[page_hash]
                 removed.append(page_hash)
+                if self.tiers is not None:
+                    self.tiers.evicted(page_id, page_hash)
             self._allocator.release(evicted)
             self._events.append(BlockRemoved(tuple(removed)))
         page_ids = self._allocator.allocate(n)
@@ -218,6 +344,9 @@ class PrefixCache:
                 self._flush_stored(run, run_parent)
             if known is None:
                 self._page_hash[page_id] = page_hash
+                if self.tiers is not None:
+                    tokens = tuple(token_ids[index * size : (index + 1) * size])
+                    self.tiers.computed(page_id, ChainBlock(page_hash, parent, tokens))
             parent = page_hash
         self._flush_stored(run, run_parent)
 
@@ -242,11 +371,17 @@ class PrefixCache:
         self._evictable.clear()
         self._hash_to_page.clear()
         self._allocator.release(evictable)
+        if self.tiers is not None:
+            self._events.extend(self.tiers.take_events())
+            self.tiers.clear_host()
         self._events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
-        """Events since the last call, oldest first."""
+        """Events since the last call, oldest first (a lower tier's after the device's: the
+        tiers are independent sets, so only the order within each matters)."""
         events, self._events = self._events, []
+        if self.tiers is not None:
+            events.extend(self.tiers.take_events())
         return events
 
     def check_integrity(self) -> None:

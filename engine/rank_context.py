@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.dep import ExpertParallelDispatcher
+from tandem.engine.kv_tiers import TierConfig
 from tandem.engine.outbox import Outbox
 from tandem.engine.runner import ModelRunner
 from tandem.engine.static_decode import StaticDecode, static_decode_enabled
+from tandem.engine.tier_copier import TierCopier, build_tiers, page_bytes, pool_block_layout
+from tandem.kvtransfer.kv_store import StoreConfig, StoreError
 from tandem.kvtransfer.metadata import RayMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
+from tandem.kvtransfer.stores import open_store
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.wire.messages import RankId
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class RankContext:
     device: torch.device
     dtype: torch.dtype
     outbox: Outbox
+    model_key: str = ""  # the checkpoint's fingerprint: names its blocks in the shared store
 
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool(
@@ -49,6 +57,30 @@ class RankContext:
         return ModelRunner(
             self.model, pool, lockstep=True, static=static, mtp_prefill=mtp_prefill, keep_hidden=keep_hidden
         )
+
+    def tiers(
+        self, pool: KVPool, host_pages: int, store: StoreConfig | None, model_key: str = ""
+    ) -> TierCopier | None:
+        """The host tier and the store client over ``pool`` (``None`` with neither). A store
+        that cannot be reached at start is logged and left out: the rank serves without it."""
+        if host_pages <= 0 and store is None:
+            return None
+        client = None
+        if store is not None:
+            try:
+                client = open_store(store)
+            except StoreError as error:
+                log.warning("rank %s serves without the KV store: %s", self.rank_id.name, error)
+        if host_pages <= 0 and client is None:
+            return None
+        config = TierConfig(
+            host_pages=host_pages,
+            store=client,
+            model=model_key or self.model_key,
+            layout=pool_block_layout(pool),
+            page_bytes=page_bytes(pool),
+        )
+        return build_tiers(pool, config)[1]
 
     def transport(self, pool: KVPool) -> NixlTransport:
         """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""

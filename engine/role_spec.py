@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
@@ -41,3 +42,8 @@ class PooledRole(RoleSpec, ABC):
     page_size: int
     max_num_seqs: int
     kv_timeout_s: float = 30.0
+    # the KV tiers below the device pages: host-memory pages of the rank's own (a prefill or
+    # colocated rank's), and the shared store (``None``: none), keyed by ``model_key``
+    host_cache_pages: int = 0
+    store: StoreConfig | None = None
+    model_key: str = ""

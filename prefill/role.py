@@ -31,6 +31,7 @@ class PrefillRole(PooledRole):
 
         cfg = ctx.model_config
         pool = ctx.kv_pool(self.num_pages, self.page_size)
+        copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key)
         scheduler = PrefillScheduler(
             PrefillSchedulerConfig(
                 num_pages=self.num_pages,
@@ -39,7 +40,8 @@ class PrefillRole(PooledRole):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=cfg.max_position_embeddings,
                 vocab_size=cfg.vocab_size,
-            )
+            ),
+            copier.tiers if copier is not None else None,
         )
         return PrefillWorker(
             ctx.rank_id,
@@ -51,4 +53,5 @@ class PrefillRole(PooledRole):
             self.kv_timeout_s,
             model_config=cfg,
             outbox=ctx.outbox,
+            copier=copier,
         )

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.engine.prefix_cache import LowerTiers, PrefixCache, block_hashes
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
 from tandem.wire.kv_events import KVEvent
@@ -101,6 +101,8 @@ class _JobState:
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_host_tokens: int = 0  # of the cached ones, loaded from the host tier
+    num_store_tokens: int = 0  # and from the store
     scheduled_end: int = 0
     start_s: float = 0.0
 
@@ -115,10 +117,15 @@ class PrefillScheduler:
         scheduler.transfer_over(request_id)
     """
 
-    def __init__(self, config: PrefillSchedulerConfig) -> None:
+    def __init__(self, config: PrefillSchedulerConfig, tiers: LowerTiers | None = None) -> None:
+        """``tiers``: the host tier and store below the device pages (``engine/kv_tiers.py``);
+        the caller executes the copies they record after ``schedule`` and after ``update``."""
         self.config = config
         self.kv_cache = PrefixCache(
-            PageAllocator(config.num_pages), config.page_size, enabled=config.enable_prefix_caching
+            PageAllocator(config.num_pages),
+            config.page_size,
+            enabled=config.enable_prefix_caching,
+            tiers=tiers,
         )
         # Insertion order is arrival order (admission is FIFO, so computing is in arrival order too).
         self._queued: OrderedDict[str, _JobState] = OrderedDict()
@@ -306,6 +313,8 @@ class PrefillScheduler:
                     src_page_ids=tuple(state.page_ids),
                     destination=state.job.destination,
                     timings=timings,
+                    cached_host_tokens=state.num_host_tokens,
+                    cached_store_tokens=state.num_store_tokens,
                 )
             )
         return done
@@ -322,7 +331,8 @@ class PrefillScheduler:
     def _admit(self, state: _JobState, budget: int, now: float) -> ScheduledChunk | None:
         """Match the cached prefix and plan the first chunk; all or nothing."""
         prompt = state.job.prompt_token_ids
-        page_ids, num_cached = self.kv_cache.match_prefix(prompt)
+        found = self.kv_cache.match(prompt)
+        page_ids, num_cached = found.page_ids, found.num_tokens
         state.page_ids, state.num_computed_tokens, state.scheduled_end = page_ids, num_cached, num_cached
         chunk = self._next_chunk(state, budget)
         if chunk is None:
@@ -331,6 +341,7 @@ class PrefillScheduler:
             return None
         del self._queued[state.job.request_id]
         state.status, state.num_cached_tokens, state.start_s = RequestStatus.RUNNING, num_cached, now
+        state.num_host_tokens, state.num_store_tokens = found.host_tokens, found.store_tokens
         self._computing[state.job.request_id] = state
         return chunk
 

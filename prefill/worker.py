@@ -38,12 +38,13 @@ from tandem.kvtransfer.types import (
 )
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
 from tandem.wire.kv_events import KVEventBatch
-from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role
+from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role, TierStats
 from tandem.wire.prefill_job import PrefillJob
 from tandem.wire.request_params import InvalidRequestError
 
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
+    from tandem.engine.tier_copier import TierCopier
     from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,13 @@ class PrefillWorker(RankWorker):
         transfer_timeout_s: float = 30.0,
         model_config: ModelConfig | None = None,
         outbox: Outbox | None = None,
+        copier: TierCopier | None = None,
     ) -> None:
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
         self.outbox = outbox
         self.kv_events = KVEventPublisher(rank_id, scheduler.config.page_size, incarnation)
+        self.copier = copier  # the copies of the host tier and the store, when the rank has them
         self.scheduler = scheduler
         self.runner = runner
         self.transport = transport
@@ -145,7 +148,14 @@ class PrefillWorker(RankWorker):
 
     def subscribe(self, subscriber: str) -> KVEventBatch:
         """Send this rank's KV events to the named actor from now on; the snapshot."""
-        return self.kv_events.subscribe(subscriber, self.scheduler.kv_cache.cached_block_hashes())
+        cache = self.scheduler.kv_cache
+        tiers = self.copier.tiers if self.copier is not None else None
+        return self.kv_events.subscribe(
+            subscriber,
+            cache.cached_block_hashes(),
+            tiers.host_blocks() if tiers else None,
+            tiers.store_blocks() if tiers else None,
+        )
 
     def unsubscribe(self, subscriber: str) -> None:
         self.kv_events.unsubscribe(subscriber)
@@ -186,6 +196,7 @@ class PrefillWorker(RankWorker):
             transfer_failures=self.failure_counts.as_tuple(),
             forward_s=self.runner.stats.forward_s,
             split=self.runner.split(),
+            tiers=self.copier.tiers.stats() if self.copier is not None else TierStats(),
         )
 
     def check_integrity(self) -> None:
@@ -224,6 +235,9 @@ class PrefillWorker(RankWorker):
         is one of a DEP group (its MoE layers serve the other ranks)."""
         now = time.monotonic()
         plan = self.scheduler.schedule(now)
+        copier = self.copier
+        if copier is not None:  # host and store blocks into their pages, before the forward reads them
+            copier.run(copier.tiers.take_ops())
         finishing: list[str] = []
         for chunk in plan.chunks:
             if not chunk.sample:
@@ -255,8 +269,11 @@ class PrefillWorker(RankWorker):
 
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
+        forward_start = time.monotonic()
         sampled = self.runner.run(plan, layer_kv if finishing else None)
         compute_done = kv_done[0] if kv_done else time.monotonic()
+        if copier is not None and plan.num_batched_tokens:
+            copier.tiers.prices.observe("prefill", plan.num_batched_tokens, compute_done - forward_start)
         for done in self.scheduler.update(plan, sampled, compute_done):
             if done.request_id not in finishing:  # its transfer could not start
                 self.scheduler.transfer_over(done.request_id)
@@ -273,7 +290,11 @@ class PrefillWorker(RankWorker):
                 done.cached_tokens,
                 timings,
                 draft_state=self.runner.hidden_state(done.request_id) if self.runner.mtp_prefill else b"",
+                cached_host_tokens=done.cached_host_tokens,
+                cached_store_tokens=done.cached_store_tokens,
             )
             self.transport.finish_send(
                 done.request_id, notification, compute_done, last_ready[0] if last_ready else READY
             )
+        if copier is not None:  # the blocks this forward computed, to the store
+            copier.run(copier.tiers.take_ops())

@@ -124,7 +124,8 @@ class PrefillDone:
 
     ``src_page_ids`` are this rank's pages in token order, covering the whole prompt (cached
     prefix pages included), one per ``destination.page_ids`` entry. They stay referenced until
-    the caller reports ``transfer_over``.
+    the caller reports ``transfer_over``. ``cached_host_tokens`` and ``cached_store_tokens`` are
+    the parts of ``cached_tokens`` loaded from the host tier and the store.
     """
 
     request_id: str
@@ -133,6 +134,8 @@ class PrefillDone:
     src_page_ids: tuple[int, ...]
     destination: KVDestination
     timings: PrefillTimings
+    cached_host_tokens: int = 0
+    cached_store_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""The shared KV store's master, when the deployment runs it: ``mooncake_master`` (from the
+``mooncake-transfer-engine`` package) with its HTTP metadata server, started by the controller
+and stopped with it (it is the controller's child and dies with it, even on a crash).
+
+It binds ``host`` (loopback by default: one machine; a node address for a cluster) on ports the
+OS had free. Its memory is what the ranks' store clients lend it (``segment_bytes`` each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StoreMasterError(RuntimeError):
+    """The master could not be started: the message says why."""
+
+
+def master_binary() -> Path:
+    """The ``mooncake_master`` executable the installed package ships."""
+    try:
+        import mooncake
+    except ImportError as error:
+        raise StoreMasterError(
+            "the KV store needs mooncake-transfer-engine (mooncake-transfer-engine-non-cuda on CPU "
+            f"machines): {error}"
+        ) from error
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    if not path.exists():
+        raise StoreMasterError(f"{path} is missing from the installed mooncake package")
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class StoreMaster:
+    host: str
+    rpc_port: int
+    metadata_port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def master(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    @staticmethod
+    def start(host: str = "127.0.0.1", log_dir: str | None = None, timeout_s: float = 30.0) -> StoreMaster:
+        binary = master_binary()
+        rpc, meta, admin = _free_port(host), _free_port(host), _free_port(host)
+        args = [
+            str(binary),
+            f"-rpc_address={host}",
+            f"-rpc_port={rpc}",
+            "-enable_http_metadata_server=true",
+            f"-http_metadata_server_host={host}",
+            f"-http_metadata_server_port={meta}",
+            f"-metrics_port={admin}",
+        ]
+        out = open(os.path.join(log_dir, "mooncake_master.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        master = StoreMaster(host, rpc, meta, process)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise StoreMasterError(f"mooncake_master exited with code {process.returncode} at start")
+            if all(_listening(host, port) for port in (rpc, meta)):
+                log.info("KV store master on %s (metadata %s)", master.master, master.metadata)
+                return master
+            time.sleep(0.1)
+        master.stop()
+        raise StoreMasterError(f"mooncake_master did not listen on {host}:{rpc} within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
