@@ -34,6 +34,7 @@ from tandem.client.grpc_client import ClientOptions, channel, message_dict, meta
 from tandem.client.output import emit
 from tandem.client.prompts import PromptSpec, read_prompts_file
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.messages import CachedByTier
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 TINY_VOCAB_SIZE = 256  # the tiny model's byte tokens (its two special tokens above them)
@@ -254,6 +255,8 @@ def _read_summary(record: RequestRecord, summary: tandem_pb2.Summary) -> None:
     bill = summary.bill
     record.prompt_tokens = bill.prompt_tokens
     record.cached_tokens = bill.cached_tokens
+    tiers = bill.cached_tokens_by_tier
+    record.cached_tokens_by_tier = CachedByTier(tiers.device, tiers.host, tiers.store)
     record.new_prompt_tokens = bill.new_prompt_tokens
     record.output_tokens = bill.output_tokens
     record.latency_s = {k: float(v) for k, v in message_dict(bill.latency).items()}

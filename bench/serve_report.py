@@ -24,6 +24,13 @@ def _spread(s: dict[str, float]) -> str:
     return "/".join(_n(s[k], 0 if s[k] >= 100 else 1) for k in ("p50", "p90", "p99"))
 
 
+def _by_tier(shares: dict[str, float]) -> str:
+    """Each tier's cache-hit share, device/host/store, in percent."""
+    if any(math.isnan(shares[t]) for t in ("device", "host", "store")):
+        return "-"
+    return "/".join(_n(shares[t] * 100) for t in ("device", "host", "store")) + "%"
+
+
 def point_name(point: dict[str, Any]) -> str:
     return "trace" if point["concurrency"] is None else f"C={point['concurrency']}"
 
@@ -51,7 +58,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
     latency_header = [
         "point", "done", "failed", "req/s", "goodput req/s", "in cached tok/s", "in new tok/s", "out tok/s",
         "TTFT ms p50/90/99", "ITL ms p50/90/99", "TPOT ms p50/90/99", "E2E ms p50/90/99", "tok/s/user",
-        "cache hit", "predicted/found cached", "accept len",
+        "cache hit", "hit device/host/store", "predicted/found cached", "accept len",
     ]  # fmt: skip
     latency = [
         [
@@ -69,6 +76,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
             _spread(p["e2e_ms"]),
             _n(p["interactivity_tokens_per_s"]),
             _n(p["cache_hit_share"] * 100) + "%" if not math.isnan(p["cache_hit_share"]) else "-",
+            _by_tier(p["cache_hit_share_by_tier"]),
             f"{p['predicted_cached_tokens']}/{p['cached_tokens']}",
             _n(p["speculation"]["acceptance_length"], 2) if p["speculation"]["draft_tokens"] else "-",
         ]

@@ -17,7 +17,10 @@ its mean inter-token latency (its TPOT) at most ``slo_itl_ms``; a request of one
 has no gap and meets the ITL SLO.
 
 Token throughputs count completed requests' bills (cached and new prompt tokens, output
-tokens) over the point's wall time, from its first send to its last arrival. The composition is
+tokens) over the point's wall time, from its first send to its last arrival. The cache-hit share
+is cached over prompt tokens, in all and by the tier the cached tokens came from (the prefill
+rank's device pages, its host-memory pool, the shared store); new prompt tokens are those the
+prefill ranks computed. The composition is
 the mean, over completed requests, of each field of the bill's ``Latency``.
 """
 
@@ -27,6 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tandem.wire.messages import CachedByTier
 
 # the bill's Latency fields, in the order a request meets them; ttft_s, rank_s and e2e_s last
 COMPOSITION_FIELDS = (
@@ -72,6 +77,7 @@ class RequestRecord:
     error: str | None = None  # a failed call, an error summary, or a stream without a summary
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_by_tier: CachedByTier = field(default_factory=CachedByTier)  # their sum: cached_tokens
     new_prompt_tokens: int = 0
     output_tokens: int = 0
     predicted_cached_tokens: int = 0
@@ -190,6 +196,9 @@ def point_stats(
     done = [r for r in records if r.completed]
     failed = [r for r in records if not r.completed]
     cached = sum(r.cached_tokens for r in done)
+    by_tier = CachedByTier()
+    for r in done:
+        by_tier = by_tier.plus(r.cached_tokens_by_tier)
     new = sum(r.new_prompt_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.output_tokens for r in done)
@@ -223,8 +232,11 @@ def point_stats(
         "interactivity_tokens_per_s": 1e3 / tpot["p50"] if tpots and tpot["p50"] > 0 else math.nan,
         "composition_ms": composition_ms(done),
         "cache_hit_share": _per(cached, prompt),
+        "cache_hit_share_by_tier": {tier: _per(n, prompt) for tier, n in by_tier.as_dict().items()},
         "predicted_cached_tokens": sum(r.predicted_cached_tokens for r in done),
         "cached_tokens": cached,
+        "cached_tokens_by_tier": by_tier.as_dict(),
+        "new_prompt_tokens": new,
         "prompt_tokens": prompt,
         "speculation": speculation_stats(done),
     }

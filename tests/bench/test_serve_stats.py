@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from tandem.bench.serve_report import format_table, tables, to_json
 from tandem.bench.serve_stats import (
     Pools,
     RequestRecord,
@@ -14,6 +16,7 @@ from tandem.bench.serve_stats import (
     percentile,
     point_stats,
 )
+from tandem.wire.messages import CachedByTier
 
 
 def record(
@@ -132,3 +135,33 @@ def test_a_colocated_rank_counts_once_per_rank_and_in_each_role() -> None:
     stats = point_stats([a], 1.0, Pools(0, 0, colocated_ranks=4), 1e9, 1e9)
     assert stats["per_rank"]["input_tokens_per_s"] == 10.0
     assert stats["per_prefill_rank"]["new"] == 10.0 and stats["per_decode_rank"]["output_tokens_per_s"] == 0.5
+
+
+def test_the_cache_hit_share_splits_by_tier_and_the_report_shows_it() -> None:
+    a = record(0.0, [(0.1, 1)], done=0.1, cached=96, new=32)
+    a.cached_tokens_by_tier = CachedByTier(device=64, host=32)
+    b = record(0.0, [(0.1, 1)], done=0.1, cached=48, new=80)
+    b.cached_tokens_by_tier = CachedByTier(device=16, store=32)
+    failed = record(0.0, [(0.1, 1)], done=0.1, cached=100, new=0)
+    failed.cached_tokens_by_tier = CachedByTier(store=100)
+    failed.error = "finished with error"  # not counted
+    stats = point_stats([a, b, failed], 1.0, Pools(1, 1), 1e9, 1e9, concurrency=2)
+    assert stats["cached_tokens_by_tier"] == {"device": 80, "host": 32, "store": 32}
+    assert sum(stats["cached_tokens_by_tier"].values()) == stats["cached_tokens"] == 144
+    shares = stats["cache_hit_share_by_tier"]
+    assert shares == pytest.approx({"device": 80 / 256, "host": 32 / 256, "store": 32 / 256})
+    assert sum(shares.values()) == pytest.approx(stats["cache_hit_share"])
+    assert stats["new_prompt_tokens"] == 112 and stats["prompt_tokens"] == 256
+    result = {
+        "deployment": {"addr": "a:1", "model": "m", "prefill_ranks": 1, "decode_ranks": 1},
+        "workload": {"kind": "synthetic", "prompt_tokens": 128, "shared_prefix_tokens": 64, "prefixes": 2,
+                     "output_tokens": 1},
+        "points": [stats],
+    }  # fmt: skip
+    latency = tables(result)[0]
+    column = latency[1].index("hit device/host/store")
+    assert latency[2][0][column] == "31.2/12.5/12.5%"
+    assert "hit device/host/store" in format_table(result)
+    assert json.loads(to_json(result))["points"][0]["cache_hit_share_by_tier"]["host"] == 0.125
+    empty = point_stats([failed], 1.0, Pools(1, 1), 1e9, 1e9)
+    assert tables({**result, "points": [empty]})[0][2][0][column] == "-"
