@@ -1,19 +1,27 @@
 """Replay a Mooncake trace through the real ``Router`` over simulated prefill ranks.
 
-Each simulated prefill rank has an LRU prefix cache of ``capacity_blocks`` blocks of 512 tokens
-(the trace's block size, used as the page size) that reports every change as ``BlockStored`` /
-``BlockRemoved`` events, fed to the router with ``apply_events``: the router's index is what
-real ranks would send. A rank serves its queue first come first served, computing only the
-uncached tokens at ``prefill_tokens_per_s``; its cache is matched when the request starts (the
-rank's own rule: leading blocks up to the first miss, at most ``(prompt - 1) // 512``) and the
-request's full blocks are stored when its prefill completes, which is also when the router
-hears ``prefill_done``. Decode ranks have ample room; a request finishes after
-``output_length`` steps of ``DECODE_STEP_S``.
+Each simulated prefill rank has KV tiers (``bench/tier_cache.py``): a device LRU of
+``capacity_blocks`` blocks of 512 tokens (the trace's block size, used as the page size), with
+``--host-capacity-blocks N`` a host LRU of N blocks below it that takes the device's evictions,
+and with ``--store`` one store all ranks share (``--store-capacity-blocks``, default unbounded)
+that every rank writes the blocks it computes to. Every change is the ``KVEvent`` a real rank
+sends, fed to the router with ``apply_events``: the router's index is what real ranks would
+send, and the router is told each rank's tier prices (``set_tier_costs``). A rank serves its
+queue first come first served. Its tiers are matched when the request starts (the rank's own
+rule: leading blocks each in its device, its host or the store, up to the first in none, at
+most ``(prompt - 1) // 512``); it loads a tier's blocks only if that is faster than computing
+them (else it computes them, counted as recomputed), and its service time is the uncached
+tokens at ``prefill_tokens_per_s`` plus the loaded ones at the tier's load speed. The request's
+full blocks are stored on its device when its prefill completes (host hits move back), which
+is also when the router hears ``prefill_done``. Decode ranks have ample room; a request
+finishes after ``output_length`` steps of ``DECODE_STEP_S``.
 
-The same replay runs with the ``round_robin`` policy (same caches, same service), and two
-cache bounds are computed without ranks: the oracle, one infinite cache shared by everyone
-(36.6% of the blocks on the conversation trace), and one LRU cache shared by everyone with the
-ranks' total capacity (what any routing over caches of that total size can hope for).
+With tiers, the same policy runs on each setup side by side in one report: device only,
+device + host, device + host + store. The ``round_robin`` policy runs on the fullest setup
+(same tiers, same service), and two cache bounds are computed without ranks: the oracle, one
+infinite cache shared by everyone (36.6% of the blocks on the conversation trace), and one LRU
+cache shared by everyone with the ranks' total capacity (what any routing over caches of that
+total size can hope for).
 
 Defaults, for DeepSeek-V3 on H200s:
 
@@ -26,19 +34,32 @@ Defaults, for DeepSeek-V3 on H200s:
   DeepSeek-V3 in a DEP group does several thousand). The trace's 144.8M prompt tokens over
   59 minutes are 41k tokens/s, so 8 ranks run at ~85% busy without any cache and ~65% with the
   cache-aware router's hits.
+* ``host_load_tokens_per_s`` = 25 GB/s / 70,272 bytes = 355,760 (pinned host memory over PCIe
+  Gen5 or NVLink-C2C) and ``store_load_tokens_per_s`` = 5 GB/s / 70,272 = 71,152 (RDMA, the
+  slow end of 5-10 GB/s): ``router.policy``'s prices, 0.017 and 0.084 of a token's compute.
 
 Finite caches bound what any routing can reach against the infinite oracle: one LRU shared by
-all 8 ranks at 1,600 blocks each hits 0.245 (0.67 of the oracle's 0.366); it takes ~40k blocks
-in all for 0.95 of the oracle, more than 8 x 141 GB of nothing but KV (8 x 3,900 blocks: 0.91).
-Measured with ``tandem bench router --trace ../shared/traces/mooncake-conversation.jsonl
---prefill-ranks 8``: router 0.237 (0.97 of the shared LRU, 0.65 of the oracle), round-robin
-0.075; with ``--capacity-blocks 8000`` (~290 GB a rank, the size of a host-memory tier) the
-router reaches 0.356, 0.97 of the oracle.
+all 8 ranks at 1,600 blocks each hits 0.245 (0.67 of the oracle's 0.366). Measured with
+``tandem bench router --trace ../shared/traces/mooncake-conversation.jsonl --prefill-ranks 8
+--host-capacity-blocks 6400 --store`` (the policy's defaults, not tuned for tiers):
+
+    setup               hit   /oracle  in-flight max/mean  computed max/mean  TTFT p50  p90
+    device              0.237  0.649        1.082              1.003           1.47s   5.41s
+    device+host         0.356  0.973        1.090              1.003           1.02s   4.63s
+    device+host+store   0.366  1.000        1.142              1.013           0.85s   3.85s
+    round-robin (all)   0.366  0.999        1.083              1.055           1.56s   9.86s
+
+On the generated long-prompt trace (``tandem bench trace --shape long-prompt``, seed 0:
+5,882 requests, prompts of 15.4k tokens on average, oracle 0.795) the same command gives
+0.755 / 0.794 / 0.794 (0.950 / 0.999 / 0.999 of the oracle), in-flight max/mean 1.091 / 1.094 /
+1.173, TTFT p90 2.27 / 1.83 / 1.57 s; round-robin 0.795, 1.67 s.
 
 Hit rates count blocks as the trace does: each request's ``hash_ids``, its last partial block
-included, against the blocks found cached when its prefill starts. Load balance is reported two
-ways, each as max/mean over the ranks: the router's in-flight tokens averaged over time, and the
-tokens each rank computed. TTFT here is arrival to prefill done (queue and compute, no transfer).
+included, against the blocks used from any tier when its prefill starts (``hits_by_tier``
+splits them; they add up). Load balance is reported two ways, each as max/mean over the ranks:
+the router's in-flight tokens averaged over time (its work in compute tokens: new tokens and
+loads at their price), and the tokens each rank computed. TTFT here is arrival to prefill done
+(queue, loads and compute, no transfer).
 """
 
 from __future__ import annotations
@@ -53,12 +74,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.tier_cache import (
+    BLOCK_TOKENS,
+    DEFAULT_HOST_LOAD_TOKENS_PER_S,
+    DEFAULT_STORE_LOAD_TOKENS_PER_S,
+    RankTiers,
+    SharedStore,
+    TierSpeeds,
+)
+from tandem.router.index import TierMatch
 from tandem.router.policy import PolicyConfig
 from tandem.router.registry import DEFAULT_POLICY, PREFILL_POLICIES, UnknownPolicy
 from tandem.router.router import Router, RouterConfig
-from tandem.wire.kv_events import BlockRemoved, BlockStored, KVEvent
 
-BLOCK_TOKENS = 512
 DEFAULT_CAPACITY_BLOCKS = 1_600
 DEFAULT_PREFILL_TOKENS_PER_S = 6_000.0
 DECODE_STEP_S = 0.03
@@ -137,54 +165,23 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     return TraceRequest(timestamp_ms / 1000.0, input_length, output_length, tuple(hash_ids))
 
 
-class _RankCache:
-    """One simulated prefill rank's prefix cache: blocks in LRU order, events as a real one sends."""
+@dataclass(frozen=True)
+class TierSetup:
+    """The simulated ranks' tiers: a device LRU each, a host LRU each (0: none), a shared store."""
 
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    host_capacity_blocks: int = 0
+    store: bool = False
+    store_capacity_blocks: int | None = None  # None: unbounded
 
-    def match(self, request: TraceRequest) -> int:
-        """Leading cached blocks, capped as the rank caps them; they become most recent."""
-        matched = 0
-        for block in request.full_blocks[: request.max_reusable_blocks]:
-            if block not in self._blocks:
-                break
-            self._blocks.move_to_end(block)
-            matched += 1
-        return matched
-
-    def store(self, request: TraceRequest) -> list[KVEvent]:
-        """Cache the request's full blocks, evicting the least recently used beyond capacity."""
-        events: list[KVEvent] = []
-        run: list[int] = []
-        parent: int | None = None
-        run_parent: int | None = None
-        for block in request.full_blocks:
-            if block in self._blocks:
-                self._blocks.move_to_end(block)
-                if run:
-                    events.append(BlockStored(tuple(run), run_parent, BLOCK_TOKENS))
-                    run = []
-            else:
-                self._blocks[block] = None
-                if not run:
-                    run_parent = parent
-                run.append(block)
-            parent = block
-        if run:
-            events.append(BlockStored(tuple(run), run_parent, BLOCK_TOKENS))
-        evicted = [
-            self._blocks.popitem(last=False)[0] for _ in range(len(self._blocks) - self.capacity_blocks)
-        ]
-        if evicted:
-            events.append(BlockRemoved(tuple(evicted)))
-        return events
+    @property
+    def name(self) -> str:
+        return "device" + ("+host" if self.host_capacity_blocks else "") + ("+store" if self.store else "")
 
 
 @dataclass
 class _Rank:
-    cache: _RankCache
+    tiers: RankTiers
     queue: deque[tuple[str, TraceRequest, float]] = field(default_factory=deque)
     busy: bool = False
     computed_tokens: int = 0
@@ -194,14 +191,19 @@ class _Rank:
 @dataclass(frozen=True)
 class SimResult:
     policy: str
+    tiers: str
     hit_rate: float
+    hits_by_tier: dict[str, float]  # blocks used from each tier over all blocks; they add up to hit_rate
+    recomputed_rate: float  # blocks found in a tier the rank chose to compute again, over all blocks
     token_hit_rate: float
     time_avg_load_max_over_mean: float
     computed_tokens_max_over_mean: float
     utilisation: float  # computed tokens over what the ranks could compute while requests arrive
     mean_ttft_s: float
+    p50_ttft_s: float
+    p90_ttft_s: float
     p99_ttft_s: float
-    prediction_exact_share: float  # requests whose predicted cached tokens were found at start
+    prediction_exact_share: float  # requests whose predicted cached blocks were found at start
     counters: dict[str, int]
 
 
@@ -212,18 +214,32 @@ def simulate(
     prefill_tokens_per_s: float,
     policy: str,
     policy_config: PolicyConfig | None = None,
+    setup: TierSetup | None = None,
+    speeds: TierSpeeds | None = None,
 ) -> SimResult:
+    """Replay ``trace``; ``setup`` (default: devices of ``capacity_blocks`` only) names the tiers
+    and ``speeds`` (default: ``prefill_tokens_per_s`` and the default load speeds) their prices."""
+    setup = setup or TierSetup(capacity_blocks)
+    speeds = speeds or TierSpeeds(prefill_tokens_per_s)
     router = Router(RouterConfig(policy=policy, policy_config=policy_config or PolicyConfig()))
     names = [f"prefill0-r{i}" for i in range(num_prefill_ranks)]
     router.set_ranks(names, [f"decode0-r{i}" for i in range(_DECODE_RANKS)])
     for rank in router.decode_ranks:
         router.update_decode_stats(rank, _DECODE_PAGES, 0, _DECODE_PAGES)
-    ranks = {name: _Rank(_RankCache(capacity_blocks)) for name in names}
+    for name in names:  # what a rank's stats would tell the frontend
+        router.set_tier_costs(name, host=speeds.cost("host"), store=speeds.cost("store"))
+    store = SharedStore(setup.store_capacity_blocks) if setup.store else None
+    ranks = {
+        name: _Rank(RankTiers(setup.capacity_blocks, setup.host_capacity_blocks, store)) for name in names
+    }
+    load_host, load_store = speeds.loads("host"), speeds.loads("store")
     timers: list[tuple[float, int, str, str, str]] = []  # (time, seq, kind, request id, rank)
-    started: dict[str, tuple[TraceRequest, float, int]] = {}  # id -> request, arrival, blocks found
+    started: dict[str, tuple[TraceRequest, float, int]] = {}  # id -> request, arrival, blocks used
     predicted: dict[str, int] = {}
     ttfts: list[float] = []
-    totals = {"blocks": 0, "hit_blocks": 0, "tokens": 0, "hit_tokens": 0, "exact": 0}
+    totals = dict.fromkeys(
+        ["blocks", "tokens", "hit_tokens", "exact", "device", "host", "store", "recomputed"], 0
+    )
     clock = 0.0
     seq = 0
 
@@ -240,12 +256,19 @@ def simulate(
         if rank.busy or not rank.queue:
             return
         request_id, request, arrival = rank.queue.popleft()
-        found = rank.cache.match(request)
-        new_tokens = request.input_length - found * BLOCK_TOKENS
+        found = rank.tiers.match(request.full_blocks[: request.max_reusable_blocks])
+        totals["exact"] += predicted.pop(request_id) == found.blocks
+        # The rank's rule: the blocks of a tier slower than computing are computed again (their
+        # KV is the same, so the blocks after them are still used), as the router's price says.
+        used = TierMatch(found.device, found.host if load_host else 0, found.store if load_store else 0)
+        new_tokens = request.input_length - used.blocks * BLOCK_TOKENS
+        for tier in ("device", "host", "store"):
+            totals[tier] += getattr(used, tier)
+        totals["recomputed"] += found.blocks - used.blocks
         rank.busy, rank.computed_tokens = True, rank.computed_tokens + new_tokens
-        started[request_id] = (request, arrival, found)
+        started[request_id] = (request, arrival, used.blocks)
         seq += 1
-        heapq.heappush(timers, (now + new_tokens / prefill_tokens_per_s, seq, "prefill", request_id, name))
+        heapq.heappush(timers, (now + speeds.service_s(new_tokens, used), seq, "prefill", request_id, name))
 
     def fire(now: float, kind: str, request_id: str, name: str) -> None:
         nonlocal seq
@@ -253,15 +276,13 @@ def simulate(
         if kind == "decode":
             router.finished(request_id)
             return
-        request, arrival, found = started.pop(request_id)
-        router.apply_events(name, ranks[name].cache.store(request))
+        request, arrival, used = started.pop(request_id)
+        router.apply_events(name, ranks[name].tiers.complete(request.full_blocks, used))
         router.prefill_done(request_id)
         ttfts.append(now - arrival)
         totals["blocks"] += len(request.hash_ids)
-        totals["hit_blocks"] += found
         totals["tokens"] += request.input_length
-        totals["hit_tokens"] += found * BLOCK_TOKENS
-        totals["exact"] += predicted.pop(request_id) == found
+        totals["hit_tokens"] += used * BLOCK_TOKENS
         ranks[name].busy = False
         seq += 1
         heapq.heappush(timers, (now + request.output_length * DECODE_STEP_S, seq, "decode", request_id, ""))
@@ -290,19 +311,30 @@ def simulate(
     areas = [rank.load_area / duration for rank in ranks.values()]
     computed = [rank.computed_tokens for rank in ranks.values()]
     ttfts.sort()
+    blocks = totals["blocks"]
+    by_tier = {tier: totals[tier] / blocks for tier in ("device", "host", "store")}
     return SimResult(
         policy=policy,
-        hit_rate=totals["hit_blocks"] / totals["blocks"],
+        tiers=setup.name,
+        hit_rate=sum(totals[tier] for tier in by_tier) / blocks,
+        hits_by_tier=by_tier,
+        recomputed_rate=totals["recomputed"] / blocks,
         token_hit_rate=totals["hit_tokens"] / totals["tokens"],
         time_avg_load_max_over_mean=_max_over_mean(areas),
         computed_tokens_max_over_mean=_max_over_mean(computed),
         utilisation=sum(computed)
-        / (prefill_tokens_per_s * num_prefill_ranks * max(trace[-1].arrival_s, 1e-9)),
+        / (speeds.prefill_tokens_per_s * num_prefill_ranks * max(trace[-1].arrival_s, 1e-9)),
         mean_ttft_s=statistics.fmean(ttfts),
-        p99_ttft_s=ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)],
+        p50_ttft_s=_percentile(ttfts, 0.50),
+        p90_ttft_s=_percentile(ttfts, 0.90),
+        p99_ttft_s=_percentile(ttfts, 0.99),
         prediction_exact_share=totals["exact"] / len(trace),
         counters=router.counters(),
     )
+
+
+def _percentile(ordered: Sequence[float], share: float) -> float:
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
 def _max_over_mean(values: Sequence[float]) -> float:
@@ -337,52 +369,107 @@ def run_router_bench(
     capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
     policy: str = DEFAULT_POLICY,
+    host_capacity_blocks: int = 0,
+    store: bool = False,
+    store_capacity_blocks: int | None = None,
+    host_load_tokens_per_s: float = DEFAULT_HOST_LOAD_TOKENS_PER_S,
+    store_load_tokens_per_s: float = DEFAULT_STORE_LOAD_TOKENS_PER_S,
 ) -> dict[str, Any]:
-    """Replay ``trace_path`` with ``policy`` and with round-robin; the report as a dict."""
+    """Replay ``trace_path`` with ``policy`` and with round-robin; the report as a dict.
+
+    With a host tier or a store, ``policy`` runs once per tier setup, side by side (device
+    only, then with the host tier, then with the store too: ``report["tiers"]``), and
+    round-robin and the top-level ``router`` figures are the fullest setup's."""
     if prefill_ranks < 1:
         raise ValueError(f"--prefill-ranks must be at least 1, got {prefill_ranks}")
     if capacity_blocks < 1:
         raise ValueError(f"--capacity-blocks must be at least 1, got {capacity_blocks}")
-    if not prefill_tokens_per_s > 0:
-        raise ValueError(f"--prefill-tokens-per-s must be positive, got {prefill_tokens_per_s}")
+    if host_capacity_blocks < 0:
+        raise ValueError(f"--host-capacity-blocks must be >= 0, got {host_capacity_blocks}")
+    if store_capacity_blocks is not None and not store:
+        raise ValueError("--store-capacity-blocks needs --store")
+    if store_capacity_blocks is not None and store_capacity_blocks < 1:
+        raise ValueError(f"--store-capacity-blocks must be at least 1, got {store_capacity_blocks}")
     if policy not in PREFILL_POLICIES:
         raise UnknownPolicy(policy)
+    speeds = TierSpeeds(prefill_tokens_per_s, host_load_tokens_per_s, store_load_tokens_per_s)
+    setups = [TierSetup(capacity_blocks)]
+    if host_capacity_blocks:
+        setups.append(TierSetup(capacity_blocks, host_capacity_blocks))
+    if store:
+        setups.append(TierSetup(capacity_blocks, host_capacity_blocks, True, store_capacity_blocks))
     trace = read_trace(trace_path)
-    routed = simulate(trace, prefill_ranks, capacity_blocks, prefill_tokens_per_s, policy)
-    baseline = simulate(trace, prefill_ranks, capacity_blocks, prefill_tokens_per_s, "round_robin")
     oracle = shared_cache_hit_rate(trace, None)
-    shared_lru = shared_cache_hit_rate(trace, capacity_blocks * prefill_ranks)
-    return {
+    tiers: dict[str, dict[str, Any]] = {}
+    for setup in setups:
+        result = simulate(
+            trace, prefill_ranks, capacity_blocks, prefill_tokens_per_s, policy, None, setup, speeds
+        )
+        bound = _shared_bound(trace, setup, prefill_ranks, oracle)
+        tiers[setup.name] = {
+            **_summary(result),
+            "router_over_oracle": result.hit_rate / oracle if oracle else 0.0,
+            "shared_lru_same_capacity": bound,
+            "router_over_shared_lru": result.hit_rate / bound if bound else 0.0,
+        }
+    fullest = setups[-1]
+    routed = tiers[fullest.name]
+    baseline = simulate(
+        trace, prefill_ranks, capacity_blocks, prefill_tokens_per_s, "round_robin", None, fullest, speeds
+    )
+    report: dict[str, Any] = {
         "parameters": {
             "trace": str(trace_path),
             "requests": len(trace),
             "prefill_ranks": prefill_ranks,
             "capacity_blocks": capacity_blocks,
+            "host_capacity_blocks": host_capacity_blocks,
+            "store": store,
+            "store_capacity_blocks": store_capacity_blocks,
             "block_tokens": BLOCK_TOKENS,
             "prefill_tokens_per_s": prefill_tokens_per_s,
+            "host_load_tokens_per_s": host_load_tokens_per_s,
+            "store_load_tokens_per_s": store_load_tokens_per_s,
             "policy": policy,
+            "tiers": fullest.name,
         },
         "hit_rate": {
-            "router": routed.hit_rate,
+            "router": routed["hit_rate"],
             "round_robin": baseline.hit_rate,
             "oracle": oracle,
-            "shared_lru_same_capacity": shared_lru,
-            "router_over_oracle": routed.hit_rate / oracle if oracle else 0.0,
-            "router_over_shared_lru": routed.hit_rate / shared_lru if shared_lru else 0.0,
+            "shared_lru_same_capacity": routed["shared_lru_same_capacity"],
+            "router_over_oracle": routed["router_over_oracle"],
+            "router_over_shared_lru": routed["router_over_shared_lru"],
         },
-        "router": _summary(routed),
+        "router": routed,
         "round_robin": _summary(baseline),
     }
+    if len(setups) > 1:
+        report["tiers"] = tiers
+    return report
+
+
+def _shared_bound(trace: Sequence[TraceRequest], setup: TierSetup, ranks: int, oracle: float) -> float:
+    """One LRU shared by everyone with all of ``setup``'s capacity (an unbounded store: the oracle)."""
+    if setup.store and setup.store_capacity_blocks is None:
+        return oracle
+    total = ranks * (setup.capacity_blocks + setup.host_capacity_blocks) + (setup.store_capacity_blocks or 0)
+    return shared_cache_hit_rate(trace, total)
 
 
 def _summary(result: SimResult) -> dict[str, Any]:
     return {
+        "tiers": result.tiers,
         "hit_rate": result.hit_rate,
+        "hits_by_tier": result.hits_by_tier,
+        "recomputed_rate": result.recomputed_rate,
         "token_hit_rate": result.token_hit_rate,
         "time_avg_in_flight_tokens_max_over_mean": result.time_avg_load_max_over_mean,
         "computed_tokens_max_over_mean": result.computed_tokens_max_over_mean,
         "utilisation": result.utilisation,
         "mean_ttft_s": result.mean_ttft_s,
+        "p50_ttft_s": result.p50_ttft_s,
+        "p90_ttft_s": result.p90_ttft_s,
         "p99_ttft_s": result.p99_ttft_s,
         "prediction_exact_share": result.prediction_exact_share,
         "counters": result.counters,
@@ -391,26 +478,47 @@ def _summary(result: SimResult) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     params, hits = report["parameters"], report["hit_rate"]
+    tiers = ""
+    if params["host_capacity_blocks"]:
+        tiers += f", host {params['host_capacity_blocks']} blocks each"
+    if params["store"]:
+        size = params["store_capacity_blocks"]
+        tiers += f", a shared store of {size if size else 'unbounded'} blocks"
     lines = [
         f"trace {params['trace']}: {params['requests']} requests, {params['prefill_ranks']} prefill ranks, "
-        f"{params['capacity_blocks']} blocks of {params['block_tokens']} tokens each, "
+        f"{params['capacity_blocks']} device blocks of {params['block_tokens']} tokens each{tiers}, "
         f"{params['prefill_tokens_per_s']:.0f} tokens/s each, policy {params['policy']}",
+    ]
+    if params["host_capacity_blocks"] or params["store"]:
+        lines.append(
+            f"loads: host {params['host_load_tokens_per_s']:,.0f} tokens/s, "
+            f"store {params['store_load_tokens_per_s']:,.0f} tokens/s"
+        )
+    lines += [
         f"block hit rate: router {hits['router']:.4f}  round-robin {hits['round_robin']:.4f}  "
         f"oracle {hits['oracle']:.4f}  one shared LRU of the ranks' total size "
         f"{hits['shared_lru_same_capacity']:.4f}",
         f"router / oracle {hits['router_over_oracle']:.3f}  "
         f"router / shared LRU {hits['router_over_shared_lru']:.3f}",
         "",
-        f"{'':12} {'in-flight max/mean':>18} {'computed max/mean':>18} {'busy':>6} {'TTFT mean':>10} "
-        f"{'TTFT p99':>9}",
+        f"{'':18} {'hit':>6} {'/oracle':>7} {'device':>7} {'host':>6} {'store':>6} {'recomp':>6} "
+        f"{'in-flight':>9} {'computed':>8} {'busy':>6} {'TTFT p50':>8} {'p90':>7} {'p99':>7}",
     ]
-    for name in ("router", "round_robin"):
-        s = report[name]
+    rows = [(name, summary) for name, summary in report.get("tiers", {"router": report["router"]}).items()]
+    rows.append(("round_robin", report["round_robin"]))
+    for name, s in rows:
+        by_tier, oracle = s["hits_by_tier"], hits["oracle"]
         lines.append(
-            f"{name:12} {s['time_avg_in_flight_tokens_max_over_mean']:>18.3f} "
-            f"{s['computed_tokens_max_over_mean']:>18.3f} {s['utilisation']:>6.1%} "
-            f"{s['mean_ttft_s']:>9.2f}s {s['p99_ttft_s']:>8.2f}s"
+            f"{name:18} {s['hit_rate']:>6.3f} {s['hit_rate'] / oracle if oracle else 0.0:>7.3f} "
+            f"{by_tier['device']:>7.3f} {by_tier['host']:>6.3f} {by_tier['store']:>6.3f} "
+            f"{s['recomputed_rate']:>6.3f} {s['time_avg_in_flight_tokens_max_over_mean']:>9.3f} "
+            f"{s['computed_tokens_max_over_mean']:>8.3f} {s['utilisation']:>6.1%} "
+            f"{s['p50_ttft_s']:>7.2f}s {s['p90_ttft_s']:>6.2f}s {s['p99_ttft_s']:>6.2f}s"
         )
+    lines.append(
+        "(hit rates are shares of all blocks; in-flight and computed are max/mean over the ranks; "
+        f"round-robin runs with {params['tiers']})"
+    )
     lines += ["", f"router counters: {report['router']['counters']}"]
     exact = report["router"]["prediction_exact_share"]
     lines.append(f"the router predicted the prefix a rank found cached exactly for {exact:.1%} of requests")

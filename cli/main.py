@@ -164,7 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--capacity-blocks", type=int, default=None, help="per-rank cache, 512-token blocks")
     rb.add_argument("--prefill-tokens-per-s", type=float, default=None, help="uncached tokens/s per rank")
     rb.add_argument("--policy", default=None, help="prefill policy (default cache_aware)")
+    rb.add_argument("--host-capacity-blocks", type=int, default=None, help="per-rank host LRU (default none)")
+    rb.add_argument("--store", action="store_true", help="a store shared by all ranks (side by side)")
+    rb.add_argument("--store-capacity-blocks", type=int, default=None, help="store LRU (default unbounded)")
+    rb.add_argument("--host-load-tokens-per-s", type=float, default=None, help="host to device, per rank")
+    rb.add_argument("--store-load-tokens-per-s", type=float, default=None, help="store to device, per rank")
     rb.add_argument("--json", action="store_true")
+    tg = bench.add_parser("trace", help="write a generated Mooncake-format trace (bench router's input)")
+    tg.add_argument("--shape", choices=["long-prompt"], default="long-prompt")
+    tg.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    tg.add_argument("--seed", type=int, default=0)
+    tg.add_argument("--duration-s", type=float, default=None, help="arrivals span (default 1,800 s)")
     from tandem.bench.host_bench import add_arguments as add_host_arguments
 
     add_host_arguments(bench.add_parser("host", help="host-path costs: decode overhead, frontend, transfer"))
@@ -378,6 +388,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             "capacity_blocks": args.capacity_blocks,
             "prefill_tokens_per_s": args.prefill_tokens_per_s,
             "policy": args.policy,
+            "host_capacity_blocks": args.host_capacity_blocks,
+            "store": args.store or None,
+            "store_capacity_blocks": args.store_capacity_blocks,
+            "host_load_tokens_per_s": args.host_load_tokens_per_s,
+            "store_load_tokens_per_s": args.store_load_tokens_per_s,
         }
         try:
             result = router_bench.run_router_bench(
@@ -386,6 +401,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         except ValueError as exc:  # TraceError, a bad option or an unknown policy
             raise CliError(str(exc)) from exc
         emit(json.dumps(result) if args.json else router_bench.format_report(result))
+        return 0
+    if args.command == "bench" and args.bench_command == "trace":
+        from tandem.bench import trace_gen
+
+        try:
+            shape = trace_gen.LongPromptShape(
+                seed=args.seed, **({} if args.duration_s is None else {"duration_s": args.duration_s})
+            )
+            stats = trace_gen.write_trace(args.out, trace_gen.long_prompt_trace(shape))
+        except (ValueError, OSError) as exc:
+            raise CliError(str(exc)) from exc
+        emit(json.dumps({"trace": str(args.out), **stats}))
         return 0
     if args.command == "bench" and args.bench_command == "dep":
         from tandem.bench.dep_bench import run_dep_bench
