@@ -1,8 +1,9 @@
 """What the router has sent to each rank and not yet seen finish.
 
-Prefill load is the number of *new* tokens (prompt minus the predicted cached prefix) routed to a
-rank whose prefill is not done. Decode load combines what this router routed with what the rank
-last reported::
+Prefill load is the number of *new* tokens routed to a rank whose prefill is not done: the prompt
+minus what its predicted cached prefix saves (a block loaded from the host tier or the store
+counts at its load price, ``PrefillCandidate.saved_blocks``). Decode load combines what this
+router routed with what the rank last reported::
 
     request  ──route──▶ prefill tokens + decode request + promised pages
              ──prefill_done──▶ prefill tokens dropped (pages stay promised)
