@@ -31,9 +31,11 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from tandem.engine.kv_block_codec import BlockLayout, BlockRejected, decode_block, encode_block, store_key
 from tandem.engine.prefix_cache import ChainBlock, LowerMatch
@@ -44,6 +46,7 @@ from tandem.wire.messages import TierStats
 log = logging.getLogger(__name__)
 
 OpKind = Literal["save", "load", "fill", "write"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,14 @@ class TierPrices:
 
 class StoreWriter:
     """Writes blocks to the store from a thread of its own, a bounded queue in front: a full
-    queue drops the block (counted), it never blocks the loop."""
+    queue drops the block (counted), it never blocks the loop. After a failed write the blocks
+    queued in the next ``retry_s`` are dropped (counted) without calling the store, so a store
+    that is down costs one failed call per ``retry_s``, not one per block."""
 
-    def __init__(self, store: KVStore, max_queued: int = 1024) -> None:
+    def __init__(self, store: KVStore, max_queued: int = 1024, retry_s: float = 5.0) -> None:
         self._store = store
+        self.retry_s = retry_s
+        self._down_until = 0.0
         self._queue: queue.Queue[tuple[int, str, bytes] | None] = queue.Queue(max_queued)
         self._done: list[int] = []  # blocks written, for the loop to publish
         self._lock = threading.Lock()
@@ -178,10 +185,20 @@ class StoreWriter:
                     return
                 block, key, value = item
                 start = time.monotonic()
+                if start < self._down_until:
+                    with self._lock:
+                        self.dropped += 1
+                    continue
                 try:
                     self._store.put(key, value)
                 except StoreError as error:
-                    log.warning("KV store write of %s failed: %s", key, error)
+                    log.warning(
+                        "KV store write of %s failed, dropping writes for %.0f s: %s",
+                        key,
+                        self.retry_s,
+                        error,
+                    )
+                    self._down_until = time.monotonic() + self.retry_s
                     with self._lock:
                         self.errors += 1
                     continue
@@ -205,6 +222,7 @@ class TierConfig:
     layout: BlockLayout
     page_bytes: int
     store_retry_s: float = 5.0
+    store_timeout_s: float = 2.0  # a lookup's store call that takes longer is a failure
     prices: TierPrices = field(default_factory=TierPrices)
 
 
@@ -216,11 +234,15 @@ class KVTiers:
         self.prices = config.prices
         self.host = HostTier(config.host_pages) if config.host_pages > 0 else None
         self.store = config.store
-        self.writer = StoreWriter(config.store) if config.store is not None else None
+        self.writer = (
+            StoreWriter(config.store, retry_s=config.store_retry_s) if config.store is not None else None
+        )
         self._ops: list[TierOp] = []
         self._events: list[KVEvent] = []
         self._in_store: OrderedDict[int, None] = OrderedDict()  # blocks known to be there
         self._store_down_until = 0.0
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader") if config.store else None
+        self._pending: Future[object] | None = None  # a read that timed out and may still run
         self.page_size = config.layout.page_size
         self.host_load_bytes = self.store_load_bytes = 0
         self.host_load_s = self.store_load_s = 0.0
@@ -356,13 +378,29 @@ class KVTiers:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False)
         if self.store is not None:
             self.store.close()
 
     # -- the store ------------------------------------------------------------------------------
 
     def _store_up(self) -> bool:
+        if self._pending is not None and not self._pending.done():
+            return False  # the reader is still stuck in a call that timed out
+        self._pending = None
         return time.monotonic() >= self._store_down_until
+
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the reader thread, at most ``store_timeout_s``: a slow store fails
+        the lookup (a miss) instead of holding the rank's loop."""
+        assert self._reader is not None
+        future = self._reader.submit(fn, *args)
+        try:
+            return future.result(timeout=self.config.store_timeout_s)
+        except FutureTimeout:
+            self._pending = future
+            raise StoreError(f"no answer within {self.config.store_timeout_s} s") from None
 
     def _store_failed(self, error: StoreError) -> None:
         log.warning(
@@ -379,7 +417,7 @@ class KVTiers:
         keys = [store_key(c.model, c.layout, chain[i].block) for i in wanted]
         start = time.monotonic()
         try:
-            present = self.store.exists(keys)
+            present = self._call(self.store.exists, keys)
         except StoreError as error:
             self._store_failed(error)
             return
@@ -395,7 +433,7 @@ class KVTiers:
         for index, key in zip(wanted[:run], keys[:run], strict=True):
             block = chain[index]
             try:
-                raw = self.store.get(key)
+                raw = self._call(self.store.get, key)
             except StoreError as error:
                 self._store_failed(error)
                 break

@@ -14,6 +14,8 @@ from typing import Any
 
 from tandem.kvtransfer.kv_store import KVStore, StoreConfig, StoreError
 
+_ABANDONED: list[Any] = []  # clients not closed (their master was gone), kept from the collector
+
 
 class MooncakeStore(KVStore):
     def __init__(self, config: StoreConfig) -> None:
@@ -34,12 +36,14 @@ class MooncakeStore(KVStore):
         )
         if code != 0:
             raise StoreError(f"Mooncake store setup against master {config.master} failed (code {code})")
+        self._failed = False
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
         codes = self._store.batch_is_exist(list(keys))
         if len(codes) != len(keys) or any(c < 0 for c in codes):
+            self._failed = True
             raise StoreError(f"is_exist failed (codes {sorted(set(codes))})")
         return [c == 1 for c in codes]
 
@@ -49,6 +53,7 @@ class MooncakeStore(KVStore):
             return bytes(value)
         code = self._store.is_exist(key)
         if code < 0:
+            self._failed = True
             raise StoreError(f"get of {key} failed (code {code})")
         if code == 1:
             raise StoreError(f"get of {key} came back empty though the key exists")
@@ -56,8 +61,15 @@ class MooncakeStore(KVStore):
 
     def put(self, key: str, value: bytes) -> None:
         code = self._store.put(key, value)
+        self._failed = code != 0
         if code != 0:
             raise StoreError(f"put of {key} ({len(value)} bytes) failed (code {code})")
 
     def close(self) -> None:
-        self._store.close()
+        """Leave the store. With its master unreachable the client's close retries for about
+        ten seconds holding the interpreter, so a client whose last call failed is left as it
+        is (its memory goes with the process) instead."""
+        if self._failed:
+            _ABANDONED.append(self._store)
+        else:
+            self._store.close()
