@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--preset", default=None, help="run disaggregated on a topology of deploy/presets")
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    from tandem.cli.serving import add_speculative_arguments
+    from tandem.cli.serving import add_speculative_arguments, add_tier_arguments
 
     add_speculative_arguments(gen)
+    add_tier_arguments(gen)
 
     from tandem.cli.serving import add_serving_parsers
 
@@ -468,6 +469,10 @@ def _generate(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             name = f"--{flag.replace('_', '-')}"
             raise InvalidRequestError(name, "runs on decode ranks: give --preset or --topology")
+    for flag in ("host_cache_pages", "device_cache_pages", "kv_store"):
+        if getattr(args, flag) is not None:
+            name = f"--{flag.replace('_', '-')}"
+            raise InvalidRequestError(name, "KV tiers serve prefill ranks: give --preset or --topology")
     if args.dep is not None:
         return _generate_dep(args, specs, engine_config)
     engine = ColocatedEngine.from_model_dir(args.model, DTYPES[args.dtype], engine_config)
@@ -526,14 +531,14 @@ def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
-    from tandem.cli.serving import check_drafter_model, with_speculative
+    from tandem.cli.serving import check_drafter_model, with_speculative, with_tiers
     from tandem.cluster.topology import Topology
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
     from tandem.wire.request_params import check_prompt
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
-    topology = with_speculative(args, topology)
+    topology = with_tiers(args, with_speculative(args, topology))
     cfg = check_model_dir(args.model)
     check_drafter_model(topology, args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)

@@ -32,6 +32,7 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     )
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
     add_speculative_arguments(srv)
+    add_tier_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     srv.add_argument(
@@ -167,6 +168,61 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host-cache-pages",
+        type=int,
+        default=None,
+        help="host-memory KV pages per prefill rank: the tier evicted device pages go to (default: topology)",
+    )
+    parser.add_argument(
+        "--device-cache-pages",
+        type=int,
+        default=None,
+        help="cap each prefill rank's device KV pool at this many pages (tests and demos of the tiers)",
+    )
+    parser.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="auto|HOST:PORT",
+        help="share KV across ranks in a Mooncake store: auto starts mooncake_master with the deployment, "
+        "HOST:PORT uses a running master (default: the topology's store:)",
+    )
+
+
+def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
+    """The topology with ``--host-cache-pages``, ``--device-cache-pages`` and ``--kv-store``."""
+    from tandem.cluster.topology import StoreSpec
+
+    host, device, store = args.host_cache_pages, args.device_cache_pages, args.kv_store
+    if host is None and device is None and store is None:
+        return topology
+    if topology.colocated is not None:
+        raise InvalidRequestError(
+            "--host-cache-pages"
+            if host is not None
+            else "--device-cache-pages"
+            if device is not None
+            else "--kv-store",
+            f"{topology.name} has a colocated pool; KV tiers serve prefill and decode pools",
+        )
+    for flag, value in (("--host-cache-pages", host), ("--device-cache-pages", device)):
+        if value is not None and (value < 0 or (flag == "--device-cache-pages" and value < 1)):
+            raise InvalidRequestError(
+                flag, f"must be {'positive' if flag == '--device-cache-pages' else '>= 0'}, got {value}"
+            )
+    prefill = topology.prefill.model_copy(
+        update={k: v for k, v in (("host_cache_pages", host), ("num_pages", device)) if v is not None}
+    )
+    update: dict[str, object] = {"prefill": prefill}
+    if store is not None:
+        try:
+            update["store"] = StoreSpec() if store == "auto" else StoreSpec(master=store)
+        except ValueError:
+            raise InvalidRequestError("--kv-store", f"auto or HOST:PORT, got {store!r}") from None
+    return topology.model_copy(update=update)
+
+
 def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
     """The topology with ``--speculative-tokens`` / ``--drafter`` applied, each checked here."""
     from tandem.cluster.topology import SpeculativeSpec
@@ -278,7 +334,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
-    topology = with_speculative(args, topology)
+    topology = with_tiers(args, with_speculative(args, topology))
     if args.autoscale and topology.colocated is not None:
         raise InvalidRequestError(
             "--autoscale",

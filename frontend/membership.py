@@ -197,7 +197,8 @@ class Membership:
     # ---- loads ----------------------------------------------------------------------------------
     async def read_rank_stats(self, view: RoutingView) -> list[RankId]:
         """Every rank's report: decode ranks' free pages and requests, prefill ranks' pending
-        tokens (loads that include the other frontends' requests); the decode ranks that died."""
+        tokens (loads that include the other frontends' requests) and the measured prices of
+        their KV tiers; the decode ranks that died."""
         handles = view.decode | view.prefill
         ranks = sorted(handles)
         replies = await asyncio.gather(*[handles[r].stats.remote() for r in ranks], return_exceptions=True)
@@ -210,6 +211,15 @@ class Membership:
                 self.router.update_decode_stats(rank, stats.free_pages, running, stats.total_pages)
             elif isinstance(stats, RankStats):
                 self.router.update_prefill_stats(rank, stats.pending_tokens)
+                tiers = stats.tiers
+                if tiers.kv_bytes_per_token:  # the rank's measured prices of its tiers
+                    self.router.set_tier_speeds(
+                        rank,
+                        tiers.host_bytes_per_s,
+                        tiers.store_bytes_per_s,
+                        tiers.prefill_tokens_per_s,
+                        tiers.kv_bytes_per_token,
+                    )
         return died
 
     def _spawn(self, work: Any) -> None:

@@ -413,6 +413,7 @@ class TierStats:
     host_bytes_per_s: float = 0.0
     store_bytes_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0  # of the rank's pool, every layer: what a loaded token moves
 
 
 @dataclass(frozen=True)
