@@ -484,6 +484,12 @@ class Controller:
             deployment=self.deployment,
         )
 
+    def store_master_pid(self) -> int | None:
+        """The process id of the deployment's own store master (``None``: none, or the
+        topology names a running one)."""
+        master = self.cluster.store_master
+        return master.process.pid if master is not None else None
+
     def register_frontend(self, info: FrontendInfo) -> None:
         """A frontend tells where it serves; the view lists it (status, metrics discovery)."""
         with self._lock:

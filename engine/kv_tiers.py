@@ -73,6 +73,8 @@ class HostTier:
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # first = evicted first
         self._free = list(range(num_slots - 1, -1, -1))
+        # blocks a lookup is loading: the evictions its own allocation causes must not take them
+        self.pinned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -89,12 +91,15 @@ class HostTier:
             self._slot_of.move_to_end(block)
         return slot
 
-    def put(self, block: int) -> tuple[int, int | None]:
-        """A slot for ``block`` (which must not be here) and the block evicted to free it."""
+    def put(self, block: int) -> tuple[int, int | None] | None:
+        """A slot for ``block`` (which must not be here) and the block evicted to free it: the
+        least recently used one not ``pinned``. ``None`` when every block is pinned."""
         evicted = None
         if not self._free:
-            evicted, slot = self._slot_of.popitem(last=False)
-            self._free.append(slot)
+            evicted = next((b for b in self._slot_of if b not in self.pinned), None)
+            if evicted is None:
+                return None
+            self._free.append(self._slot_of.pop(evicted))
         slot = self._free.pop()
         self._slot_of[block] = slot
         return slot, evicted
@@ -107,31 +112,40 @@ class HostTier:
 @dataclass
 class TierPrices:
     """What loading costs against computing, measured on this rank's clock: an exponentially
-    weighted rate per tier (bytes/s) and for prefill (tokens/s), starting from priors."""
+    weighted rate per tier (bytes/s), the store's round trip and prefill's rate (tokens/s),
+    each starting from a prior until its first reading."""
 
     host_bytes_per_s: float = 10e9
     store_bytes_per_s: float = 1e9
     prefill_tokens_per_s: float = 5_000.0
+    store_latency_s: float = 0.001  # one round trip to the store (its ``exists`` call)
     measured: dict[str, bool] = field(default_factory=dict)
     weight: float = 0.2  # of the newest reading
 
     def observe(self, what: str, amount: float, seconds: float) -> None:
         if amount <= 0 or seconds <= 0:
             return
-        name = {"host": "host_bytes_per_s", "store": "store_bytes_per_s", "prefill": "prefill_tokens_per_s"}[
-            what
-        ]
-        rate = amount / seconds
+        name = {
+            "host": "host_bytes_per_s",
+            "store": "store_bytes_per_s",
+            "prefill": "prefill_tokens_per_s",
+            "latency": "store_latency_s",  # amount 1: the reading is the round trip itself
+        }[what]
+        rate = seconds if what == "latency" else amount / seconds
         if not self.measured.get(what):
             setattr(self, name, rate)
             self.measured[what] = True
         else:
             setattr(self, name, (1 - self.weight) * getattr(self, name) + self.weight * rate)
 
-    def worth_loading(self, tier: str, page_bytes: int, page_size: int) -> bool:
-        """Whether a page of ``tier`` loads faster than its ``page_size`` tokens compute."""
-        rate = self.host_bytes_per_s if tier == "host" else self.store_bytes_per_s
-        return page_bytes / rate < page_size / self.prefill_tokens_per_s
+    def worth_loading(self, tier: str, num_pages: int, page_bytes: int, page_size: int) -> bool:
+        """Whether ``num_pages`` of ``tier`` load faster than their tokens compute: a store
+        lookup costs one round trip (``store_latency_s``) plus the bytes at the store's rate."""
+        if tier == "host":
+            load_s = num_pages * page_bytes / self.host_bytes_per_s
+        else:
+            load_s = self.store_latency_s + num_pages * page_bytes / self.store_bytes_per_s
+        return load_s < num_pages * page_size / self.prefill_tokens_per_s
 
 
 class StoreWriter:
@@ -256,7 +270,10 @@ class KVTiers:
             if self.host is not None:
                 self.host.touch(block)
             return
-        slot, dropped = self.host.put(block)
+        placed = self.host.put(block)
+        if placed is None:  # every slot holds a block being loaded: this one is not kept
+            return
+        slot, dropped = placed
         self._ops.append(TierOp("save", page_id, slot=slot, block=block))
         if dropped is not None:
             self._events.append(BlockRemoved((dropped,), "host"))
@@ -277,8 +294,7 @@ class KVTiers:
         store holds and that is worth loading; store blocks are read and checked here."""
         match = LowerMatch()
         page, size = self.config.page_bytes, self.page_size
-        load_host = self.host is not None and self.prices.worth_loading("host", page, size)
-        load_store = self.store is not None and self.prices.worth_loading("store", page, size)
+        load_host = self.host is not None and self.prices.worth_loading("host", 1, page, size)
         wanted: list[int] = []  # indexes of blocks to ask the store for
         for index, (block, device) in enumerate(zip(chain, on_device, strict=True)):
             if device:
@@ -292,14 +308,20 @@ class KVTiers:
                 wanted = list(range(index, len(chain)))
                 break
         if wanted and self.store is not None and self._store_up():
-            self._read_store(chain, wanted, match, load_store)
+            self._read_store(chain, wanted, match)
         for block, kind in zip(chain, match.order, strict=False):
             if kind == "host":
                 assert self.host is not None
                 slot = self.host.touch(block.block)
                 assert slot is not None
                 match.host.append((block, slot))
+                self.host.pinned.add(block.block)
         return match
+
+    def end_lookup(self) -> None:
+        """The lookup's loads are recorded: its host blocks may be evicted again."""
+        if self.host is not None:
+            self.host.pinned.clear()
 
     def loaded(self, kind: str, page_id: int, block: int, slot: int = -1, payload: bytes = b"") -> None:
         """Record the copy of one block's KV into ``page_id`` (a host ``slot`` or a payload)."""
@@ -367,6 +389,7 @@ class KVTiers:
             prefill_tokens_per_s=self.prices.prefill_tokens_per_s
             if self.prices.measured.get("prefill")
             else 0.0,
+            kv_bytes_per_token=self.config.page_bytes // self.page_size,
         )
 
     def encode(self, op: TierOp, payload: bytes) -> tuple[str, bytes]:
@@ -409,9 +432,9 @@ class KVTiers:
         self.store_errors += 1
         self._store_down_until = time.monotonic() + self.config.store_retry_s
 
-    def _read_store(
-        self, chain: Sequence[ChainBlock], wanted: list[int], match: LowerMatch, load: bool
-    ) -> None:
+    def _read_store(self, chain: Sequence[ChainBlock], wanted: list[int], match: LowerMatch) -> None:
+        """Ask the store for the run's blocks (one ``exists``), price the run, read it (one
+        batched ``get``) and check each block; the run stops at the first missing or bad one."""
         assert self.store is not None
         c = self.config
         keys = [store_key(c.model, c.layout, chain[i].block) for i in wanted]
@@ -421,22 +444,24 @@ class KVTiers:
         except StoreError as error:
             self._store_failed(error)
             return
+        asked = time.monotonic()
+        self.prices.observe("latency", 1, asked - start)
         run = 0
         while run < len(present) and present[run]:
             run += 1
         if run == 0:
             return
-        if not load:
+        if not self.prices.worth_loading("store", run, c.page_bytes, self.page_size):
             self.recomputed_tokens += run * self.page_size
             return
+        try:
+            values = self._call(self.store.get_many, keys[:run])
+        except StoreError as error:
+            self._store_failed(error)
+            return
         got = 0
-        for index, key in zip(wanted[:run], keys[:run], strict=True):
+        for index, key, raw in zip(wanted[:run], keys[:run], values, strict=True):
             block = chain[index]
-            try:
-                raw = self._call(self.store.get, key)
-            except StoreError as error:
-                self._store_failed(error)
-                break
             if raw is None:  # evicted from the store since ``exists``
                 break
             try:
@@ -456,7 +481,7 @@ class KVTiers:
             match.store.append((block, payload))
             got += len(raw)
         if got:
-            self.observe_load("store", got, time.monotonic() - start)
+            self.observe_load("store", got, time.monotonic() - asked)
 
     def _remember_in_store(self, block: int) -> None:
         self._in_store[block] = None

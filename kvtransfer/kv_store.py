@@ -47,6 +47,11 @@ class KVStore(ABC):
         """The value, or ``None`` when the key is not there; ``StoreError`` when the call failed."""
 
     @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's value in one call (``None`` where it is missing); ``StoreError`` when the
+        call failed."""
+
+    @abstractmethod
     def put(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key``; ``StoreError`` when it was not stored."""
 

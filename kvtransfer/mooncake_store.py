@@ -59,6 +59,17 @@ class MooncakeStore(KVStore):
             raise StoreError(f"get of {key} came back empty though the key exists")
         return None
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """One batched read; an empty answer is a miss (a key evicted since, or a failed read:
+        the caller stops its run there either way)."""
+        if not keys:
+            return []
+        values = self._store.get_batch(list(keys))
+        if len(values) != len(keys):
+            self._failed = True
+            raise StoreError(f"get_batch answered {len(values)} values for {len(keys)} keys")
+        return [bytes(v) if v else None for v in values]
+
     def put(self, key: str, value: bytes) -> None:
         code = self._store.put(key, value)
         self._failed = code != 0

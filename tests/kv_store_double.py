@@ -27,6 +27,9 @@ class DictStore(KVStore):
         self.gets += 1
         return self.values.get(key)
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
     def put(self, key: str, value: bytes) -> None:
         self._check()
         self.values.setdefault(key, value)

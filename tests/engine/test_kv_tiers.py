@@ -62,7 +62,9 @@ def test_an_evicted_prefix_moves_to_the_host_tier_and_comes_back_from_it():
     assert sorted(op.page_id for op in saves) == sorted(a_pages[:2])
     events = cache.take_events()
     a_blocks = block_hashes(a, PAGE)
-    removed = {h for e in events if isinstance(e, BlockRemoved) and e.tier == "device" for h in e.block_hashes}
+    removed = {
+        h for e in events if isinstance(e, BlockRemoved) and e.tier == "device" for h in e.block_hashes
+    }
     hosted = {h for e in events if isinstance(e, BlockStored) and e.tier == "host" for h in e.block_hashes}
     assert set(a_blocks) <= removed and set(a_blocks) <= hosted
 
@@ -71,7 +73,9 @@ def test_an_evicted_prefix_moves_to_the_host_tier_and_comes_back_from_it():
     ops = tiers.take_ops()
     loads = [op for op in ops if op.kind == "load"]
     slot_of = {op.block: op.slot for op in saves}
-    assert [(op.page_id, op.slot) for op in loads] == [(p, slot_of[b]) for p, b in zip(found.page_ids, a_blocks)]
+    assert [(op.page_id, op.slot) for op in loads] == [
+        (p, slot_of[b]) for p, b in zip(found.page_ids, a_blocks, strict=False)
+    ]
     # a save the same lookup caused (evicting a device page for the loads) comes first
     kinds = [op.kind for op in ops]
     assert kinds.index("load") > max((i for i, k in enumerate(kinds) if k == "save"), default=-1)
@@ -110,16 +114,20 @@ def test_a_corrupt_or_foreign_block_is_a_counted_miss_and_the_run_stops_there():
     prompt = list(range(400, 413))
     blocks = block_hashes(prompt, PAGE)
     parents = [None, *blocks[:-1]]
-    for i, (block, parent) in enumerate(zip(blocks, parents)):
+    for i, (block, parent) in enumerate(zip(blocks, parents, strict=False)):
         tokens = prompt[i * PAGE : (i + 1) * PAGE]
-        store.values[store_key("m", LAYOUT, block)] = encode_block("m", LAYOUT, block, parent, tokens, payload_of(block))
+        store.values[store_key("m", LAYOUT, block)] = encode_block(
+            "m", LAYOUT, block, parent, tokens, payload_of(block)
+        )
     key = store_key("m", LAYOUT, blocks[1])
     good = store.values[key]
     store.values[key] = good[:-1] + bytes([good[-1] ^ 1])  # one flipped bit of KV
     found = cache.match(prompt)
     assert found.store_tokens == PAGE and tiers.store_rejected == 1
     cache.free(found.page_ids)
-    store.values[key] = encode_block("other-model", LAYOUT, blocks[1], blocks[0], prompt[4:8], payload_of(blocks[1]))
+    store.values[key] = encode_block(
+        "other-model", LAYOUT, blocks[1], blocks[0], prompt[4:8], payload_of(blocks[1])
+    )
     found = cache.match(prompt)
     assert found.num_tokens == PAGE and tiers.store_rejected == 2  # block 0 now on the device
     cache.free(found.page_ids)
@@ -153,3 +161,19 @@ def test_a_tier_priced_slower_than_computing_is_not_loaded_and_the_recompute_is_
     assert second_tiers.recomputed_tokens == 8
 
 
+def test_the_evictions_a_host_load_causes_never_take_the_blocks_it_loads():
+    """A host tier of 2 slots holding a 2-block prefix, and a full device: loading the prefix
+    evicts 2 device pages to the host, which must not push out the 2 blocks being loaded."""
+    cache, tiers = tiered_cache(num_pages=4, host_pages=2)
+    a = list(range(800, 809))
+    compute(cache, a)
+    compute(cache, list(range(900, 916)))  # evicts a's 2 pages to the 2 host slots
+    tiers.take_ops()
+    assert sorted(tiers.host_blocks()) == sorted(block_hashes(a, PAGE))
+    found = cache.match(a)
+    assert found.host_tokens == 8  # both loaded; the 2 device pages evicted for them found no free slot
+    ops = tiers.take_ops()
+    assert [op.kind for op in ops].count("load") == 2
+    assert not [op for op in ops if op.kind == "save"]
+    cache.free(found.page_ids)
+    cache.check_integrity()

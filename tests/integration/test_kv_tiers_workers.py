@@ -44,8 +44,6 @@ from tandem.wire.prefill_job import PrefillJob
 from tandem.wire.request_params import SamplingParams
 from tests.hf_reference import make_hf_checkpoint
 
-pytest.importorskip("mooncake.store")
-
 PAGE = 8
 DEVICE_PAGES = 10  # a prefill rank's device pool: small, so prefixes are evicted
 HOST_PAGES = 64
