@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from tandem.engine.kv_block_codec import BlockLayout, BlockRejected, decode_block, encode_block, store_key
 from tandem.engine.prefix_cache import ChainBlock, LowerMatch
@@ -256,7 +256,7 @@ class KVTiers:
         self._in_store: OrderedDict[int, None] = OrderedDict()  # blocks known to be there
         self._store_down_until = 0.0
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader") if config.store else None
-        self._pending: Future[object] | None = None  # a read that timed out and may still run
+        self._pending: Future[Any] | None = None  # a read that timed out and may still run
         self.page_size = config.layout.page_size
         self.host_load_bytes = self.store_load_bytes = 0
         self.host_load_s = self.store_load_s = 0.0

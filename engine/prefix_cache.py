@@ -224,9 +224,8 @@ class PrefixCache:
         chain: list[ChainBlock] = []
         for index in range(len(page_ids), num_blocks):
             tokens = tuple(token_ids[index * size : (index + 1) * size])
-            block = block_hash(parent, tokens)
-            chain.append(ChainBlock(block, parent, tokens))
-            parent = block
+            chain.append(ChainBlock(block_hash(parent, tokens), parent, tokens))
+            parent = chain[-1].block
         lower = tiers.lookup(chain, [c.block in self._hash_to_page for c in chain])
         device_later = [
             self._hash_to_page[c.block]
@@ -242,28 +241,28 @@ class PrefixCache:
         taken, later, used = list(page_ids), iter(device_later), 0
         run: list[int] = []
         run_parent = chain[0].parent if chain else None
-        for block, kind in zip(chain, lower.order, strict=False):
+        for link, kind in zip(chain, lower.order, strict=False):
             if kind == "device":
                 self._flush_stored(run, run_parent)
                 taken.append(next(later))
-                run_parent = block.block
+                run_parent = link.block
                 counts["device"] += 1
                 continue
             if used == len(fresh) or (
-                kind == "host" and not tiers.still_in_host(block.block, host[block.block])
+                kind == "host" and not tiers.still_in_host(link.block, host[link.block])
             ):
                 break
             page_id = fresh[used]
             used += 1
             if kind == "host":
-                tiers.loaded("host", page_id, block.block, slot=host[block.block])
+                tiers.loaded("host", page_id, link.block, slot=host[link.block])
             else:
-                tiers.loaded("store", page_id, block.block, payload=store[block.block])
-            self._page_hash[page_id] = block.block
-            self._hash_to_page[block.block] = page_id
+                tiers.loaded("store", page_id, link.block, payload=store[link.block])
+            self._page_hash[page_id] = link.block
+            self._hash_to_page[link.block] = page_id
             if not run:
-                run_parent = block.parent
-            run.append(block.block)
+                run_parent = link.parent
+            run.append(link.block)
             taken.append(page_id)
             counts[kind] += 1
         self._flush_stored(run, run_parent)
