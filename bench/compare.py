@@ -146,6 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cores-per-rank", type=int, default=1, help="cores each rank's process is pinned to"
     )
+    add_served_arguments(parser)
+
+
+def add_served_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every served side-by-side bench takes: the model, its dtype, the warm-up, bench
+    serve's workload and ``--json``."""
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument(

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_arguments(
         bench.add_parser("speculative", help="speculative decoding against plain, side by side")
     )
+    from tandem.bench.tier_bench import add_arguments as add_tier_bench_arguments
+
+    add_tier_bench_arguments(bench.add_parser("tiers", help="KV tiers off against on, served side by side"))
     return parser
 
 
@@ -378,6 +381,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.bench.compare import run_compare_command
 
         return run_compare_command(args)
+    if args.command == "bench" and args.bench_command == "tiers":
+        from tandem.bench.tier_bench import run_tiers_command
+
+        return run_tiers_command(args)
     if args.command == "bench" and args.bench_command == "speculative":
         from tandem.bench.spec_bench import run_speculative_command
 
