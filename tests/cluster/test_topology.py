@@ -39,3 +39,23 @@ def test_config_file_errors_name_the_field(tmp_path: Path) -> None:
     path.write_text("decode:\n  groups: 3\n  dep: 4\n")
     t = Topology.load(path)
     assert t.decode.ranks == 12 and t.prefill.dep == 2
+
+
+@pytest.mark.parametrize(
+    ("update", "field"),
+    [
+        ({"colocated": {"host_cache_pages": 8}}, "colocated.host_cache_pages"),
+        ({"colocated": {}, "store": {}}, "store"),
+        ({"decode": {"host_cache_pages": 8}}, "decode.host_cache_pages"),
+        ({"store": {"metadata": "http://127.0.0.1:8080/metadata"}}, "metadata"),
+    ],
+)
+def test_kv_tiers_only_where_they_serve(update: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        Topology.model_validate(update)
+
+
+def test_a_store_block_without_a_master_is_the_deployments_own() -> None:
+    t = Topology.model_validate({"prefill": {"host_cache_pages": 64}, "store": {}})
+    assert t.prefill.host_cache_pages == 64 and t.store is not None and t.store.master is None
+    assert Topology.model_validate({"store": {"master": "10.0.0.5:50051"}}).store.master == "10.0.0.5:50051"
