@@ -197,24 +197,16 @@ def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
     host, device, store = args.host_cache_pages, args.device_cache_pages, args.kv_store
     if host is None and device is None and store is None:
         return topology
-    if topology.colocated is not None:
-        raise InvalidRequestError(
-            "--host-cache-pages"
-            if host is not None
-            else "--device-cache-pages"
-            if device is not None
-            else "--kv-store",
-            f"{topology.name} has a colocated pool; KV tiers serve prefill and decode pools",
-        )
     for flag, value in (("--host-cache-pages", host), ("--device-cache-pages", device)):
         if value is not None and (value < 0 or (flag == "--device-cache-pages" and value < 1)):
             raise InvalidRequestError(
                 flag, f"must be {'positive' if flag == '--device-cache-pages' else '>= 0'}, got {value}"
             )
-    prefill = topology.prefill.model_copy(
+    pool = "colocated" if topology.colocated is not None else "prefill"  # the pool that prefills
+    resized = getattr(topology, pool).model_copy(
         update={k: v for k, v in (("host_cache_pages", host), ("num_pages", device)) if v is not None}
     )
-    update: dict[str, object] = {"prefill": prefill}
+    update: dict[str, object] = {pool: resized}
     if store is not None:
         try:
             update["store"] = StoreSpec() if store == "auto" else StoreSpec(master=store)

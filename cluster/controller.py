@@ -109,7 +109,8 @@ class Cluster:
                 max_num_batched_tokens=c.max_num_batched_tokens,
             )
             self.prefill: list[RankGroup] = []
-            self.decode = groups("colocated", c, ColocatedRole(engine=engine))
+            tiers = ColocatedRole(engine=engine, host_cache_pages=c.host_cache_pages, store=store)
+            self.decode = groups("colocated", c, tiers)
             return
         p, d = topology.prefill, topology.decode
         self.prefill = groups(

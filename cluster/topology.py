@@ -227,9 +227,6 @@ class Topology(BaseModel):
                 raise ValueError("autoscaling: the autoscaler sizes prefill and decode pools, not colocated")
             if self.speculative.tokens:
                 raise ValueError("speculative: drafts are verified on decode ranks, not on a colocated pool")
-            if self.colocated.host_cache_pages or self.store is not None:
-                field = "colocated.host_cache_pages" if self.colocated.host_cache_pages else "store"
-                raise ValueError(f"{field}: KV tiers serve prefill and decode pools, not a colocated one")
         if self.decode.host_cache_pages:
             raise ValueError(
                 "decode.host_cache_pages: the host tier is a prefill rank's (decode ranks write to the store)"

@@ -10,6 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.request_params import FinishReason, SamplingParams, check_prompt
+
+if TYPE_CHECKING:
+    from tandem.engine.tier_copier import TierCopier
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,20 @@ class ColocatedEngine:
             )
         )
         self.runner = ModelRunner(model, self.pool, lockstep)
+        self.copier: TierCopier | None = None  # the host tier and the store, once attached
         self._ids = itertools.count()
+
+    def attach_tiers(self, copier: TierCopier) -> None:
+        """Put ``copier``'s host tier and store below this engine's prefix cache; every step
+        then executes the copies they decide (``run_tier_ops``)."""
+        self.copier = copier
+        self.scheduler.kv_cache.tiers = copier.tiers
+
+    def run_tier_ops(self) -> None:
+        """The copies the last ``schedule`` (loads, before the forward) or ``update`` (writes of
+        what the forward computed) decided."""
+        if self.copier is not None:
+            self.copier.run(self.copier.tiers.take_ops())
 
     @staticmethod
     def from_model_dir(
@@ -109,8 +126,11 @@ class ColocatedEngine:
     def step(self) -> list[Request]:
         """One continuous-batching step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
+        self.run_tier_ops()
         tokens = self.runner.run(plan)
-        return self.scheduler.update(plan, tokens)
+        finished = self.scheduler.update(plan, tokens)
+        self.run_tier_ops()
+        return finished
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]

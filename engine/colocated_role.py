@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.role_spec import RoleSpec
+from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.wire.messages import Role
 
 if TYPE_CHECKING:
@@ -19,10 +20,16 @@ class ColocatedRole(RoleSpec):
     role: ClassVar[Role] = Role.COLOCATED
     idle_wait_s: ClassVar[float] = 0.02  # nothing arrives by transfer: no need to look often
     engine: EngineConfig = field(default_factory=EngineConfig)
+    host_cache_pages: int = 0  # the rank's host tier (see ``PooledRole``)
+    store: StoreConfig | None = None  # the shared store
+    model_key: str = ""
 
     def build(self, ctx: RankContext) -> RankWorker:
         from tandem.engine.colocated import ColocatedEngine
         from tandem.engine.colocated_worker import ColocatedWorker
 
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True)
+        copier = ctx.tiers(engine.pool, self.host_cache_pages, self.store, self.model_key)
+        if copier is not None:
+            engine.attach_tiers(copier)
         return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher, ctx.outbox)

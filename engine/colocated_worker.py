@@ -27,6 +27,7 @@ from tandem.engine.stream_publisher import StreamPublisher
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import (
     Bill,
+    CachedByTier,
     LoopStats,
     PrefillAttempt,
     RankId,
@@ -34,6 +35,7 @@ from tandem.wire.messages import (
     RankStats,
     RequestResult,
     Role,
+    TierStats,
 )
 from tandem.wire.request_params import FinishReason
 
@@ -125,6 +127,7 @@ class ColocatedWorker(RankWorker):
         scheduler = self.engine.scheduler
         t0 = time.perf_counter()
         plan = scheduler.schedule()
+        self.engine.run_tier_ops()  # host and store blocks into their pages, before the forward
         self._schedule_s += time.perf_counter() - t0
         scheduled_at = time.monotonic()
         for chunk in plan.chunks:
@@ -136,6 +139,7 @@ class ColocatedWorker(RankWorker):
         sampled = self.engine.runner.run(plan)
         t1 = time.perf_counter()
         finished = scheduler.update(plan, sampled)
+        self.engine.run_tier_ops()  # what the forward computed, to the store
         now, now_unix_s = time.monotonic(), time.time()
         for request, count in zip(requests, before, strict=True):
             track = self._tracks.get(request.request_id)
@@ -193,6 +197,7 @@ class ColocatedWorker(RankWorker):
             local_experts=len(self.dispatcher.local),
             forward_s=self.engine.runner.stats.forward_s,
             split=self.engine.runner.split(self._schedule_s, self._update_s),
+            tiers=self.engine.copier.tiers.stats() if self.engine.copier is not None else TierStats(),
             all_to_all_s=ep.all_to_all_s,
             moe_rows_sent=ep.rows_sent,
             moe_rows_received=ep.rows_received,
@@ -232,16 +237,20 @@ class ColocatedWorker(RankWorker):
     def _bill(self, request: Request, track: _Track, now: float) -> Bill:
         first = track.token_at[0] if track.token_at else None
         scheduled = track.scheduled_at
+        host, store = request.num_cached_host_tokens, request.num_cached_store_tokens
+        cached = CachedByTier(request.num_cached_tokens - host - store, host, store)
         attempt = PrefillAttempt(
             attempt=1,
             prefill_rank=self.rank_id,
             delivered=first is not None,
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
+            cached_by_tier=cached,
             prefill_queue_s=(scheduled if scheduled is not None else now) - track.queued_at,
             prefill_compute_s=(first - scheduled) if first is not None and scheduled is not None else 0.0,
         )
         return build_bill(
+            cached_by_tier=cached,
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
             new_prompt_tokens=request.num_prompt_tokens - request.num_cached_tokens,

@@ -59,6 +59,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cached_host_tokens: int = 0  # of the cached ones, loaded from the host tier
+    num_cached_store_tokens: int = 0  # and from the shared store
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
 

@@ -252,7 +252,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> bool:
         """Match the cached prefix and take pages for the first chunk; all or nothing."""
         token_ids = request.all_token_ids
-        page_ids, num_cached = self.kv_cache.match_prefix(token_ids)
+        found = self.kv_cache.match(token_ids)
+        page_ids, num_cached = found.page_ids, found.num_tokens
         num_new = min(len(token_ids) - num_cached, budget)
         num_pages = math.ceil((num_cached + num_new) / self.config.page_size)
         new_pages = self.kv_cache.allocate(num_pages - len(page_ids))
@@ -261,6 +262,10 @@ class Scheduler:
             return False
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
+            request.num_cached_host_tokens, request.num_cached_store_tokens = (
+                found.host_tokens,
+                found.store_tokens,
+            )
         request.page_ids = page_ids + new_pages
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING

@@ -44,8 +44,6 @@ def test_config_file_errors_name_the_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("update", "field"),
     [
-        ({"colocated": {"host_cache_pages": 8}}, "colocated.host_cache_pages"),
-        ({"colocated": {}, "store": {}}, "store"),
         ({"decode": {"host_cache_pages": 8}}, "decode.host_cache_pages"),
         ({"store": {"metadata": "http://127.0.0.1:8080/metadata"}}, "metadata"),
     ],
