@@ -479,7 +479,9 @@ def _generate(args: argparse.Namespace) -> int:
     for flag in ("host_cache_pages", "device_cache_pages", "kv_store"):
         if getattr(args, flag) is not None:
             name = f"--{flag.replace('_', '-')}"
-            raise InvalidRequestError(name, "KV tiers serve a deployment's ranks: give --preset or --topology")
+            raise InvalidRequestError(
+                name, "KV tiers serve a deployment's ranks: give --preset or --topology"
+            )
     if args.dep is not None:
         return _generate_dep(args, specs, engine_config)
     engine = ColocatedEngine.from_model_dir(args.model, DTYPES[args.dtype], engine_config)

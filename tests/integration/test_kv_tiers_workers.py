@@ -108,6 +108,7 @@ def _tiers(pool: KVPool, store: StoreConfig, host_pages: int) -> TierCopier:
         layout=pool_block_layout(pool),
         page_bytes=page_bytes(pool),
         store_retry_s=0.5,
+        store_timeout_s=30.0,  # a loaded 2-core machine must not turn a slow answer into a miss here
     )
     return build_tiers(pool, config)[1]
 
