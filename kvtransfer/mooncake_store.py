@@ -9,21 +9,10 @@ an empty answer after an ``is_exist`` of 1 is a failure.
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Sequence
 from typing import Any
 
 from tandem.kvtransfer.kv_store import KVStore, StoreConfig, StoreError
-
-_ABANDONED: list[Any] = []  # clients not closed (their master was gone), closed at exit
-
-
-@atexit.register
-def _close_abandoned() -> None:
-    """Close what ``close`` left, before the interpreter tears down: a client destroyed during
-    finalization crashes the process."""
-    while _ABANDONED:
-        _ABANDONED.pop().close()
 
 
 class MooncakeStore(KVStore):
@@ -87,9 +76,6 @@ class MooncakeStore(KVStore):
 
     def close(self) -> None:
         """Leave the store. With its master unreachable the client's close retries for about
-        ten seconds holding the interpreter, so a client whose last call failed is closed at
-        the process's exit instead."""
-        if self._failed:
-            _ABANDONED.append(self._store)
-        else:
-            self._store.close()
+        ten seconds holding the interpreter; it is waited for all the same, since a client
+        left to be destroyed during the interpreter's finalization crashes the process."""
+        self._store.close()

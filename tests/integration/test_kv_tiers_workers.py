@@ -262,11 +262,10 @@ def test_a_corrupt_block_is_a_counted_miss_and_a_stopped_master_loses_no_request
             encode_block(MODEL_KEY, layout, blocks[2], blocks[1], prompt[16:24], bytes(page_bytes(pool)))
         )
         bad[-1] ^= 0xFF
+        # the block lives in this client's segment: it stays open to the end (closing it takes its
+        # blocks out of the store)
         writer = MooncakeStore(config)
-        try:
-            writer.put(store_key(MODEL_KEY, layout, blocks[2]), bytes(bad))
-        finally:
-            writer.close()
+        writer.put(store_key(MODEL_KEY, layout, blocks[2]), bytes(bad))
         cluster.run([prompt], on=A)
         b_tiers = cluster.prefill[B].copier.tiers  # type: ignore[union-attr]
         (read,) = cluster.run([[*prompt, 5, 6]], on=B)
@@ -282,3 +281,4 @@ def test_a_corrupt_block_is_a_counted_miss_and_a_stopped_master_loses_no_request
         cluster.check()
     finally:
         cluster.close()
+        writer.close()
