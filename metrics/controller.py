@@ -1,10 +1,11 @@
 """The controller's metrics: every group's state and incarnation, restarts, and the ranks that
-take work in each pool. Read from the controller's view when Prometheus scrapes."""
+take work in each pool; the autoscaler's decisions and its own failures. Read from the
+controller's view when Prometheus scrapes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,6 +31,11 @@ class GroupFigures:
 class AutoscalerFigures:
     desired_groups: dict[str, int]  # pool -> the groups the last decision wants
     decisions: dict[tuple[str, str, str], int]  # (pool, action, reason) -> decisions since start
+    ticks: int = 0  # ticks completed
+    tick_errors: int = 0  # ticks that raised
+    thread_restarts: int = 0  # times its thread had died and was started again
+    drain_timeouts: dict[str, int] = field(default_factory=dict)  # pool -> drains cancelled (any)
+    action_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, action) -> failed
 
 
 class ControllerMetrics:
@@ -72,6 +78,35 @@ class _AutoscalerCollector(Collector):
             decisions.add_metric([*values, pool, action, reason], count)
         yield desired
         yield decisions
+        for name, doc, value in (
+            ("tandem_autoscaler_ticks", "Ticks the autoscaler completed", figures.ticks),
+            ("tandem_autoscaler_tick_errors", "Autoscaler ticks that raised (logged)", figures.tick_errors),
+            (
+                "tandem_autoscaler_thread_restarts",
+                "Times the autoscaler's thread had died and was started again",
+                figures.thread_restarts,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
+        timeouts = CounterMetricFamily(
+            "tandem_autoscaler_drain_timeouts",
+            "Drains cancelled at their timeout, the autoscaler's or remove_group's (the group took "
+            "work again), by pool",
+            labels=[*names, "pool"],
+        )
+        for pool, count in sorted(figures.drain_timeouts.items()):
+            timeouts.add_metric([*values, pool], count)
+        failures = CounterMetricFamily(
+            "tandem_autoscaler_action_failures",
+            "Autoscaler adds and drains that raised (logged), by pool and action",
+            labels=[*names, "pool", "action"],
+        )
+        for (pool, action), count in sorted(figures.action_failures.items()):
+            failures.add_metric([*values, pool, action], count)
+        yield timeouts
+        yield failures
 
 
 class _GroupsCollector(Collector):
