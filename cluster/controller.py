@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -21,7 +22,8 @@ import ray
 
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.prometheus_source import PrometheusSource
-from tandem.cluster.autoscaling import AutoscalerLoop
+from tandem.cluster.autoscaling import AutoscalerLoop, DrainTimeout
+from tandem.cluster.controller_state import AutoscalerSettings, ControllerRecord, RecordStore, Removal
 from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name
 from tandem.cluster.kv_store_master import StoreMaster
 from tandem.cluster.placement import RankResources
@@ -43,6 +45,11 @@ from tandem.wire.routing_view import FrontendInfo, GroupState, GroupView, Routin
 from tandem.wire.scrape_target import ScrapeTarget
 
 log = logging.getLogger(__name__)
+
+
+def _take_work(rank: Any) -> None:
+    """Run on a rank actor (``__ray_call__``): take new requests again after a drain."""
+    rank._require().worker.draining = False
 
 
 class Cluster:
@@ -96,6 +103,7 @@ class Cluster:
         self._next_ordinal = 0  # of the next group's first rank, for core pinning
 
         self._draining: set[str] = set()
+        self.on_draining_changed: Callable[[], None] = lambda: None  # before ranks hear of it
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
         self.store_master: StoreMaster | None = None
         store = self._store_config(topology.store)
@@ -232,14 +240,41 @@ class Cluster:
                 out.append(ScrapeTarget(address, "rank", labels.as_dict()))
         return out
 
+    @property
+    def draining(self) -> frozenset[str]:
+        return frozenset(self._draining)
+
     def drain(self, group_id: str) -> None:
         """Stop sending a group new work; what it has runs to the end (a decode group's ranks
         refuse new requests, which their frontends route elsewhere)."""
         group = self.group(group_id)
         self._draining.add(group_id)
+        self.on_draining_changed()
         self._send_membership()
         if group.state is GroupState.READY:
             ray.get([a.drain.remote() for a in group.actors.values()])
+
+    def undrain(self, group_id: str) -> None:
+        """Cancel a drain: the group takes new work again (its ranks accept requests, then the
+        decode ranks hear of its prefill ranks; frontends route to it from the next view)."""
+        group = self.group(group_id)
+        self._draining.discard(group_id)
+        self.on_draining_changed()
+        if group.state is GroupState.READY:
+            ray.get([a.__ray_call__.remote(_take_work) for a in group.actors.values()])
+        self._send_membership()
+
+    def restore_draining(self, group_ids: Iterable[str]) -> None:
+        """After a controller restart, before ``adopt``: the groups that were draining (their
+        ranks still refuse work; adopt's membership leaves them out)."""
+        self._draining = set(group_ids)
+
+    def forget_unknown_draining(self) -> list[str]:
+        """After ``adopt``: drop draining ids of groups that are no longer there; those dropped."""
+        known = {g.group_id for g in self.groups}
+        gone = sorted(self._draining - known)
+        self._draining &= known
+        return gone
 
     def group(self, group_id: str) -> RankGroup:
         for g in self.groups:
@@ -344,6 +379,7 @@ class Cluster:
             if group in pool:
                 pool.remove(group)
         self._draining.discard(group.group_id)
+        self.on_draining_changed()
         self._send_membership()
 
     def serving(self, role: Role) -> list[RankGroup]:
@@ -462,18 +498,76 @@ class Controller:
             metrics = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
             self._metrics = MetricsServer(metrics.registry, metrics_host or ray.util.get_node_ip_address())
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
+        self._settings: AutoscalerSettings | None = None
+        self._removing: dict[str, Removal] = {}  # group id -> its removal under way
+        self._drain_timeouts = {role.value: 0 for role in (Role.PREFILL, Role.DECODE)}  # by pool
+        self._record = RecordStore(ray.get_runtime_context().namespace)
+        self.cluster.on_draining_changed = self._save_record
         self._view = self._routing_view()
         self.rebuilt: list[str] = []
         if ray.get_runtime_context().was_current_actor_reconstructed:  # Ray restarted this actor
-            with self._lock:
-                adopted = self.cluster.adopt()
-                self._view = self._routing_view()
-            log.warning("controller restarted: adopted groups %s", ", ".join(adopted) or "none")
+            self._resume(self._record.load())
             self._watch.start()
+        else:  # a new deployment: nothing of an earlier one of this name is resumed
+            self._record.clear()
+
+    def _resume(self, record: ControllerRecord) -> None:
+        """After Ray restarted this actor: adopt the running groups with the draining set as it
+        was, carry on every removal under way (a drain whose deadline passed meanwhile is
+        cancelled at once) and start the autoscaler again with its settings. A removal is
+        resumed, not cancelled: the decision to shrink stands, and its deadline is kept."""
+        with self._lock:
+            self.cluster.restore_draining({*record.draining, *(r.group_id for r in record.removing)})
+            adopted = self.cluster.adopt()
+            gone = self.cluster.forget_unknown_draining()
+            known = {g.group_id for g in self.cluster.groups}
+            self._removing = {r.group_id: r for r in record.removing if r.group_id in known}
+            self._settings = record.autoscaler
+            self._save_record()
+            self._view = self._routing_view()
+        log.warning(
+            "controller restarted: adopted groups %s; draining %s; removing %s%s",
+            ", ".join(adopted) or "none",
+            ", ".join(sorted(self.cluster.draining)) or "none",
+            ", ".join(sorted(self._removing)) or "none",
+            f"; forgot draining groups no longer there: {', '.join(gone)}" if gone else "",
+        )
+        if record.autoscaler is not None:
+            self._start_loop(record.autoscaler)
+        for removal in list(self._removing.values()):
+            self._resume_removal(removal)
+
+    def _resume_removal(self, removal: Removal) -> None:
+        group = self.cluster.group(removal.group_id)
+        loop = self._autoscaler
+
+        def step() -> str:
+            self._await_removal(group, removal)
+            return removal.group_id
+
+        if removal.by_autoscaler and loop is not None:
+            loop.resume(group.config.role.role, "drain", step)
+            return
+
+        def alone() -> None:
+            try:
+                step()
+            except Exception:
+                log.exception("the resumed removal of %s failed", removal.group_id)
+
+        threading.Thread(target=alone, name=f"remove-{removal.group_id}", daemon=True).start()
+
+    def _save_record(self) -> None:
+        """What a restarted controller resumes (``cluster/controller_state.py``); called with
+        the lock held, whenever the settings, the draining set or the removals change."""
+        draining = {*self.cluster.draining, *self._removing}
+        removing = tuple(self._removing[g] for g in sorted(self._removing))
+        self._record.save(ControllerRecord(self._settings, tuple(sorted(draining)), removing))
 
     def _routing_view(self) -> RoutingView:
         view = self.cluster.routing_view()
-        decisions = tuple(self._autoscaler.decisions)[-16:] if self._autoscaler is not None else ()
+        loop = self._autoscaler
+        decisions = loop.recent_decisions(16) if loop is not None else ()
         frontends = tuple(self._frontends[name] for name in sorted(self._frontends))
         own = tuple(f.metrics_target for f in frontends if f.metrics_target is not None) + self._own_target
         return replace(
@@ -506,16 +600,33 @@ class Controller:
         loop = self._autoscaler
         if loop is None:
             return None
-        counts: dict[tuple[str, str, str], int] = {}
-        for (pool, action, rule), n in list(loop.counts.items()):
-            key = (pool, action, Decision(pool, action, rule, 0, 0).reason)
-            counts[key] = counts.get(key, 0) + n
-        return AutoscalerFigures(dict(loop.desired), counts)
+        return replace(loop.figures(), drain_timeouts=dict(self._drain_timeouts))
 
-    def start_autoscaler(self, prometheus_url: str, dry_run: bool = False) -> None:
+    def autoscaler_figures(self) -> AutoscalerFigures | None:
+        """The autoscaler's counters (ticks, errors, drain timeouts...); ``None`` when it is off."""
+        return self._autoscaler_figures()
+
+    def autoscaler_settings(self) -> AutoscalerSettings | None:
+        """What the autoscaler runs with (``None``: it was never started)."""
+        return self._settings
+
+    def start_autoscaler(
+        self, prometheus_url: str, dry_run: bool = False, drain_timeout_s: float = 300.0
+    ) -> None:
         """Run the autoscaling policy every ``interval_s`` of the topology's ``autoscaling:``
         (its defaults without one), reading its signals from the Prometheus at
-        ``prometheus_url``; with ``dry_run`` it decides and records but does not act."""
+        ``prometheus_url``; with ``dry_run`` it decides and records but does not act. A drain
+        whose group still holds requests after ``drain_timeout_s`` is cancelled. The settings
+        are kept where a restarted controller finds them, and it starts the autoscaler again.
+        Called again, the autoscaler starts anew with the new settings (actions under way run
+        to their end)."""
+        settings = AutoscalerSettings(prometheus_url, dry_run, drain_timeout_s)
+        with self._lock:
+            self._settings = settings
+            self._save_record()
+        self._start_loop(settings)
+
+    def _start_loop(self, settings: AutoscalerSettings) -> None:
         topology = self.cluster.topology
         config = topology.autoscaling_config()
         window = topology.autoscaling.window if topology.autoscaling else "1m"
@@ -528,22 +639,37 @@ class Controller:
         def remove(pool: Role) -> str:
             with self._lock:
                 newest = self.cluster.serving(pool)[-1].group_id
-            self.remove_group(newest)
+            self._remove_group(newest, settings.drain_timeout_s, by_autoscaler=True)
             return newest
 
-        source = PrometheusSource(prometheus_url, self.cluster.model_name, window=window)
-        self._autoscaler = AutoscalerLoop(
-            Autoscaler(config), source, groups, lambda pool: self.add_group(pool.value), remove, dry_run
+        source = PrometheusSource(settings.prometheus_url, self.cluster.model_name, window=window)
+        loop = AutoscalerLoop(
+            Autoscaler(config),
+            source,
+            groups,
+            lambda pool: self.add_group(pool.value),
+            remove,
+            settings.dry_run,
         )
-        self._autoscaler.start()
+        previous, self._autoscaler = self._autoscaler, loop
+        if previous is not None:
+            previous.stop()
+        loop.start()
 
     def autoscaler_tick(self) -> list[Decision]:
-        """One tick of the autoscaler now (it must have been started): for tools and tests."""
-        if self._autoscaler is None:
+        """One tick of the autoscaler now (it must have been started): for tools and tests. It
+        returns once the decisions are made; their actions run on (``wait_autoscaler``)."""
+        loop = self._autoscaler
+        if loop is None:
             raise RuntimeError("the autoscaler is not running: start_autoscaler first")
-        decisions = self._autoscaler.tick()
+        decisions = loop.tick()
         self._view = self._routing_view()
         return decisions
+
+    def wait_autoscaler(self, timeout_s: float = 300.0) -> bool:
+        """Wait until the autoscaler has no action under way; whether it has none."""
+        loop = self._autoscaler
+        return loop.wait_actions(timeout_s) if loop is not None else True
 
     def _group_figures(self) -> list[GroupFigures]:
         """From the last published view: a scrape never waits on a rebuild. A group is started
@@ -603,6 +729,8 @@ class Controller:
                     if rebuilt:
                         self.rebuilt += rebuilt
                         self._view = self._routing_view()
+                if self._autoscaler is not None:
+                    self._autoscaler.ensure_running()
             except Exception:  # a rebuild that failed is tried again; the watch never stops
                 log.exception("controller: watching the groups failed")
             self._stop.wait(self.health_interval_s / 10)
@@ -643,16 +771,38 @@ class Controller:
         """Drain a group, wait until its ranks hold nothing for ``quiet_s`` (requests routed on a
         view just before the drain land first), then stop it and free its placement group. No
         request fails for it: a drained decode rank refuses new requests and their frontends
-        route them elsewhere; a drained prefill group gets no new jobs."""
+        route them elsewhere; a drained prefill group gets no new jobs. A group that still holds
+        requests after ``timeout_s`` is not stopped: the drain is cancelled, the group takes work
+        again and :class:`DrainTimeout` is raised."""
+        self._remove_group(group_id, timeout_s, quiet_s)
+
+    def _remove_group(
+        self, group_id: str, timeout_s: float, quiet_s: float = 1.0, by_autoscaler: bool = False
+    ) -> None:
         with self._lock:
             group = self.cluster.group(group_id)
             if self.cluster.serving(group.config.role.role) == [group]:
                 raise ValueError(f"{group_id} is the last group of its pool that takes work; add one first")
-            self.cluster.drain(group_id)
-            self._view = self._routing_view()
-        deadline = time.monotonic() + timeout_s
+            removal = Removal(group_id, time.time(), timeout_s, by_autoscaler)
+            self._removing[group_id] = removal
+            try:
+                self.cluster.drain(group_id)  # saves the record first: a restart resumes the removal
+            except BaseException:
+                self._removing.pop(group_id, None)
+                self._save_record()  # still draining: the error says why
+                raise
+            finally:
+                self._view = self._routing_view()
+        self._await_removal(group, removal, quiet_s)
+
+    def _await_removal(self, group: RankGroup, removal: Removal, quiet_s: float = 1.0) -> None:
+        """Wait until the draining group is quiet, then stop it; at the removal's deadline,
+        cancel the drain instead (:class:`DrainTimeout`). Returns early if the controller stops
+        (it stops every group)."""
         quiet_since: float | None = None
         while True:
+            if self._stop.is_set():
+                return
             now = time.monotonic()
             try:
                 idle = group.state is not GroupState.READY or self.cluster.idle(group)
@@ -664,18 +814,41 @@ class Controller:
                     break
             else:
                 quiet_since = None
-            if now > deadline:
-                raise TimeoutError(f"{group_id} still holds requests after {timeout_s:.0f} s of draining")
+            if time.time() > removal.deadline_unix_s:
+                self._cancel_removal(group, removal)
+                raise DrainTimeout(group.group_id, time.time() - removal.started_unix_s)
             time.sleep(0.1)
         with self._lock:
             self.cluster.forget_group(group)
+            self._removing.pop(group.group_id, None)
+            self._save_record()
             self._view = self._routing_view()
 
+    def _cancel_removal(self, group: RankGroup, removal: Removal) -> None:
+        with self._lock:
+            self._removing.pop(group.group_id, None)
+            self._save_record()
+            pool = group.config.role.role.value
+            self._drain_timeouts[pool] = self._drain_timeouts.get(pool, 0) + 1
+            try:
+                if group in self.cluster.groups:
+                    self.cluster.undrain(group.group_id)
+            except ray.exceptions.RayError as exc:  # a rank died: the watch fails and rebuilds it
+                log.warning("cancelling the drain of %s: %s", group.group_id, exc)
+            self._view = self._routing_view()
+        log.warning(
+            "drain of %s cancelled: it still held requests after %.0f s; it takes work again",
+            group.group_id,
+            removal.timeout_s,
+        )
+
     def stop(self) -> None:
+        """Stop the autoscaler and every group; a clean stop leaves nothing to resume."""
         self._stop.set()
         if self._autoscaler is not None:
             self._autoscaler.stop()
         with self._lock:
+            self._record.clear()
             self.cluster.stop()
             self._view = self._routing_view()
         if self._metrics is not None:
