@@ -47,8 +47,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nixl._api import nixl_agent, nixl_agent_config
-
 from tandem.kvtransfer.descriptors import PageRun, page_runs, prepared_indices
 from tandem.kvtransfer.metadata import MetadataStore
 from tandem.kvtransfer.transport import (
@@ -78,6 +76,11 @@ from tandem.kvtransfer.types import (
     encode_message,
     notification_fields,
 )
+from tandem.kvtransfer.ucx_config import configure_ucx
+
+configure_ucx()  # before NIXL loads UCX: see kvtransfer/ucx_config.py
+
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 
 @dataclass

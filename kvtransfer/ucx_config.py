@@ -31,18 +31,47 @@ So on one host Tandem asks for huge pages and leaves the transport to UCX (cma f
 cuda_ipc for device memory: a ``UCX_TLS`` without the CUDA transports would stop VRAM pools).
 Across nodes nothing is forced: UCX picks RDMA where the nodes have it. Whatever the operator set
 in the environment wins, key by key.
+
+UCX's modules (``configure_ucx``, run before NIXL loads UCX): on a machine without RDMA devices
+(no entry under ``/sys/class/infiniband``) UCX's InfiniBand modules serve nothing, and loading
+them puts two copies of libnl in one process: the one NIXL's wheel bundles (its UCX InfiniBand
+modules link it) and the system's (Debian's libibverbs, which the Mooncake store client and
+UCX's EFA module link). The two copies' destructors crash the process at exit (SIGSEGV in
+``rtnl_tc_unregister``). There the modules are kept out with ``UCX_MODULES=^ib``; cma, TCP and
+shared memory still carry the transfers. With RDMA devices, or with ``UCX_MODULES`` set by the
+operator, nothing is changed.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Process environment variables that shape transfers and travel to the ranks (besides UCX_*).
 TRANSFER_ENV_KEYS = ("THP_MEM_ALLOC_ENABLE",)
 
 _SINGLE_HOST = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+NO_RDMA_MODULES = "^ib"
+RDMA_DEVICES = Path("/sys/class/infiniband")
+
+
+def has_rdma_devices(devices: Path = RDMA_DEVICES) -> bool:
+    try:
+        return any(devices.iterdir())
+    except OSError:
+        return False
+
+
+def configure_ucx(environ: MutableMapping[str, str] = os.environ, devices: Path = RDMA_DEVICES) -> str | None:
+    """Set ``UCX_MODULES`` for a machine without RDMA devices (see above); the value now in
+    force (``None``: UCX's default)."""
+    if "UCX_MODULES" not in environ and not has_rdma_devices(devices):
+        environ["UCX_MODULES"] = NO_RDMA_MODULES
+    return environ.get("UCX_MODULES")
 
 
 def single_host_transfer_env(operator_env: Mapping[str, str], single_host: bool) -> dict[str, str]:

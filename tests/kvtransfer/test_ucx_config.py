@@ -1,14 +1,27 @@
 """The single-host transfer setting: what it adds, that the operator's values win, that a cluster
-that may span nodes gets nothing forced, that Ray's workers receive it; and reading UCX's choice."""
+that may span nodes gets nothing forced, that Ray's workers receive it; and reading UCX's choice.
+Without RDMA devices UCX's InfiniBand modules stay out, so a process holding a NIXL agent and a
+Mooncake store client loads one copy of libnl (two crash the process at exit)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tandem.kvtransfer.ucx_config import selected_transports, single_host_transfer_env
+from tandem.kvtransfer.ucx_config import (
+    NO_RDMA_MODULES,
+    configure_ucx,
+    has_rdma_devices,
+    selected_transports,
+    single_host_transfer_env,
+)
 
 
 def test_one_host_gets_huge_pages_and_leaves_the_transport_to_ucx() -> None:
@@ -102,3 +115,45 @@ def test_the_transports_ucx_selected_for_the_peer_not_for_itself() -> None:
 
 def test_no_tables_means_nothing_selected() -> None:
     assert selected_transports("UCX  INFO  Version 1.23.0\n").writes == ()
+
+
+def test_without_rdma_devices_the_infiniband_modules_are_kept_out(tmp_path: Path) -> None:
+    environ: dict[str, str] = {}
+    assert configure_ucx(environ, tmp_path / "absent") == NO_RDMA_MODULES == environ["UCX_MODULES"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert configure_ucx({}, empty) == NO_RDMA_MODULES
+
+
+def test_rdma_devices_or_the_operators_setting_leave_ucx_as_it_is(tmp_path: Path) -> None:
+    devices = tmp_path / "infiniband"
+    (devices / "mlx5_0").mkdir(parents=True)
+    assert has_rdma_devices(devices)
+    environ: dict[str, str] = {}
+    assert configure_ucx(environ, devices) is None and environ == {}
+    mine = {"UCX_MODULES": "^cuda"}
+    assert configure_ucx(mine, tmp_path / "absent") == "^cuda" and mine == {"UCX_MODULES": "^cuda"}
+
+
+@pytest.mark.skipif(has_rdma_devices(), reason="this machine has RDMA devices: UCX keeps its modules")
+def test_a_process_with_a_nixl_agent_and_the_store_client_loads_one_libnl() -> None:
+    script = textwrap.dedent(
+        """
+        import json, os
+        from tandem.kvtransfer.nixl_transport import nixl_agent, nixl_agent_config
+        agent = nixl_agent("libnl-check", nixl_agent_config(backends=["UCX"]))
+        try:
+            import mooncake.store  # links the system's libibverbs, and with it the system's libnl
+        except ImportError:
+            pass
+        maps = open("/proc/self/maps").read().split()
+        print(json.dumps(sorted({os.path.basename(p) for p in maps if "/libnl-3" in p})))
+        os._exit(0)  # the copies' destructors are not what this checks
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=True
+    )
+    copies = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(copies) <= 1, copies
