@@ -47,11 +47,6 @@ from tandem.wire.scrape_target import ScrapeTarget
 log = logging.getLogger(__name__)
 
 
-def _take_work(rank: Any) -> None:
-    """Run on a rank actor (``__ray_call__``): take new requests again after a drain."""
-    rank._require().worker.draining = False
-
-
 class Cluster:
     """``metrics_host``: where each rank serves its Prometheus metrics (empty: its node's
     address; ``None``: no rank serves metrics); ``model_name`` labels them."""
@@ -261,7 +256,7 @@ class Cluster:
         self._draining.discard(group_id)
         self.on_draining_changed()
         if group.state is GroupState.READY:
-            ray.get([a.__ray_call__.remote(_take_work) for a in group.actors.values()])
+            ray.get([a.undrain.remote() for a in group.actors.values()])
         self._send_membership()
 
     def restore_draining(self, group_ids: Iterable[str]) -> None:

@@ -108,6 +108,10 @@ class RankActor:
         rank holds runs to its end."""
         self._require().worker.draining = True
 
+    def undrain(self) -> None:
+        """Take new requests again: a drain cancelled."""
+        self._require().worker.draining = False
+
     def observe(self, enabled: bool) -> None:
         """Observe the histograms (the default when metrics are served) or not: what
         ``tandem bench metrics`` compares. Scrapes still read the rank's stats."""
