@@ -9,6 +9,9 @@ CI runs a representative subset.
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "kernels_full" in item.keywords:
             item.add_marker(skip)
+
+
+_DEAD_PID = re.compile(r"\bpid[=: ]+(\d+)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that failed on a Ray worker that died gets that worker's last log lines (its
+    stderr holds the fatal signal's traceback) as a report section: the process is gone by the
+    time anyone reads the report, and so is the Ray session on a CI machine."""
+    report = yield
+    if report.failed and call.excinfo is not None:
+        text = str(report.longrepr)
+        if "died" in text and "Worker exit" in text:
+            pids = sorted(set(_DEAD_PID.findall(text)))
+            report.sections.append(("dead Ray workers' logs", _worker_logs(pids)))
+    return report
+
+
+def _worker_logs(pids: list[str], lines: int = 40) -> str:
+    logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
+    out = []
+    for pid in pids:
+        paths = sorted(logs.glob(f"worker-*-{pid}.*")) + sorted(logs.glob(f"python-core-worker-*_{pid}.log"))
+        for path in paths:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+    raylet = logs / "raylet.out"
+    if raylet.exists():
+        hits = [ln for ln in raylet.read_text(errors="replace").splitlines() if any(p in ln for p in pids)]
+        out.append("--- raylet.out (lines naming the pids)\n" + "\n".join(hits[-lines:]))
+    return "\n".join(out) or f"no Ray logs for pids {pids} under {logs}"
