@@ -18,7 +18,9 @@ Per pool, in order::
 
 Time to first token includes the wait for a decode slot: while the decode pool's reservation
 wait is over its target, a TTFT breach is the decode pool's (its queue pressure), not prefill's,
-and prefill neither scales nor learns from it.
+and prefill neither scales nor learns from it. Nor is a breach prefill's when the window holds
+no new prompt token (every prompt was a cache hit): prefill computed nothing, so the time went
+elsewhere and a prefill group more would not shorten it.
 
 Capacity is learned online from the same signals: the largest per-group demand served within
 the SLO, and the smallest that broke it. No profiling run is needed; until a pool has been seen
@@ -91,8 +93,8 @@ class Autoscaler:
         if st.settle_left > 0:
             st.settle_left -= 1
             return _Want("hold", "settling")
-        if pool is Role.PREFILL and decode_backed_up:  # TTFT tells of the decode pool's queue
-            s = replace(s, latency_p90_s=None)
+        if pool is Role.PREFILL and (decode_backed_up or s.demand == 0):
+            s = replace(s, latency_p90_s=None)  # TTFT tells of the decode pool's queue
         self._learn(pool, s)
         pressure = self._pressure(pool, s)
         if pressure is not None:

@@ -54,6 +54,20 @@ def test_prefill_scales_up_on_a_ttft_breach_and_decode_on_an_itl_breach() -> Non
     assert (decided[D].action, decided[D].rule) == ("add", "slo") and decided[P].action == "hold"
 
 
+def test_a_ttft_breach_with_no_prompt_token_computed_is_not_prefills() -> None:
+    """Every prompt in the window was a cache hit (no new prompt token): the slow first tokens
+    waited elsewhere, so prefill holds, and it does not learn a per-group load from them."""
+    scaler = Autoscaler(CONFIG)
+    all_cached = replace(CALM_P, latency_p90_s=2.5, demand=0.0)
+    ticks = [_tick(scaler, prefill=all_cached)[P] for _ in range(4)]
+    assert [t.action for t in ticks] == ["hold"] * 4 and "slo" not in {t.rule for t in ticks}
+    assert ticks[-1].inputs["bad_per_group"] is None
+    # the same latency with prompt tokens computed is prefill's breach
+    computed = replace(all_cached, demand=500.0)
+    _tick(scaler, prefill=computed)
+    assert _tick(scaler, prefill=computed)[P].rule == "slo"
+
+
 def test_kv_usage_and_queue_time_are_pressure_too() -> None:
     scaler = Autoscaler(CONFIG)
     full = replace(CALM_D, kv_usage=0.8)  # at the target
