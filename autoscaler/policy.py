@@ -28,6 +28,10 @@ to cope, it is never shrunk below the load it carries now. When both pools want 
 rank budget holds one, the more violated pool gets it; when the budget is full, a pool in
 pressure takes a group from the other pool if that one can shrink safely.
 
+Each tick the planner (planner.py) also sizes each pool from its demand and measured capacity;
+its plan, with the latency it predicts at the current and the planned size, is recorded in the
+decision's inputs (``plan``) as advice: the rules above still decide the action.
+
 The policy only decides: the caller acts (the controller) and feeds back the groups' states.
 """
 
@@ -38,6 +42,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 from tandem.autoscaler.config import AutoscalingConfig
+from tandem.autoscaler.planner import Plan, Planner
 from tandem.autoscaler.signals import PoolSignals
 from tandem.wire.autoscaler_decision import Decision
 from tandem.wire.messages import Role
@@ -71,13 +76,18 @@ class Autoscaler:
     def __init__(self, config: AutoscalingConfig) -> None:
         self.config = config
         self._state = {pool: _PoolState() for pool in POOLS}
+        self.planner = Planner(config)
+        self._ticks = 0
 
     def decide(self, signals: dict[Role, PoolSignals]) -> list[Decision]:
-        """One tick: a decision per pool (prefill first)."""
+        """One tick: a decision per pool (prefill first). Ticks are ``interval_s`` apart."""
+        now_s = self._ticks * self.config.interval_s
+        self._ticks += 1
+        plans = {pool: self.planner.plan(pool, signals[pool], now_s) for pool in POOLS}
         decode_backed_up = self._decode_backed_up(signals[Role.DECODE])
         wants = {pool: self._want(pool, signals[pool], decode_backed_up) for pool in POOLS}
         self._apply_budget(signals, wants)
-        return [self._decision(pool, signals[pool], wants[pool]) for pool in POOLS]
+        return [self._decision(pool, signals[pool], wants[pool], plans[pool]) for pool in POOLS]
 
     # -- per pool ------------------------------------------------------------------------------
     def _decode_backed_up(self, decode: PoolSignals) -> bool:
@@ -201,7 +211,7 @@ class Autoscaler:
     def _can_give(self, pool: Role, s: PoolSignals) -> bool:
         return self._pressure(pool, s) is None and self.can_shrink(pool, s)
 
-    def _decision(self, pool: Role, s: PoolSignals, want: _Want) -> Decision:
+    def _decision(self, pool: Role, s: PoolSignals, want: _Want, plan: Plan | None = None) -> Decision:
         st = self._state[pool]
         if want.action == "add":
             st.pressure_ticks = 0
@@ -215,5 +225,11 @@ class Autoscaler:
             "good_per_group": st.good_per_group,
             "bad_per_group": st.bad_per_group,
             "severity": round(want.severity, 4),
+            "plan": _finite(asdict(plan)) if plan is not None else None,
         }
         return Decision(pool.value, want.action, want.rule, s.ready_groups, s.ready_groups + step, inputs)
+
+
+def _finite(values: dict[str, object]) -> dict[str, object]:
+    """Infinite figures (a size that cannot keep up) as ``None``: the inputs are strict JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}

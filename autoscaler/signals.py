@@ -16,7 +16,13 @@ class PoolSignals:
     ``latency_p90_s`` is TTFT's p90 for prefill and ITL's for decode; ``queue_s`` the mean
     prefill queue time (prefill) or reservation wait (decode); ``kv_usage`` the fullest rank's
     KV usage ratio (decode); ``demand`` the load the pool's groups share: new prompt tokens per
-    second (prefill) or sequences in flight (decode)."""
+    second (prefill) or sequences in flight (decode).
+
+    What the planner reads besides: ``busy_groups`` the mean number of the pool's groups
+    computing over the window (prefill); ``backlog`` the work queued and not started (prompt
+    tokens waiting for prefill; sequences waiting for KV on decode); ``prompt_tokens`` the mean
+    new prompt tokens per request (prefill); ``context_tokens`` the mean context of a running
+    sequence (decode)."""
 
     ready_groups: int
     pending_groups: int = 0  # groups starting or draining: an action not finished
@@ -24,6 +30,10 @@ class PoolSignals:
     queue_s: float | None = None
     kv_usage: float | None = None
     demand: float | None = None
+    busy_groups: float | None = None
+    backlog: float | None = None
+    prompt_tokens: float | None = None
+    context_tokens: float | None = None
 
 
 class MetricSource(ABC):

@@ -224,3 +224,28 @@ def test_an_unreachable_prometheus_is_a_clear_error() -> None:
     source = PrometheusSource(f"http://127.0.0.1:{port}", "tiny", timeout_s=2.0)
     with pytest.raises(PrometheusQueryError, match=f"Prometheus at http://127.0.0.1:{port} could not answer"):
         source.read()
+
+
+def test_each_decision_records_the_planners_advice_once_capacity_is_measured() -> None:
+    """The plan is advice in the inputs: None while the pool is unmeasured; then the planned
+    size from demand over the measured per-group rate, with the TTFT it predicts at the current
+    and the planned size (an overloaded size's infinite TTFT recorded as None: strict JSON)."""
+    scaler = Autoscaler(CONFIG)
+    loaded = PoolSignals(
+        ready_groups=1,
+        latency_p90_s=0.5,
+        queue_s=0.01,
+        demand=15_000.0,
+        busy_groups=1.0,
+        prompt_tokens=2000.0,
+    )
+    unmeasured = replace(loaded, busy_groups=None)  # no busy-time figure: no capacity known
+    assert _tick(scaler, prefill=unmeasured)[P].inputs["plan"] is None
+    for _ in range(3):
+        decided = _tick(scaler, prefill=loaded)
+    plan = decided[P].inputs["plan"]
+    assert plan is not None and plan["capacity_per_group"] == pytest.approx(15_000.0)
+    assert plan["groups"] == 2 and plan["needed"] == pytest.approx(1 / 0.9, rel=1e-3)
+    assert plan["predicted_now_s"] is None  # one group at 15k/s of 15k/s: saturated
+    assert plan["predicted_planned_s"] is not None and plan["predicted_planned_s"] > 2000 / 15_000
+    json.loads(decided[P].to_json(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))

@@ -1,0 +1,88 @@
+"""A short-horizon forecast of a pool's demand: what it must carry by the time a group started
+now would serve.
+
+The forecast at ``ahead_s`` is the largest of three readings of the recent past:
+
+- the trend: a least-squares line over the last ``trend_ticks`` samples, extrapolated;
+- the recent peak: the largest sample within ``peak_window_s`` (demand that just fell may
+  return before a drained group could be started again);
+- the latest sample plus the ``rise_quantile`` of the rises seen over any ``ahead_s`` within
+  ``rise_history_s`` (how fast this load has grown before, so a step up is met, not chased).
+
+Each is cheap and robust; their maximum errs towards capacity, which the SLO prefers, and the
+scale-down rules keep it from costing more than a peak window's worth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrendForecast:
+    trend_ticks: int = 12
+    peak_window_s: float = 120.0
+    rise_history_s: float = 1800.0
+    rise_quantile: float = 0.9
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trend_ticks, int) or self.trend_ticks < 2:
+            raise ValueError(f"trend_ticks: must be an integer >= 2, got {self.trend_ticks!r}")
+        if not 0 <= self.rise_quantile <= 1:
+            raise ValueError(f"rise_quantile: must be in [0, 1], got {self.rise_quantile!r}")
+        for name in ("peak_window_s", "rise_history_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a number of seconds >= 0, got {value!r}")
+
+    def observe(self, t_s: float, value: float) -> None:
+        if self.samples and t_s <= self.samples[-1][0]:
+            raise ValueError(f"t_s: {t_s} is not after the last sample's {self.samples[-1][0]}")
+        self.samples.append((t_s, value))
+        keep = max(self.rise_history_s, self.peak_window_s)
+        while len(self.samples) > self.trend_ticks and self.samples[0][0] < t_s - keep:
+            self.samples.popleft()
+
+    def predict(self, ahead_s: float) -> float | None:
+        """The demand expected within ``ahead_s``; ``None`` before any sample."""
+        if not self.samples:
+            return None
+        now, latest = self.samples[-1]
+        readings = [latest, self._trend(now + ahead_s), self._peak(now), latest + self._rise(ahead_s)]
+        return max(0.0, *(r for r in readings if r is not None))
+
+    def _trend(self, at_s: float) -> float | None:
+        recent = list(self.samples)[-self.trend_ticks :]
+        if len(recent) < 2:
+            return None
+        mean_t = sum(t for t, _ in recent) / len(recent)
+        mean_v = sum(v for _, v in recent) / len(recent)
+        var = sum((t - mean_t) ** 2 for t, _ in recent)
+        if var <= 0:
+            return None
+        slope = sum((t - mean_t) * (v - mean_v) for t, v in recent) / var
+        return mean_v + slope * (at_s - mean_t)
+
+    def _peak(self, now: float) -> float:
+        return max(v for t, v in self.samples if t >= now - self.peak_window_s)
+
+    def _rise(self, ahead_s: float) -> float:
+        """The ``rise_quantile`` of ``value(t + ahead_s) - value(t)`` over the history (0 when
+        the history is shorter than ``ahead_s`` or never rose)."""
+        points = list(self.samples)
+        rises = []
+        j = 0
+        for t, v in points:
+            while j < len(points) and points[j][0] < t + ahead_s:
+                j += 1
+            if j == len(points):
+                break
+            rises.append(points[j][1] - v)
+        if not rises:
+            return 0.0
+        rises.sort()
+        at = min(len(rises) - 1, max(0, math.ceil(self.rise_quantile * len(rises)) - 1))
+        return max(0.0, rises[at])

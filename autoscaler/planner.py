@@ -1,0 +1,186 @@
+"""The planner: each pool's size from the demand it must serve by the time a group started now
+would serve, divided by what one group delivers within the SLO, as measured on this deployment.
+
+Per tick and pool, from its :class:`PoolSignals`::
+
+    learn      capacity from the window (capacity.py), the forecast from its demand (forecast.py)
+    horizon  = group_start_s + interval_s + signal_window_s / 2
+               (a group decided now serves after it starts; the signal lags half its window)
+    ahead    = the forecast demand within the horizon
+    prefill  n * C * utilization_target >= ahead + backlog / backlog_drain_s
+             and the predicted TTFT at n groups <= (1 - margin) * SLO
+             (C: one group's tokens/s at the window's prompt length)
+    decode   n >= ahead / S   (its demand counts the sequences waiting for KV already)
+             (S: the sequences one group holds within (1 - margin) * SLO and its KV)
+    groups   = the smallest such n within [min_groups, max_groups]
+
+Until a pool's capacity has been measured, its plan is ``None`` and the reactive rules decide.
+The plan also says what it expects: the predicted latency at the pool's current size and at the
+planned one (prefill's TTFT; decode's ITL), the figures of an advisory output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity
+from tandem.autoscaler.config import AutoscalingConfig
+from tandem.autoscaler.forecast import TrendForecast
+from tandem.autoscaler.signals import PoolSignals
+from tandem.wire.messages import Role
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    utilization_target: float = 0.9
+    group_start_s: float = 60.0
+    signal_window_s: float = 60.0
+    backlog_drain_s: float = 30.0
+    forecast_ticks: int = 12
+    peak_window_s: float = 120.0
+    growth_history_s: float = 1800.0
+    growth_quantile: float = 0.9
+    kv_tokens_per_decode_group: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.utilization_target <= 1:
+            raise ValueError(f"utilization_target: must be in (0, 1], got {self.utilization_target!r}")
+        for name in ("group_start_s", "signal_window_s", "peak_window_s", "growth_history_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a number of seconds >= 0, got {value!r}")
+        if not isinstance(self.backlog_drain_s, int | float) or not self.backlog_drain_s > 0:
+            raise ValueError(
+                f"backlog_drain_s: must be a positive number of seconds, got {self.backlog_drain_s!r}"
+            )
+        kv = self.kv_tokens_per_decode_group
+        if kv is not None and not kv > 0:
+            raise ValueError(f"kv_tokens_per_decode_group: must be positive, got {kv!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``groups`` the planned size; ``needed`` the unrounded groups the demand asks for;
+    ``basis`` what bound it (``throughput``, ``ttft``, ``sequences``, ``min_groups``,
+    ``max_groups``); the demand now and ahead, one group's capacity, and the predicted latency at
+    the current and the planned size (``None`` where no prediction is possible)."""
+
+    pool: str
+    groups: int
+    needed: float
+    basis: str
+    demand: float
+    demand_ahead: float
+    capacity_per_group: float
+    predicted_now_s: float | None
+    predicted_planned_s: float | None
+
+
+@dataclass
+class Planner:
+    config: AutoscalingConfig
+    planner: PlannerConfig = PlannerConfig()
+    prefill: PrefillCapacity = field(default_factory=PrefillCapacity)
+    decode: DecodeCapacity = field(default_factory=DecodeCapacity)
+    forecasts: dict[Role, TrendForecast] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        p = self.planner
+        for pool in (Role.PREFILL, Role.DECODE):
+            self.forecasts.setdefault(
+                pool, TrendForecast(p.forecast_ticks, p.peak_window_s, p.growth_history_s, p.growth_quantile)
+            )
+        if p.kv_tokens_per_decode_group is not None:
+            self.decode.kv_tokens_per_group = p.kv_tokens_per_decode_group
+
+    @property
+    def horizon_s(self) -> float:
+        p = self.planner
+        return p.group_start_s + self.config.interval_s + p.signal_window_s / 2
+
+    def plan(self, pool: Role, s: PoolSignals, now_s: float) -> Plan | None:
+        """Learn from this tick's signals and plan the pool; ``None`` while unmeasured."""
+        if pool is Role.PREFILL:
+            return self._plan_prefill(s, now_s)
+        return self._plan_decode(s, now_s)
+
+    def _bounded(self, pool: Role, needed: float, basis: str) -> tuple[int, str]:
+        limits = self.config.limits(pool)
+        groups = math.ceil(needed - 1e-9)
+        if groups < limits.min_groups:
+            return limits.min_groups, "min_groups"
+        if groups > limits.max_groups:
+            return limits.max_groups, "max_groups"
+        return groups, basis
+
+    def _plan_prefill(self, s: PoolSignals, now_s: float) -> Plan | None:
+        cap, room = self.prefill, 1 - self.config.margin
+        demand, prompt = s.demand, s.prompt_tokens
+        if demand is not None and prompt and s.busy_groups is not None:
+            cap.observe(demand, s.busy_groups, prompt)
+            if s.latency_p90_s is not None and s.ready_groups > 0:
+                cap.correct(s.latency_p90_s, demand, prompt, s.ready_groups)
+        forecast = self.forecasts[Role.PREFILL]
+        if demand is not None:
+            forecast.observe(now_s, demand)
+        ahead = forecast.predict(self.horizon_s)
+        if prompt is None and cap.per_bucket:  # no request in the window: the last bucket seen
+            prompt = 2.0 ** max(cap.per_bucket)
+        rate = cap.per_group(prompt) if prompt else None
+        if rate is None or ahead is None or prompt is None:
+            return None
+        load = ahead + (s.backlog or 0.0) / self.planner.backlog_drain_s
+        needed = load / (rate * self.planner.utilization_target)
+        basis = "throughput"
+        limits = self.config.limits(Role.PREFILL)
+        n = max(1, math.ceil(needed - 1e-9))
+        slo = self.config.ttft_slo_s * room
+        while n < limits.max_groups and not _within(cap.predict_ttft_s(load, prompt, n), slo):
+            n, basis = n + 1, "ttft"
+        if basis == "ttft":
+            needed = float(n)
+        groups, basis = self._bounded(Role.PREFILL, needed, basis)
+        return Plan(
+            Role.PREFILL.value,
+            groups,
+            round(needed, 4),
+            basis,
+            demand or 0.0,
+            ahead,
+            rate,
+            cap.predict_ttft_s(load, prompt, s.ready_groups) if s.ready_groups else None,
+            cap.predict_ttft_s(load, prompt, groups),
+        )
+
+    def _plan_decode(self, s: PoolSignals, now_s: float) -> Plan | None:
+        cap, room = self.decode, 1 - self.config.margin
+        running = s.demand
+        ctx = s.context_tokens or 0.0
+        if running is not None and s.latency_p90_s is not None and s.ready_groups > 0:
+            cap.observe(running / s.ready_groups, ctx, s.latency_p90_s)
+        forecast = self.forecasts[Role.DECODE]
+        if running is not None:
+            forecast.observe(now_s, running)
+        ahead = forecast.predict(self.horizon_s)
+        per_group = cap.seqs_per_group(self.config.itl_slo_s * room, ctx)
+        if per_group is None or ahead is None:
+            return None
+        needed = float(self.config.decode.max_groups) if per_group <= 0 else ahead / per_group
+        groups, basis = self._bounded(Role.DECODE, needed, "sequences")
+        now_n = s.ready_groups
+        return Plan(
+            Role.DECODE.value,
+            groups,
+            round(needed, 4),
+            basis,
+            running or 0.0,
+            ahead,
+            per_group,
+            cap.predict_itl_s(ahead / now_n, ctx) if now_n else None,
+            cap.predict_itl_s(ahead / groups, ctx),
+        )
+
+
+def _within(predicted: float | None, bound: float) -> bool:
+    return predicted is not None and predicted <= bound

@@ -1,0 +1,190 @@
+"""The planner against scripted loads: capacity is learned from the windows' figures, the planned
+size follows demand over measured capacity, a doubled load is planned for on the tick it shows,
+an idle pool plans its minimum, a tight TTFT SLO asks for more than throughput does, and decode
+sizes from its fitted latency and its KV."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity, bucket_of, mmn_wait_s
+from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
+from tandem.autoscaler.forecast import TrendForecast
+from tandem.autoscaler.planner import Planner, PlannerConfig
+from tandem.autoscaler.signals import PoolSignals
+from tandem.wire.messages import Role
+
+P, D = Role.PREFILL, Role.DECODE
+CONFIG = AutoscalingConfig(
+    prefill=PoolLimits(min_groups=1, max_groups=8, ranks_per_group=4),
+    decode=PoolLimits(min_groups=1, max_groups=8, ranks_per_group=2),
+    rank_budget=48,
+    ttft_slo_s=2.0,
+    itl_slo_s=0.1,
+    interval_s=5.0,
+)
+GROUP_RATE = 10_000.0  # tokens per busy group-second of the scripted prefill pool
+PROMPT = 4000.0
+
+
+def _prefill(demand: float, groups: int, *, backlog: float = 0.0, ttft: float | None = None) -> PoolSignals:
+    """A window of the scripted pool: its groups are busy demand / GROUP_RATE of the time."""
+    busy = min(groups, demand / GROUP_RATE)
+    return PoolSignals(
+        ready_groups=groups,
+        latency_p90_s=ttft,
+        demand=demand,
+        busy_groups=busy,
+        backlog=backlog,
+        prompt_tokens=PROMPT if demand else None,
+    )
+
+
+def test_prefill_capacity_is_the_tokens_per_busy_group_second_by_prompt_bucket() -> None:
+    cap = PrefillCapacity()
+    assert cap.per_group(PROMPT) is None  # unmeasured: no guess
+    for _ in range(20):
+        cap.observe(5000.0, 0.5, PROMPT)  # half a group busy for 5k tok/s: 10k per busy group
+        cap.observe(3000.0, 1.0, 16_000.0)  # long prompts run slower (attention)
+    assert cap.per_group(PROMPT) == pytest.approx(10_000.0)
+    assert cap.per_group(16_000.0) == pytest.approx(3000.0)
+    assert cap.per_group(3000.0) == pytest.approx(10_000.0)  # the same log2 bucket as 4000
+    assert bucket_of(PROMPT) != bucket_of(16_000.0)
+    cap.observe(100.0, 0.01, PROMPT)  # a barely busy window says little: ignored
+    assert cap.per_group(PROMPT) == pytest.approx(10_000.0)
+
+
+def test_the_mmn_wait_grows_with_load_and_is_unbounded_at_saturation() -> None:
+    waits = [mmn_wait_s(rate, 0.4, 2) for rate in (0.5, 2.5, 4.5, 4.99)]
+    assert waits[0] < waits[1] < waits[2] < waits[3]
+    assert mmn_wait_s(5.0, 0.4, 2) == math.inf and mmn_wait_s(0.0, 0.4, 2) == 0.0
+    assert mmn_wait_s(4.0, 0.4, 4) < mmn_wait_s(4.0, 0.4, 2)  # more servers, less wait
+
+
+def test_the_ttft_correction_follows_observed_over_predicted_within_its_bounds() -> None:
+    cap = PrefillCapacity()
+    for _ in range(10):
+        cap.observe(5000.0, 0.5, PROMPT)
+    raw = cap.raw_ttft_s(5000.0, PROMPT, 1)
+    assert raw is not None and raw > PROMPT / GROUP_RATE
+    for _ in range(30):
+        cap.correct(2 * raw, 5000.0, PROMPT, 1)
+    assert cap.k == pytest.approx(2.0, rel=0.01)
+    assert cap.predict_ttft_s(5000.0, PROMPT, 1) == pytest.approx(2 * raw, rel=0.01)
+    for _ in range(30):
+        cap.correct(1000 * raw, 5000.0, PROMPT, 1)
+    assert 7.99 < cap.k <= 8.0  # clamped: one odd window cannot swing it far
+
+
+def test_the_planned_prefill_size_follows_demand_over_measured_capacity() -> None:
+    planner = Planner(CONFIG, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    plans = []  # each level lasts longer than the trend's ticks
+    for tick, demand in enumerate([20_000.0] * 14 + [40_000.0] * 14 + [60_000.0] * 14):
+        plans.append(planner.plan(P, _prefill(demand, 8), tick * 5.0))
+    steady = [plans[13], plans[27], plans[41]]
+    assert all(p is not None for p in steady)
+    for plan, demand in zip(steady, (20_000.0, 40_000.0, 60_000.0), strict=True):
+        assert plan is not None
+        assert plan.capacity_per_group == pytest.approx(GROUP_RATE)
+        assert plan.needed == pytest.approx(demand / (GROUP_RATE * 0.9), rel=1e-3)
+        assert plan.groups == math.ceil(demand / (GROUP_RATE * 0.9))
+    # a backlog asks for the groups that drain it within backlog_drain_s besides
+    backed = planner.plan(P, _prefill(60_000.0, 8, backlog=300_000.0), 42 * 5.0)
+    assert backed is not None and backed.needed == pytest.approx((60_000 + 10_000) / 9000, rel=1e-3)
+
+
+def test_a_doubled_load_is_planned_for_on_the_tick_it_shows() -> None:
+    planner = Planner(CONFIG)
+    for tick in range(24):
+        plan = planner.plan(P, _prefill(14_000.0, 3), tick * 5.0)
+    assert plan is not None and (plan.groups, plan.basis) == (2, "throughput")
+    doubled = planner.plan(P, _prefill(28_000.0, 3), 24 * 5.0)
+    assert doubled is not None and doubled.groups >= math.ceil(28_000 / 9000)
+    assert doubled.demand_ahead >= 28_000.0
+
+
+def test_an_idle_pool_plans_its_minimum_once_its_peak_window_passed() -> None:
+    planner = Planner(CONFIG, PlannerConfig(peak_window_s=60, growth_history_s=0))
+    for tick in range(12):
+        planner.plan(P, _prefill(50_000.0, 6), tick * 5.0)
+    idle = [planner.plan(P, _prefill(0.0, 6), 60 + tick * 5.0) for tick in range(30)]
+    assert all(p is not None for p in idle)
+    assert idle[0] is not None and idle[0].groups > 1  # the recent peak is still in view
+    assert idle[-1] is not None and (idle[-1].groups, idle[-1].basis) == (1, "min_groups")
+
+
+def test_a_tight_ttft_slo_plans_more_groups_than_throughput_needs() -> None:
+    tight = AutoscalingConfig(
+        prefill=CONFIG.prefill, decode=CONFIG.decode, rank_budget=48, ttft_slo_s=0.6, interval_s=5.0
+    )
+    loose = Planner(CONFIG, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    strict = Planner(tight, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    for tick in range(10):
+        a = loose.plan(P, _prefill(25_000.0, 8), tick * 5.0)
+        b = strict.plan(P, _prefill(25_000.0, 8), tick * 5.0)
+    assert a is not None and b is not None
+    assert (a.groups, a.basis) == (3, "throughput")
+    assert b.groups > a.groups and b.basis == "ttft"
+    assert b.predicted_planned_s is not None and b.predicted_planned_s <= 0.6 * 0.8
+    assert a.predicted_planned_s is not None and a.predicted_planned_s > b.predicted_planned_s
+
+
+def test_decode_latency_is_fitted_and_bounds_the_sequences_per_group() -> None:
+    cap = DecodeCapacity()
+    assert cap.fit() is None
+    for n in (4, 8, 16, 32):
+        for ctx in (1000.0, 4000.0):
+            cap.observe(n, ctx, 0.012 + 0.0003 * n + 2e-7 * n * ctx)
+    fitted = cap.fit()
+    assert fitted is not None
+    assert fitted == pytest.approx((0.012, 0.0003, 2e-7), rel=1e-6)
+    most = cap.seqs_per_group(0.08, 1000.0)
+    assert most == pytest.approx((0.08 - 0.012) / (0.0003 + 2e-7 * 1000))
+    cap.kv_tokens_per_group = 50_000.0
+    assert cap.seqs_per_group(0.08, 1000.0) == pytest.approx(50.0)  # the KV holds fewer
+
+
+def test_the_planned_decode_size_is_the_forecast_sequences_over_one_groups_share() -> None:
+    planner = Planner(CONFIG, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    plan = None
+    for tick, n in enumerate([8, 16, 24, 32, 40, 48, 48, 48, 48, 48, 48, 48, 48, 48, 48, 48]):
+        itl = 0.012 + 0.0003 * (n / 2) + 2e-7 * (n / 2) * 2000
+        signals = PoolSignals(ready_groups=2, latency_p90_s=itl, demand=float(n), context_tokens=2000.0)
+        plan = planner.plan(D, signals, tick * 5.0)
+    assert plan is not None and plan.basis == "sequences"
+    per_group = (0.1 * 0.8 - 0.012) / (0.0003 + 2e-7 * 2000)
+    assert plan.capacity_per_group == pytest.approx(per_group, rel=1e-6)
+    assert plan.groups == math.ceil(48 / per_group)
+
+
+def test_the_forecast_extrapolates_a_ramp_and_holds_a_recent_peak() -> None:
+    ramp = TrendForecast(trend_ticks=6, peak_window_s=0, rise_history_s=0)
+    for t in range(10):
+        ramp.observe(t * 5.0, 1000.0 + 100.0 * t)
+    assert ramp.predict(50.0) == pytest.approx(1900.0 + 1000.0)
+    peak = TrendForecast(trend_ticks=3, peak_window_s=30, rise_history_s=0)
+    for t, v in enumerate([100.0, 900.0, 100.0, 100.0, 100.0]):
+        peak.observe(t * 5.0, v)
+    assert peak.predict(10.0) == pytest.approx(900.0)
+    rises = TrendForecast(trend_ticks=2, peak_window_s=0, rise_history_s=600, rise_quantile=1.0)
+    for t, v in enumerate([100.0, 100.0, 500.0, 500.0, 100.0, 100.0, 100.0]):
+        rises.observe(t * 5.0, v)
+    assert rises.predict(5.0) == pytest.approx(100.0 + 400.0)  # it has risen by 400 in 5 s before
+    with pytest.raises(ValueError, match=r"t_s: 1\.0 is not after"):
+        rises.observe(1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"utilization_target": 0}, "utilization_target: must be in (0, 1]"),
+        ({"backlog_drain_s": 0}, "backlog_drain_s: must be a positive number of seconds"),
+        ({"group_start_s": -1}, "group_start_s: must be a number of seconds >= 0"),
+        ({"forecast_ticks": 1}, "trend_ticks: must be an integer >= 2"),
+    ],
+)
+def test_a_bad_planner_setting_names_its_field(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        Planner(CONFIG, PlannerConfig(**change))  # type: ignore[arg-type]
