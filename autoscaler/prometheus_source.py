@@ -1,7 +1,9 @@
 """The autoscaler's signals read from Prometheus' HTTP API with PromQL over Tandem's metrics.
 
 Every query is configurable; ``$window`` (a PromQL duration) and ``$model`` are filled in.
-An empty answer or NaN (no sample in the window) is ``None``: no traffic, not zero latency."""
+An empty answer or NaN (no sample in the window) is ``None``: no traffic, not zero latency.
+The prefill pool's busy groups, mean new prompt tokens per request and backlog (requests
+waiting times that mean, in tokens) are the planner's."""
 
 from __future__ import annotations
 
@@ -39,6 +41,13 @@ DEFAULT_QUERIES: dict[str, str] = {
     "prefill_demand": 'sum(rate(tandem_new_prompt_tokens_total{model="$model"}[$window]))',
     "decode_demand": 'sum(tandem_num_requests_running{model="$model",role="decode"})'
     ' + sum(tandem_num_requests_waiting_for_kv{model="$model",role="decode"})',
+    # a group's ranks step together, and only while one of them has work: its busy share is
+    # any rank's time in steps a second
+    "prefill_busy_groups": 'sum(max by (group) (rate(tandem_step_seconds_total{model="$model",role="prefill"}'
+    "[$window])))",
+    "prefill_prompt_tokens": 'sum(rate(tandem_new_prompt_tokens_total{model="$model"}[$window]))'
+    ' / sum(rate(tandem_request_prefill_part_seconds_count{model="$model",part="prefill_queue"}[$window]))',
+    "prefill_waiting": 'sum(tandem_num_requests_waiting{model="$model",role="prefill"})',
     "prefill_ready_groups": _groups("prefill", "ready"),
     "decode_ready_groups": _groups("decode", "ready"),
     "prefill_pending_groups": _groups("prefill", "starting|draining"),
@@ -82,6 +91,15 @@ class PrometheusSource(MetricSource):
         out = {}
         for pool in (Role.PREFILL, Role.DECODE):
             name = pool.value
+            planner: dict[str, float | None] = {}
+            if pool is Role.PREFILL:  # what the planner reads besides (decode's is its demand)
+                prompt = self.query("prefill_prompt_tokens")
+                waiting = self.query("prefill_waiting")
+                planner = {
+                    "busy_groups": self.query("prefill_busy_groups"),
+                    "prompt_tokens": prompt,
+                    "backlog": waiting * prompt if waiting is not None and prompt is not None else None,
+                }
             out[pool] = PoolSignals(
                 ready_groups=int(self.query(f"{name}_ready_groups") or 0),
                 pending_groups=int(self.query(f"{name}_pending_groups") or 0),
@@ -89,5 +107,6 @@ class PrometheusSource(MetricSource):
                 queue_s=self.query(f"{name}_queue_s"),
                 kv_usage=self.query("decode_kv_usage") if pool is Role.DECODE else None,
                 demand=self.query(f"{name}_demand"),
+                **planner,
             )
         return out
