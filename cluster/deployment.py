@@ -81,7 +81,33 @@ def describe(view: RoutingView) -> dict[str, Any]:
         "controller": _place(view.controller),
         "frontends": frontends,
         "groups": groups,
+        "autoscaler": autoscaler_advice(view),
     }
+
+
+def autoscaler_advice(view: RoutingView) -> dict[str, Any] | None:
+    """Each pool's latest autoscaler decision and the planner's advice beside it: the size it
+    plans and why, and the latency it predicts at the current and the planned size (``None``
+    where it cannot predict: unmeasured, or a size that cannot keep up). ``None`` when the
+    autoscaler is off."""
+    if not view.autoscaler_decisions:
+        return None
+    latest = {d.pool: (at, d) for at, d in view.autoscaler_decisions}
+    out = {}
+    for pool, (at, d) in sorted(latest.items()):
+        plan = d.inputs.get("plan")
+        out[pool] = {
+            "at": at,
+            "action": d.action,
+            "rule": d.rule,
+            "ready_groups": d.ready_groups,
+            "desired_groups": d.desired_groups,
+            "planned_groups": plan["groups"] if plan else None,
+            "plan_basis": plan["basis"] if plan else None,
+            "predicted_latency_now_s": plan["predicted_now_s"] if plan else None,
+            "predicted_latency_planned_s": plan["predicted_planned_s"] if plan else None,
+        }
+    return out
 
 
 def status(name: str, address: str) -> dict[str, Any]:
