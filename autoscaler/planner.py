@@ -22,7 +22,8 @@ planned one (prefill's TTFT; decode's ITL), the figures of an advisory output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity
 from tandem.autoscaler.config import AutoscalingConfig
@@ -116,6 +117,7 @@ class Planner:
 
     def _plan_prefill(self, s: PoolSignals, now_s: float) -> Plan | None:
         cap, room = self.prefill, 1 - self.config.margin
+        s = _finite(s)
         demand, prompt = s.demand, s.prompt_tokens
         if demand is not None and prompt and s.busy_groups is not None:
             cap.observe(demand, s.busy_groups, prompt)
@@ -155,6 +157,7 @@ class Planner:
 
     def _plan_decode(self, s: PoolSignals, now_s: float) -> Plan | None:
         cap, room = self.decode, 1 - self.config.margin
+        s = _finite(s)
         running = s.demand
         ctx = s.context_tokens or 0.0
         if running is not None and s.latency_p90_s is not None and s.ready_groups > 0:
@@ -180,6 +183,17 @@ class Planner:
             cap.predict_itl_s(ahead / now_n, ctx) if now_n else None,
             cap.predict_itl_s(ahead / groups, ctx),
         )
+
+
+def _finite(s: PoolSignals) -> PoolSignals:
+    """The signals with every infinite or NaN figure as absent: a ratio over an empty rate, or a
+    latency past the histogram's last bucket, says nothing a capacity can be learned from."""
+    changes: dict[str, Any] = {
+        name: None
+        for name in ("latency_p90_s", "demand", "busy_groups", "backlog", "prompt_tokens", "context_tokens")
+        if (value := getattr(s, name)) is not None and not math.isfinite(value)
+    }
+    return replace(s, **changes) if changes else s
 
 
 def _within(predicted: float | None, bound: float) -> bool:

@@ -176,6 +176,21 @@ def test_the_forecast_extrapolates_a_ramp_and_holds_a_recent_peak() -> None:
         rises.observe(1.0, 0.0)
 
 
+def test_infinite_or_nan_figures_are_ignored_not_learned() -> None:
+    """A ratio over an empty rate is +Inf or NaN in PromQL; the planner neither learns from it
+    nor fails on it."""
+    planner = Planner(CONFIG)
+    for tick in range(5):
+        planner.plan(P, _prefill(20_000.0, 4), tick * 5.0)
+    odd = PoolSignals(
+        ready_groups=4, latency_p90_s=math.inf, demand=math.nan, busy_groups=1.0, prompt_tokens=math.inf
+    )
+    plan = planner.plan(P, odd, 25.0)
+    assert plan is not None and plan.capacity_per_group == pytest.approx(GROUP_RATE)
+    decode = PoolSignals(ready_groups=1, latency_p90_s=math.inf, demand=4.0, context_tokens=math.nan)
+    assert planner.plan(D, decode, 25.0) is None and not planner.decode.samples
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
