@@ -9,7 +9,10 @@ to predicted TTFT, clamped to ``[0.5, 8]`` so one odd window cannot swing it far
 
 Decode: the inter-token latency as a least-squares fit ``a + b n + c n ctx`` over the ticks'
 (sequences per group ``n``, mean context ``ctx``, ITL) samples; a group holds the most sequences
-whose predicted ITL keeps the SLO, and no more than its KV pages hold at that context.
+whose predicted ITL keeps the SLO, and no more than its KV holds: the sequences a full group
+holds at the running mix, learned as the weighted mean of sequences per group over the KV usage
+ratio (windows at least ``min_usage`` full), filled to the usage target; or, where the KV tokens
+per group are known, those tokens over the context.
 
 No profiling run: until a pool has been measured, its capacity is unknown (``None``) and the
 planner leaves that pool to the reactive rules.
@@ -95,7 +98,17 @@ class DecodeCapacity:
 
     history: int = 240
     kv_tokens_per_group: float | None = None
+    alpha: float = 0.3
+    min_usage: float = 0.2
+    full_seqs: float | None = None  # sequences a group holds with its KV full, at the running mix
     samples: deque[tuple[float, float, float]] = field(default_factory=deque)
+
+    def observe_fill(self, seqs_per_group: float, kv_usage: float) -> None:
+        if kv_usage < self.min_usage or seqs_per_group <= 0 or not math.isfinite(kv_usage):
+            return
+        full = seqs_per_group / kv_usage
+        old = self.full_seqs
+        self.full_seqs = full if old is None else (1 - self.alpha) * old + self.alpha * full
 
     def observe(self, seqs_per_group: float, context_tokens: float, itl_s: float) -> None:
         if seqs_per_group <= 0 or itl_s <= 0 or context_tokens < 0:
@@ -127,9 +140,9 @@ class DecodeCapacity:
         a, b, c = fitted
         return a + b * seqs_per_group + c * seqs_per_group * context_tokens
 
-    def seqs_per_group(self, itl_target_s: float, context_tokens: float) -> float | None:
+    def seqs_per_group(self, itl_target_s: float, context_tokens: float, fill: float = 1.0) -> float | None:
         """The most sequences one group holds with its predicted ITL within ``itl_target_s``
-        and its KV within ``kv_tokens_per_group``; ``None`` unmeasured."""
+        and its KV within ``fill`` of full; ``None`` unmeasured."""
         fitted = self.fit()
         if fitted is None:
             return None
@@ -138,7 +151,9 @@ class DecodeCapacity:
         by_latency = math.inf if slope <= 0 else max(0.0, (itl_target_s - a) / slope)
         by_kv = math.inf
         if self.kv_tokens_per_group is not None and context_tokens > 0:
-            by_kv = self.kv_tokens_per_group / context_tokens
+            by_kv = fill * self.kv_tokens_per_group / context_tokens
+        if self.full_seqs is not None:
+            by_kv = min(by_kv, fill * self.full_seqs)
         most = min(by_latency, by_kv)
         return None if math.isinf(most) else most
 

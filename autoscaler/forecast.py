@@ -6,8 +6,13 @@ The forecast at ``ahead_s`` is the largest of three readings of the recent past:
 - the trend: a least-squares line over the last ``trend_ticks`` samples, extrapolated;
 - the recent peak: the largest sample within ``peak_window_s`` (demand that just fell may
   return before a drained group could be started again);
-- the latest sample plus the ``rise_quantile`` of the rises seen over any ``ahead_s`` within
+- the current level plus the ``rise_quantile`` of the rises seen over any ``ahead_s`` within
   ``rise_history_s`` (how fast this load has grown before, so a step up is met, not chased).
+  A rise counts at most ``max_rise`` times the level it started from, and none from zero: a
+  start from nothing does not read as the load's usual growth, and a pool that is idle now
+  plans for no load. Levels and rises are read off the mean of the last
+  ``rise_smoothing_ticks`` samples, so a noisy gauge (the sequences running at one instant)
+  does not read as growth.
 
 Each is cheap and robust; their maximum errs towards capacity, which the SLO prefers, and the
 scale-down rules keep it from costing more than a peak window's worth.
@@ -26,11 +31,17 @@ class TrendForecast:
     peak_window_s: float = 120.0
     rise_history_s: float = 1800.0
     rise_quantile: float = 0.9
+    max_rise: float = 3.0
+    rise_smoothing_ticks: int = 6
     samples: deque[tuple[float, float]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if not isinstance(self.trend_ticks, int) or self.trend_ticks < 2:
             raise ValueError(f"trend_ticks: must be an integer >= 2, got {self.trend_ticks!r}")
+        if not isinstance(self.rise_smoothing_ticks, int) or self.rise_smoothing_ticks < 1:
+            raise ValueError(
+                f"rise_smoothing_ticks: must be an integer >= 1, got {self.rise_smoothing_ticks!r}"
+            )
         if not 0 <= self.rise_quantile <= 1:
             raise ValueError(f"rise_quantile: must be in [0, 1], got {self.rise_quantile!r}")
         for name in ("peak_window_s", "rise_history_s"):
@@ -51,7 +62,10 @@ class TrendForecast:
         if not self.samples:
             return None
         now, latest = self.samples[-1]
-        readings = [latest, self._trend(now + ahead_s), self._peak(now), latest + self._rise(ahead_s)]
+        smooth = self._smoothed()
+        level = smooth[-1][1]
+        rise = level + self._rise(smooth, ahead_s) if level > 0 else None
+        readings = [latest, self._trend(now + ahead_s), self._peak(now), rise]
         return max(0.0, *(r for r in readings if r is not None))
 
     def _trend(self, at_s: float) -> float | None:
@@ -69,10 +83,21 @@ class TrendForecast:
     def _peak(self, now: float) -> float:
         return max(v for t, v in self.samples if t >= now - self.peak_window_s)
 
-    def _rise(self, ahead_s: float) -> float:
-        """The ``rise_quantile`` of ``value(t + ahead_s) - value(t)`` over the history (0 when
-        the history is shorter than ``ahead_s`` or never rose)."""
-        points = list(self.samples)
+    def _smoothed(self) -> list[tuple[float, float]]:
+        """The samples' moving mean over ``rise_smoothing_ticks`` (fewer at the start)."""
+        out, window, total = [], deque[float](), 0.0
+        for t, v in self.samples:
+            window.append(v)
+            total += v
+            if len(window) > self.rise_smoothing_ticks:
+                total -= window.popleft()
+            out.append((t, total / len(window)))
+        return out
+
+    def _rise(self, points: list[tuple[float, float]], ahead_s: float) -> float:
+        """The ``rise_quantile`` of ``value(t + ahead_s) - value(t)`` (at most ``max_rise *
+        value(t)``; ``value(t) > 0`` only) over the smoothed history: 0 when it is shorter than
+        ``ahead_s`` or never rose."""
         rises = []
         j = 0
         for t, v in points:
@@ -80,7 +105,8 @@ class TrendForecast:
                 j += 1
             if j == len(points):
                 break
-            rises.append(points[j][1] - v)
+            if v > 0:
+                rises.append(min(points[j][1] - v, self.max_rise * v))
         if not rises:
             return 0.0
         rises.sort()

@@ -10,8 +10,9 @@ Per tick and pool, from its :class:`PoolSignals`::
     prefill  n * C * utilization_target >= ahead + backlog / backlog_drain_s
              and the predicted TTFT at n groups <= (1 - margin) * SLO
              (C: one group's tokens/s at the window's prompt length)
-    decode   n >= ahead / S   (its demand counts the sequences waiting for KV already)
-             (S: the sequences one group holds within (1 - margin) * SLO and its KV)
+    decode   n >= ahead / S   (ahead: of the sequences in flight and those waiting for a slot)
+             (S: the sequences one group holds within (1 - margin) * SLO and its KV filled to
+              the usage target)
     groups   = the smallest such n within [min_groups, max_groups]
 
 Until a pool's capacity has been measured, its plan is ``None`` and the reactive rules decide.
@@ -124,8 +125,7 @@ class Planner:
             if s.latency_p90_s is not None and s.ready_groups > 0:
                 cap.correct(s.latency_p90_s, demand, prompt, s.ready_groups)
         forecast = self.forecasts[Role.PREFILL]
-        if demand is not None:
-            forecast.observe(now_s, demand)
+        forecast.observe(now_s, demand or 0.0)  # no sample in the window: no traffic
         ahead = forecast.predict(self.horizon_s)
         if prompt is None and cap.per_bucket:  # no request in the window: the last bucket seen
             prompt = 2.0 ** max(cap.per_bucket)
@@ -138,7 +138,10 @@ class Planner:
         limits = self.config.limits(Role.PREFILL)
         n = max(1, math.ceil(needed - 1e-9))
         slo = self.config.ttft_slo_s * room
-        while n < limits.max_groups and not _within(cap.predict_ttft_s(load, prompt, n), slo):
+        # a prompt's own compute time past the SLO: no size meets it, and more groups would not
+        # shorten it (only the wait); the throughput's size it is
+        reachable = _within(cap.predict_ttft_s(0.0, prompt, 1), slo)
+        while reachable and n < limits.max_groups and not _within(cap.predict_ttft_s(load, prompt, n), slo):
             n, basis = n + 1, "ttft"
         if basis == "ttft":
             needed = float(n)
@@ -160,13 +163,15 @@ class Planner:
         s = _finite(s)
         running = s.demand
         ctx = s.context_tokens or 0.0
-        if running is not None and s.latency_p90_s is not None and s.ready_groups > 0:
-            cap.observe(running / s.ready_groups, ctx, s.latency_p90_s)
+        if running is not None and s.ready_groups > 0:
+            if s.latency_p90_s is not None:
+                cap.observe(running / s.ready_groups, ctx, s.latency_p90_s)
+            if s.kv_usage is not None:
+                cap.observe_fill(running / s.ready_groups, s.kv_usage)
         forecast = self.forecasts[Role.DECODE]
-        if running is not None:
-            forecast.observe(now_s, running)
+        forecast.observe(now_s, (running or 0.0) + (s.backlog or 0.0))
         ahead = forecast.predict(self.horizon_s)
-        per_group = cap.seqs_per_group(self.config.itl_slo_s * room, ctx)
+        per_group = cap.seqs_per_group(self.config.itl_slo_s * room, ctx, self.config.kv_usage_target)
         if per_group is None or ahead is None:
             return None
         needed = float(self.config.decode.max_groups) if per_group <= 0 else ahead / per_group
@@ -190,7 +195,15 @@ def _finite(s: PoolSignals) -> PoolSignals:
     latency past the histogram's last bucket, says nothing a capacity can be learned from."""
     changes: dict[str, Any] = {
         name: None
-        for name in ("latency_p90_s", "demand", "busy_groups", "backlog", "prompt_tokens", "context_tokens")
+        for name in (
+            "latency_p90_s",
+            "kv_usage",
+            "demand",
+            "busy_groups",
+            "backlog",
+            "prompt_tokens",
+            "context_tokens",
+        )
         if (value := getattr(s, name)) is not None and not math.isfinite(value)
     }
     return replace(s, **changes) if changes else s

@@ -28,9 +28,15 @@ to cope, it is never shrunk below the load it carries now. When both pools want 
 rank budget holds one, the more violated pool gets it; when the budget is full, a pool in
 pressure takes a group from the other pool if that one can shrink safely.
 
-Each tick the planner (planner.py) also sizes each pool from its demand and measured capacity;
-its plan, with the latency it predicts at the current and the planned size, is recorded in the
-decision's inputs (``plan``) as advice: the rules above still decide the action.
+Once the planner (planner.py) has measured a pool's capacity, its plan decides that pool
+instead of the rules above: the pool grows to the planned size when the plan has asked for more
+groups than it has for ``upscale_ticks`` ticks in a row (all the missing groups at once, as the
+budget allows), and an SLO breach lasting as long still adds a group the plan did not foresee;
+it shrinks to the plan after ``downscale_ticks`` calm ticks in which the plan stayed below its
+size and the peak latency kept ``1 - margin`` of the SLO (queue time, KV usage and demand
+enter through the plan: its backlog, sequences and forecast). The rule is ``plan``. Every
+decision records the plan, with the latency it predicts at the current and the planned size, in
+its inputs (``plan``); until a pool is measured the plan is ``None`` and the rules decide.
 
 The policy only decides: the caller acts (the controller) and feeds back the groups' states.
 """
@@ -59,6 +65,7 @@ class _PoolState:
     bad_per_group: float | None = None  # smallest demand per group that broke it
     # (latency, demand) of the last downscale_ticks calm ticks: what a drain must still carry
     window: deque[tuple[float, float]] = field(default_factory=deque)
+    last_action: str | None = None  # "add" or "drain", the last carried out
 
     def reset_calm(self) -> None:
         self.calm_ticks = 0
@@ -70,6 +77,7 @@ class _Want:
     action: str
     rule: str
     severity: float = 0.0
+    count: int = 1  # groups to add or drain
 
 
 class Autoscaler:
@@ -83,18 +91,33 @@ class Autoscaler:
         """One tick: a decision per pool (prefill first). Ticks are ``interval_s`` apart."""
         now_s = self._ticks * self.config.interval_s
         self._ticks += 1
-        plans = {pool: self.planner.plan(pool, signals[pool], now_s) for pool in POOLS}
-        decode_backed_up = self._decode_backed_up(signals[Role.DECODE])
-        wants = {pool: self._want(pool, signals[pool], decode_backed_up) for pool in POOLS}
-        self._apply_budget(signals, wants)
+        own = self._own_latencies(signals)
+        plans = {pool: self.planner.plan(pool, own[pool], now_s) for pool in POOLS}
+        wants = {pool: self._want(pool, own[pool], plans[pool]) for pool in POOLS}
+        self._apply_budget(signals, wants, plans)
         return [self._decision(pool, signals[pool], wants[pool], plans[pool]) for pool in POOLS]
+
+    def _own_latencies(self, signals: dict[Role, PoolSignals]) -> dict[Role, PoolSignals]:
+        """Each pool's signals with only the latency it is the cause of: prefill's TTFT is
+        withheld while the decode pool's reservation wait is over its target or when the window
+        computed no prompt token (neither rules nor planner learn from it)."""
+        prefill = signals[Role.PREFILL]
+        if self._decode_backed_up(signals[Role.DECODE]) or prefill.demand == 0:
+            prefill = replace(prefill, latency_p90_s=None)
+        return {Role.PREFILL: prefill, Role.DECODE: signals[Role.DECODE]}
 
     # -- per pool ------------------------------------------------------------------------------
     def _decode_backed_up(self, decode: PoolSignals) -> bool:
         return decode.queue_s is not None and decode.queue_s > self.config.decode_queue_target_s
 
-    def _want(self, pool: Role, s: PoolSignals, decode_backed_up: bool = False) -> _Want:
+    def _want(self, pool: Role, s: PoolSignals, plan: Plan | None = None) -> _Want:
         cfg, st = self.config, self._state[pool]
+        if s.pending_groups and plan is not None and st.last_action == "add":
+            more = plan.groups - s.ready_groups - s.pending_groups
+            room = cfg.limits(pool).max_groups - s.ready_groups - s.pending_groups
+            if more > 0 and room > 0:  # the load outgrew the groups still starting: start more now
+                return _Want("add", "plan, more while starting", plan.needed / max(s.ready_groups, 1),
+                             min(more, room))  # fmt: skip
         if s.pending_groups:
             st.pressure_ticks = 0
             st.reset_calm()
@@ -103,10 +126,10 @@ class Autoscaler:
         if st.settle_left > 0:
             st.settle_left -= 1
             return _Want("hold", "settling")
-        if pool is Role.PREFILL and (decode_backed_up or s.demand == 0):
-            s = replace(s, latency_p90_s=None)  # TTFT tells of the decode pool's queue
         self._learn(pool, s)
         pressure = self._pressure(pool, s)
+        if plan is not None:
+            return self._want_planned(pool, s, plan, pressure)
         if pressure is not None:
             st.pressure_ticks += 1
             st.reset_calm()
@@ -126,6 +149,45 @@ class Autoscaler:
         if not self.can_shrink(pool, s):
             return _Want("hold", "calm, but one group fewer would not keep the SLO")
         return _Want("drain", "calm")
+
+    def _want_planned(
+        self, pool: Role, s: PoolSignals, plan: Plan, pressure: tuple[str, float] | None
+    ) -> _Want:
+        """The plan decides; an SLO breach is the one reactive pressure left (see above)."""
+        cfg, st = self.config, self._state[pool]
+        limits, ready = cfg.limits(pool), s.ready_groups
+        breach = pressure[1] if pressure is not None and pressure[0] == "slo" else None
+        if plan.groups > ready or breach is not None:
+            st.pressure_ticks += 1
+            st.reset_calm()
+            rule = "plan" if plan.groups > ready else "slo"
+            if st.pressure_ticks < cfg.upscale_ticks:
+                return _Want("hold", f"{rule} {st.pressure_ticks}/{cfg.upscale_ticks}")
+            if ready >= limits.max_groups:
+                return _Want("hold", f"{rule}, at max_groups")
+            count = min(max(plan.groups - ready, 1), limits.max_groups - ready)
+            severity = max(plan.needed / max(ready, 1), breach or 0.0)
+            return _Want("add", rule, severity, count)
+        st.pressure_ticks, st.calm_ticks = 0, st.calm_ticks + 1
+        st.window.append((s.latency_p90_s or 0.0, s.demand or 0.0))
+        while len(st.window) > cfg.downscale_ticks:
+            st.window.popleft()
+        if ready <= limits.min_groups:
+            return _Want("hold", "at min_groups")
+        if st.calm_ticks < cfg.downscale_ticks:
+            return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
+        if plan.groups >= ready:
+            return _Want("hold", f"calm, the plan keeps {ready} groups")
+        if not self._latency_kept(pool, s):
+            return _Want("hold", "calm, but the latency peaked within the margin of the SLO")
+        return _Want("drain", "plan", count=ready - max(plan.groups, limits.min_groups))
+
+    def _latency_kept(self, pool: Role, s: PoolSignals) -> bool:
+        """Over the calm window (this tick included) the peak latency kept ``1 - margin`` of the
+        SLO: the pool had room to give."""
+        st = self._state[pool]
+        latency = max([s.latency_p90_s or 0.0, *(latency for latency, _ in st.window)])
+        return latency <= self.config.slo_s(pool) * (1 - self.config.margin)
 
     def _pressure(self, pool: Role, s: PoolSignals) -> tuple[str, float] | None:
         """The strongest pressure on the pool (its rule and severity, > 1), or ``None``."""
@@ -172,9 +234,8 @@ class Autoscaler:
         if s.pending_groups or s.ready_groups <= cfg.limits(pool).min_groups:
             return False
         room = 1 - cfg.margin
-        latency = max([s.latency_p90_s or 0.0, *(latency for latency, _ in st.window)])
         demand = max([s.demand or 0.0, *(demand for _, demand in st.window)])
-        if latency > cfg.slo_s(pool) * room:
+        if not self._latency_kept(pool, s):
             return False
         if not demand:
             return True
@@ -183,9 +244,16 @@ class Autoscaler:
         return demand / (s.ready_groups - 1) <= st.good_per_group * room
 
     # -- both pools ----------------------------------------------------------------------------
-    def _apply_budget(self, signals: dict[Role, PoolSignals], wants: dict[Role, _Want]) -> None:
-        """Grant adds within the rank budget, the more violated pool first; with the budget
-        full, make room by draining the other pool when it can shrink safely."""
+    def _apply_budget(
+        self,
+        signals: dict[Role, PoolSignals],
+        wants: dict[Role, _Want],
+        plans: dict[Role, Plan | None] | None = None,
+    ) -> None:
+        """Grant adds within the rank budget, the more violated pool first (as many of the
+        groups asked for as the budget holds); with the budget full, make room by draining the
+        other pool when it can shrink safely."""
+        plans = plans or {}
         cfg = self.config
 
         def ranks(pool: Role) -> int:
@@ -198,26 +266,39 @@ class Autoscaler:
             if want.action != "add":
                 continue
             size = cfg.limits(pool).ranks_per_group
-            if used + size <= cfg.rank_budget:
-                used += size
+            granted = min(want.count, (cfg.rank_budget - used) // size)
+            if granted >= 1:
+                used += granted * size
+                if granted < want.count:
+                    rule = f"{want.rule}, budget grants {granted} of {want.count}"
+                    wants[pool] = replace(want, rule=rule, count=granted)
                 continue
             other = Role.DECODE if pool is Role.PREFILL else Role.PREFILL
-            if wants[other].action == "hold" and self._can_give(other, signals[other]):
+            if wants[other].action == "hold" and self._can_give(other, signals[other], plans.get(other)):
                 wants[other] = _Want("drain", f"budget: room for {pool.value}")
                 wants[pool] = _Want("hold", f"{want.rule}, budget full: draining {other.value} first")
             else:
                 wants[pool] = _Want("hold", f"{want.rule}, budget full")
 
-    def _can_give(self, pool: Role, s: PoolSignals) -> bool:
+    def _can_give(self, pool: Role, s: PoolSignals, plan: Plan | None = None) -> bool:
+        if plan is not None:
+            return (
+                not s.pending_groups
+                and s.ready_groups > max(plan.groups, self.config.limits(pool).min_groups)
+                and self._latency_kept(pool, s)
+            )
         return self._pressure(pool, s) is None and self.can_shrink(pool, s)
 
     def _decision(self, pool: Role, s: PoolSignals, want: _Want, plan: Plan | None = None) -> Decision:
         st = self._state[pool]
+        if want.action != "hold":
+            st.last_action = want.action
         if want.action == "add":
             st.pressure_ticks = 0
         if want.action == "drain":
             st.reset_calm()
-        step = {"add": 1, "drain": -1}.get(want.action, 0)
+        step = {"add": want.count, "drain": -want.count}.get(want.action, 0)
+        base = s.ready_groups + (s.pending_groups if want.rule.startswith("plan, more") else 0)
         inputs = {
             **asdict(s),
             "pressure_ticks": st.pressure_ticks,
@@ -227,7 +308,7 @@ class Autoscaler:
             "severity": round(want.severity, 4),
             "plan": _finite(asdict(plan)) if plan is not None else None,
         }
-        return Decision(pool.value, want.action, want.rule, s.ready_groups, s.ready_groups + step, inputs)
+        return Decision(pool.value, want.action, want.rule, s.ready_groups, base + step, inputs)
 
 
 def _finite(values: dict[str, object]) -> dict[str, object]:

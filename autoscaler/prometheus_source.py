@@ -3,7 +3,8 @@
 Every query is configurable; ``$window`` (a PromQL duration) and ``$model`` are filled in.
 An empty answer or NaN (no sample in the window) is ``None``: no traffic, not zero latency.
 The prefill pool's busy groups, mean new prompt tokens per request and backlog (requests
-waiting times that mean, in tokens) are the planner's."""
+waiting times that mean, in tokens), and the decode pool's backlog (requests waiting for pages
+or a batch slot) are the planner's."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ DEFAULT_QUERIES: dict[str, str] = {
     "prefill_prompt_tokens": 'sum(rate(tandem_new_prompt_tokens_total{model="$model"}[$window]))'
     ' / sum(rate(tandem_request_prefill_part_seconds_count{model="$model",part="prefill_queue"}[$window]))',
     "prefill_waiting": 'sum(tandem_num_requests_waiting{model="$model",role="prefill"})',
+    "decode_waiting": 'sum(tandem_num_requests_waiting{model="$model",role="decode"})',
     "prefill_ready_groups": _groups("prefill", "ready"),
     "decode_ready_groups": _groups("decode", "ready"),
     "prefill_pending_groups": _groups("prefill", "starting|draining"),
@@ -92,7 +94,9 @@ class PrometheusSource(MetricSource):
         for pool in (Role.PREFILL, Role.DECODE):
             name = pool.value
             planner: dict[str, float | None] = {}
-            if pool is Role.PREFILL:  # what the planner reads besides (decode's is its demand)
+            if pool is Role.DECODE:  # what the planner reads besides
+                planner = {"backlog": self.query("decode_waiting")}
+            if pool is Role.PREFILL:
                 prompt = self.query("prefill_prompt_tokens")
                 waiting = self.query("prefill_waiting")
                 planner = {

@@ -20,7 +20,7 @@ class PoolSignals:
 
     What the planner reads besides: ``busy_groups`` the mean number of the pool's groups
     computing over the window (prefill); ``backlog`` the work queued and not started (prompt
-    tokens waiting for prefill; sequences waiting for KV on decode); ``prompt_tokens`` the mean
+    tokens waiting for prefill; sequences waiting for a slot and pages on decode); ``prompt_tokens`` the mean
     new prompt tokens per request (prefill); ``context_tokens`` the mean context of a running
     sequence (decode)."""
 

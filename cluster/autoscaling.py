@@ -213,10 +213,10 @@ class AutoscalerLoop:
             )
             return
         pool = Role(decision.pool)
-        n = max(decision.desired_groups - decision.ready_groups, 1) if decision.action == "add" else 1
+        n = decision.count
         action = _Action(pool, decision.action, n)
-        with self._lock:
-            busy = bool(self._actions[pool])
+        with self._lock:  # adds may overlap (more groups for a load still growing); nothing else
+            busy = any(a.kind != "add" or decision.action != "add" for a in self._actions[pool])
             if not busy:
                 self._actions[pool].append(action)
         if busy:

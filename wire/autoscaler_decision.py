@@ -21,10 +21,18 @@ class Decision:
 
     @property
     def reason(self) -> str:
-        """The kind of the rule, for a metric label: slo, queue, kv, demand, calm, budget,
+        """The kind of the rule, for a metric label: plan, slo, queue, kv, demand, calm, budget,
         pending, settling, min_groups or max_groups."""
         words = self.rule.replace(",", " ").replace(":", " ").split()
         return words[1] if words[0] == "at" else words[0]
+
+    @property
+    def count(self) -> int:
+        """Groups to add or drain: an add's desired size counts the groups still starting
+        (``inputs["pending_groups"]``), which it does not start again."""
+        if self.action == "add":
+            return max(self.desired_groups - self.ready_groups - int(self.inputs.get("pending_groups", 0)), 1)
+        return max(self.ready_groups - self.desired_groups, 1)
 
     def to_json(self) -> str:
         return json.dumps({"event": "autoscaler_decision", **asdict(self)}, sort_keys=True)

@@ -266,3 +266,26 @@ def test_the_failure_counters_are_exported() -> None:
     assert 'tandem_autoscaler_action_failures_total{action="drain",model="m",pool="decode"} 0.0' in text
     assert 'tandem_autoscaler_drain_timeouts_total{model="m",pool="decode"} 1.0' in text
     assert 'tandem_autoscaler_thread_restarts_total{model="m"} 0.0' in text
+
+
+def test_an_add_while_adds_start_is_carried_out_but_a_drain_waits_for_them() -> None:
+    """A load that outgrows the groups still starting gets more at once; a drain while groups
+    start is not carried out (nor an add while a drain runs: see above)."""
+    policy, pools = _Policy(wants={Role.PREFILL: ("add", 1)}, respects_pending=False), _Pools(hold=True)
+    pools.gate.clear()
+    loop = _loop(policy, pools)
+    loop.tick()
+    policy.wants[Role.PREFILL] = ("add", 2)
+    decided = loop.tick()[0]
+    assert decided.action == "add" and decided.count == 2
+    deadline = time.monotonic() + 10
+    while loop.groups_left(Role.PREFILL) != 3:
+        assert time.monotonic() < deadline, "the second add was not carried out"
+        time.sleep(0.01)
+    policy.wants[Role.PREFILL] = ("drain", -1)
+    assert loop.tick()[0].action == "drain"
+    assert loop.groups_left(Role.PREFILL) == 3  # the drain was not started
+    pools.gate.set()
+    assert loop.wait_actions(10)
+    assert pools.actions.count("add prefill") == 3 and "drain prefill" not in pools.actions
+    assert pools.ready[Role.PREFILL] == 4

@@ -131,6 +131,21 @@ def test_a_tight_ttft_slo_plans_more_groups_than_throughput_needs() -> None:
     assert a.predicted_planned_s is not None and a.predicted_planned_s > b.predicted_planned_s
 
 
+def test_an_slo_below_a_prompts_own_compute_time_asks_for_no_group_that_cannot_help() -> None:
+    """4k-token prompts take 0.4 s on one group whatever the pool's size: at a light load (no
+    queue to shorten) a 50 ms TTFT SLO plans the throughput's size, not every group allowed."""
+    unreachable = AutoscalingConfig(
+        prefill=CONFIG.prefill, decode=CONFIG.decode, rank_budget=48, ttft_slo_s=0.05, interval_s=5.0
+    )
+    planner = Planner(unreachable, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    for tick in range(10):
+        plan = planner.plan(P, _prefill(2_000.0, 4), tick * 5.0)
+    assert plan is not None and (plan.groups, plan.basis) == (1, "throughput")
+    for tick in range(10, 20):  # idle: no prompt in the window, the last bucket's figures
+        idle = planner.plan(P, _prefill(0.0, 4), tick * 5.0)
+    assert idle is not None and idle.groups == 1
+
+
 def test_decode_latency_is_fitted_and_bounds_the_sequences_per_group() -> None:
     cap = DecodeCapacity()
     assert cap.fit() is None
@@ -168,10 +183,17 @@ def test_the_forecast_extrapolates_a_ramp_and_holds_a_recent_peak() -> None:
     for t, v in enumerate([100.0, 900.0, 100.0, 100.0, 100.0]):
         peak.observe(t * 5.0, v)
     assert peak.predict(10.0) == pytest.approx(900.0)
-    rises = TrendForecast(trend_ticks=2, peak_window_s=0, rise_history_s=600, rise_quantile=1.0)
+    rises = TrendForecast(
+        trend_ticks=2, peak_window_s=0, rise_history_s=600, rise_quantile=1.0, rise_smoothing_ticks=1
+    )
     for t, v in enumerate([100.0, 100.0, 500.0, 500.0, 100.0, 100.0, 100.0]):
         rises.observe(t * 5.0, v)
-    assert rises.predict(5.0) == pytest.approx(100.0 + 400.0)  # it has risen by 400 in 5 s before
+    # it has risen from 100 by 400 in 5 s before, counted as at most max_rise (3) times 100
+    assert rises.predict(5.0) == pytest.approx(100.0 + 300.0)
+    # a pool idle now plans for no load, however fast it rose before (no rise from zero either)
+    for t, v in enumerate([0.0, 0.0, 0.0], start=7):
+        rises.observe(t * 5.0, v)
+    assert rises.predict(5.0) == 0.0
     with pytest.raises(ValueError, match=r"t_s: 1\.0 is not after"):
         rises.observe(1.0, 0.0)
 

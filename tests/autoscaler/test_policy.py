@@ -126,11 +126,12 @@ def test_the_budget_is_kept_and_goes_to_the_more_violated_pool() -> None:
 def test_a_full_budget_is_made_room_for_from_a_pool_that_can_shrink() -> None:
     scaler = Autoscaler(replace(CONFIG, rank_budget=6, downscale_ticks=6))
     idle_decode = PoolSignals(ready_groups=2, latency_p90_s=0.02, kv_usage=0.1, demand=2.0)
-    # the decode pool is seen to keep its ITL with 4 sequences a group (its KV full, for one tick)
-    _tick(scaler, decode=replace(idle_decode, demand=8.0, kv_usage=0.9))
+    # the decode pool is seen to keep its ITL with 4 sequences a group, its KV 30% full: its peak
+    # fits one group (the planner's bound: 0.8 of 4 / 0.3 sequences)
+    _tick(scaler, decode=replace(idle_decode, demand=8.0, kv_usage=0.3))
     slow = replace(CALM_P, latency_p90_s=3.0)
     first = _tick(scaler, prefill=slow, decode=idle_decode)
-    assert first[P].rule == "slo 1/2" and first[D].rule == "calm 1/6"
+    assert first[P].rule == "slo 1/2" and first[D].rule == "calm 2/6"
     decided = _tick(scaler, prefill=slow, decode=idle_decode)
     assert decided[D].action == "drain" and decided[D].rule == "budget: room for prefill"
     assert decided[P].action == "hold" and "draining decode first" in decided[P].rule
@@ -249,3 +250,73 @@ def test_each_decision_records_the_planners_advice_once_capacity_is_measured() -
     assert plan["predicted_now_s"] is None  # one group at 15k/s of 15k/s: saturated
     assert plan["predicted_planned_s"] is not None and plan["predicted_planned_s"] > 2000 / 15_000
     json.loads(decided[P].to_json(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+
+
+def _measured(groups: int, demand: float, *, pending: int = 0, backlog: float = 0.0,
+              ttft: float = 0.3) -> PoolSignals:  # fmt: skip
+    """A prefill window whose groups compute 10k tokens per busy second, on 2k-token prompts."""
+    return PoolSignals(
+        ready_groups=groups,
+        pending_groups=pending,
+        latency_p90_s=ttft,
+        queue_s=0.01,
+        demand=demand,
+        busy_groups=min(groups, demand / 10_000.0),
+        backlog=backlog,
+        prompt_tokens=2000.0,
+    )
+
+
+def test_a_measured_pool_grows_to_its_plan_at_once_as_far_as_the_budget_allows() -> None:
+    """Saturated (10k tokens/s computed by one group) with 600k tokens queued, the plan asks for
+    (10k + 600k / 30 s) / (10k * 0.9) = 3.3 -> 4 groups: after upscale_ticks ticks the pool
+    adds what the budget holds (two groups of 2 ranks beside decode's 2), in one decision."""
+    scaler = Autoscaler(replace(CONFIG, prefill=PoolLimits(min_groups=1, max_groups=4, ranks_per_group=2)))
+    first = _tick(scaler, prefill=_measured(1, 10_000.0, backlog=600_000.0))[P]
+    assert first.action == "hold" and first.rule == "plan 1/2" and first.inputs["plan"]["groups"] == 4
+    added = _tick(scaler, prefill=_measured(1, 10_000.0, backlog=600_000.0))[P]
+    assert (added.action, added.rule) == ("add", "plan, budget grants 2 of 3")
+    assert added.desired_groups == 3 and added.count == 2
+
+
+def test_a_load_that_outgrows_the_groups_still_starting_starts_more() -> None:
+    config = replace(
+        CONFIG, prefill=PoolLimits(min_groups=1, max_groups=6, ranks_per_group=2), rank_budget=14
+    )
+    scaler = Autoscaler(config)
+    for _ in range(2):
+        added = _tick(scaler, prefill=_measured(1, 10_000.0, backlog=300_000.0))[P]
+    assert added.action == "add" and added.desired_groups == 3  # (10k + 10k) / 9k -> 3
+    starting = _tick(scaler, prefill=_measured(1, 10_000.0, pending=2, backlog=300_000.0))[P]
+    assert starting.action == "hold" and starting.rule == "pending"  # the plan is what is starting
+    grown = _tick(scaler, prefill=_measured(1, 10_000.0, pending=2, backlog=900_000.0))[P]
+    assert (grown.action, grown.rule) == ("add", "plan, more while starting")
+    assert grown.desired_groups == 5 and grown.count == 2  # (10k + 30k) / 9k -> 5: two more
+
+
+def test_a_measured_pool_drains_to_its_plan_after_a_calm_window() -> None:
+    """Four groups carrying what one carries within the SLO: after downscale_ticks calm ticks
+    the pool drains to the plan in one decision; a latency near the SLO holds it."""
+    scaler = Autoscaler(CONFIG)
+    quiet = _measured(3, 4000.0, ttft=0.25)
+    decisions = [_tick(scaler, prefill=quiet)[P] for _ in range(CONFIG.downscale_ticks)]
+    assert [d.action for d in decisions[:-1]] == ["hold"] * (CONFIG.downscale_ticks - 1)
+    assert decisions[-2].rule == f"calm {CONFIG.downscale_ticks - 1}/{CONFIG.downscale_ticks}"
+    assert decisions[-1].inputs["plan"]["groups"] == 1
+    assert (decisions[-1].action, decisions[-1].rule, decisions[-1].count) == ("drain", "plan", 2)
+    near = Autoscaler(CONFIG)
+    for _ in range(CONFIG.downscale_ticks):
+        held = _tick(near, prefill=_measured(3, 4000.0, ttft=0.9))[P]
+    assert held.action == "hold" and "peaked within the margin" in held.rule
+
+
+def test_an_slo_breach_the_plan_does_not_explain_still_adds_a_group() -> None:
+    """One group is plenty by throughput, yet the TTFT observed is 1.5 s: the correction learns
+    it, which puts a prompt's own predicted time past the SLO (no size the model knows meets
+    it), so the plan stays; the breach itself adds a group."""
+    scaler = Autoscaler(CONFIG)
+    breach = _measured(2, 4000.0, ttft=1.5)
+    assert _tick(scaler, prefill=breach)[P].rule == "slo 1/2"
+    added = _tick(scaler, prefill=breach)[P]
+    assert (added.action, added.rule, added.desired_groups) == ("add", "slo", 3)
+    assert added.inputs["plan"]["groups"] <= 2
