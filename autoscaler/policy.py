@@ -32,8 +32,8 @@ Once the planner (planner.py) has measured a pool's capacity, its plan decides t
 instead of the rules above: the pool grows to the planned size when the plan has asked for more
 groups than it has for ``upscale_ticks`` ticks in a row (all the missing groups at once, as the
 budget allows), and an SLO breach lasting as long still adds a group the plan did not foresee;
-it shrinks to the plan after ``downscale_ticks`` calm ticks in which the plan stayed below its
-size and the peak latency kept ``1 - margin`` of the SLO (queue time, KV usage and demand
+it shrinks to the largest plan of ``downscale_ticks`` calm ticks in which the plan stayed
+below its size and the peak latency kept ``1 - margin`` of the SLO (queue time, KV usage and demand
 enter through the plan: its backlog, sequences and forecast). The rule is ``plan``. Every
 decision records the plan, with the latency it predicts at the current and the planned size, in
 its inputs (``plan``); until a pool is measured the plan is ``None`` and the rules decide.
@@ -66,10 +66,12 @@ class _PoolState:
     # (latency, demand) of the last downscale_ticks calm ticks: what a drain must still carry
     window: deque[tuple[float, float]] = field(default_factory=deque)
     last_action: str | None = None  # "add" or "drain", the last carried out
+    plans: deque[int] = field(default_factory=deque)  # the planned sizes of the calm ticks
 
     def reset_calm(self) -> None:
         self.calm_ticks = 0
         self.window.clear()
+        self.plans.clear()
 
 
 @dataclass(frozen=True)
@@ -176,11 +178,15 @@ class Autoscaler:
             return _Want("hold", "at min_groups")
         if st.calm_ticks < cfg.downscale_ticks:
             return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
-        if plan.groups >= ready:
+        st.plans.append(plan.groups)
+        while len(st.plans) > cfg.downscale_ticks:
+            st.plans.popleft()
+        keep = max(st.plans)  # the largest plan of the calm window: one low tick is no trend
+        if keep >= ready:
             return _Want("hold", f"calm, the plan keeps {ready} groups")
         if not self._latency_kept(pool, s):
             return _Want("hold", "calm, but the latency peaked within the margin of the SLO")
-        return _Want("drain", "plan", count=ready - max(plan.groups, limits.min_groups))
+        return _Want("drain", "plan", count=ready - max(keep, limits.min_groups))
 
     def _latency_kept(self, pool: Role, s: PoolSignals) -> bool:
         """Over the calm window (this tick included) the peak latency kept ``1 - margin`` of the
