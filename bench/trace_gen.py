@@ -1,6 +1,7 @@
-"""Generated Mooncake-format traces for ``tandem bench router``: long prompts over shared documents.
+"""Generated Mooncake-format traces for ``tandem bench router`` and ``tandem bench autoscale``:
+long prompts over shared documents, and bursts of short chat prompts.
 
-``tandem bench trace --shape long-prompt --out F [--seed S] [--duration-s D]`` writes one JSON
+``tandem bench trace --shape long-prompt|bursty-short --out F [--seed S] [--duration-s D]`` writes one JSON
 object a line, as the Mooncake release does (``timestamp`` ms, ``input_length``,
 ``output_length``, ``hash_ids`` of 512-token blocks; equal ids = the same prefix).
 
@@ -16,6 +17,12 @@ shares its whole history with the next. With the defaults prompts average ~15k t
 with the default seed: see ``write_trace``'s figures), ~2.8 requests/s arrive for 30 minutes,
 ~42k prompt tokens/s: 8 ranks of 6,000 tokens/s would run ~87% busy without a cache, about
 the conversation trace's load.
+
+The bursty short-prompt shape (:class:`BurstyShortShape`): chat and tool calls behind one of a
+few system prompts, arriving as a Poisson process whose rate jumps by ``burst_factor`` during
+bursts (they start as a Poisson process, last an exponential time): prompts of a few hundred
+to a few thousand tokens, short answers, and load that changes within seconds, faster than a
+group starts. With the defaults (seed 0): ~19 requests/s, prompts ~2.1k tokens, ~40k prompt tokens/s.
 
 A block's hash id names its whole prefix: it is the id of the pair (previous block's id, the
 pieces of segments the block covers), so two prompts get the same id for block i exactly when
@@ -63,6 +70,65 @@ class LongPromptShape:
         low, high = self.question_tokens
         if not 1 <= low <= high:
             raise ValueError(f"question_tokens must be 1 <= low <= high, got {self.question_tokens}")
+
+
+@dataclass(frozen=True)
+class BurstyShortShape:
+    """Parameters of the bursty short-prompt trace; every draw comes from ``random.Random(seed)``."""
+
+    seed: int = 0
+    duration_s: float = 1_800.0
+    requests_per_s: float = 12.0  # between bursts
+    burst_factor: float = 4.0  # the rate within a burst, times requests_per_s
+    bursts_per_s: float = 1.0 / 90.0
+    burst_s_mean: float = 20.0  # exponential
+    system_prompts: int = 8  # picked by Zipf (s = 1) popularity
+    system_tokens: tuple[int, int] = (300, 2_500)  # uniform, one length per system prompt
+    user_tokens_median: int = 400  # lognormal, sigma 0.8, clipped to [16, 8,000]
+    answer_tokens_mean: int = 180  # exponential, clipped to [4, 1,500]
+
+    def __post_init__(self) -> None:
+        for name in ("duration_s", "requests_per_s", "bursts_per_s", "burst_s_mean"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.burst_factor >= 1:
+            raise ValueError(f"burst_factor must be >= 1, got {self.burst_factor}")
+        low, high = self.system_tokens
+        if self.system_prompts < 1 or not 0 <= low <= high:
+            raise ValueError(f"bad system prompts: {self.system_prompts=} {self.system_tokens=}")
+
+
+def bursty_short_trace(shape: BurstyShortShape | None = None) -> list[dict[str, Any]]:
+    """The trace's records in arrival order."""
+    shape = shape or BurstyShortShape()
+    rng = random.Random(shape.seed)
+    bursts: list[tuple[float, float]] = []
+    at = 0.0
+    while (at := at + rng.expovariate(shape.bursts_per_s)) < shape.duration_s:
+        bursts.append((at, at + rng.expovariate(1.0 / shape.burst_s_mean)))
+    systems = [rng.randint(*shape.system_tokens) for _ in range(shape.system_prompts)]
+    weights = [1.0 / (i + 1) for i in range(shape.system_prompts)]
+    peak = shape.requests_per_s * shape.burst_factor
+    ids = _BlockIds()
+    records = []
+    t, index = 0.0, 0
+    while (t := t + rng.expovariate(peak)) < shape.duration_s:  # thinned to the rate at t
+        in_burst = any(start <= t < end for start, end in bursts)
+        if not in_burst and rng.random() >= 1.0 / shape.burst_factor:
+            continue
+        system = rng.choices(range(shape.system_prompts), weights)[0]
+        user = min(8_000, max(16, round(rng.lognormvariate(math.log(shape.user_tokens_median), 0.8))))
+        prompt: list[Segment] = [(("system", system), systems[system]), (("user", index), user)]
+        index += 1
+        records.append(
+            {
+                "timestamp": round(t * 1000.0),
+                "input_length": systems[system] + user,
+                "output_length": min(1_500, max(4, round(rng.expovariate(1.0 / shape.answer_tokens_mean)))),
+                "hash_ids": ids.of(prompt),
+            }
+        )
+    return records
 
 
 class _BlockIds:

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tandem.client.output import command_output, emit
 from tandem.client.prompts import PromptSpec
@@ -131,12 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     dis.add_argument("--json", action="store_true")
     asc = bench.add_parser("autoscale", help="the autoscaler on a simulated cluster against static sizes")
-    asc.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    asc.add_argument(
+        "--trace", type=Path, action="append", default=[], help="Mooncake-format JSONL trace (repeatable)"
+    )
+    asc.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        choices=["long-prompt", "bursty-short"],
+        help="a generated trace (repeatable; default with no --trace: both)",
+    )
     asc.add_argument("--rate-swing", type=float, default=4.0, help="peak / trough arrival rate of the replay")
-    asc.add_argument("--time-scale", type=float, default=1.0, help="arrivals this many times denser")
-    asc.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
-    asc.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
-    asc.add_argument("--rank-budget", type=int, default=64)
+    asc.add_argument("--time-scale", type=float, default=None, help="--trace arrivals this many times denser")
+    asc.add_argument("--ttft-slo", type=float, default=3.0, help="seconds")
+    asc.add_argument("--itl-slo", type=float, default=0.1, help="seconds")
+    asc.add_argument("--rank-budget", type=int, default=48)
+    asc.add_argument("--max-groups", type=int, default=8, help="per pool")
     asc.add_argument("--json", action="store_true")
     met = bench.add_parser("metrics", help="decode throughput with metrics (and scrapes) on against off")
     met.add_argument("--model", type=Path, required=True)
@@ -172,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--store-load-tokens-per-s", type=float, default=None, help="store to device, per rank")
     rb.add_argument("--json", action="store_true")
     tg = bench.add_parser("trace", help="write a generated Mooncake-format trace (bench router's input)")
-    tg.add_argument("--shape", choices=["long-prompt"], default="long-prompt")
+    tg.add_argument("--shape", choices=["long-prompt", "bursty-short"], default="long-prompt")
     tg.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     tg.add_argument("--seed", type=int, default=0)
     tg.add_argument("--duration-s", type=float, default=None, help="arrivals span (default 1,800 s)")
@@ -309,23 +319,36 @@ def _dispatch(args: argparse.Namespace) -> int:
         emit(json.dumps(result, indent=None if args.json else 2))
         return 0
     if args.command == "bench" and args.bench_command == "autoscale":
-        from tandem.bench.autoscale_sim import bench_config, run_autoscale_bench
+        from tandem.bench import autoscale_sim
         from tandem.bench.router_bench import TraceError, read_trace
 
         if not args.rate_swing >= 1:
             raise InvalidRequestError("--rate-swing", f"must be >= 1, got {args.rate_swing}")
-        if not args.time_scale > 0:
+        if args.time_scale is not None and not args.time_scale > 0:
             raise InvalidRequestError("--time-scale", f"must be > 0, got {args.time_scale}")
         try:
-            config = bench_config(args.ttft_slo, args.itl_slo, args.rank_budget)
+            config = autoscale_sim.bench_config(
+                rank_budget=args.rank_budget,
+                max_groups=args.max_groups,
+                ttft_slo_s=args.ttft_slo,
+                itl_slo_s=args.itl_slo,
+            )
         except ValueError as exc:
-            raise InvalidRequestError("--ttft-slo/--itl-slo/--rank-budget", str(exc)) from None
-        try:
-            requests = read_trace(args.trace)
-        except TraceError as exc:
-            raise CliError(str(exc)) from exc
-        result = run_autoscale_bench(requests, config, swing=args.rate_swing, time_scale=args.time_scale)
-        emit(json.dumps(result, indent=None if args.json else 2))
+            raise InvalidRequestError("--ttft-slo/--itl-slo/--rank-budget/--max-groups", str(exc)) from None
+        traces: list[tuple[str, list[Any], float]] = []
+        for path in args.trace:
+            try:
+                traces.append((str(path), read_trace(path), args.time_scale or 1.0))
+            except TraceError as exc:
+                raise CliError(str(exc)) from exc
+        for shape in args.shape or ([] if args.trace else ["long-prompt", "bursty-short"]):
+            traces.append((shape, autoscale_sim.generated_trace(shape), 1.0))
+        results = []
+        for name, requests, scale in traces:
+            swing = args.rate_swing
+            result = autoscale_sim.run_autoscale_bench(requests, config, swing=swing, time_scale=scale)
+            results.append({"trace": name, **result})
+        emit(json.dumps(results) if args.json else autoscale_sim.format_report(results, config))
         return 0
     if args.command == "bench" and args.bench_command == "metrics":
         from tandem.bench.metrics_bench import run_metrics_bench
@@ -414,10 +437,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.bench import trace_gen
 
         try:
-            shape = trace_gen.LongPromptShape(
-                seed=args.seed, **({} if args.duration_s is None else {"duration_s": args.duration_s})
+            options = {
+                "seed": args.seed,
+                **({} if args.duration_s is None else {"duration_s": args.duration_s}),
+            }
+            records = (
+                trace_gen.long_prompt_trace(trace_gen.LongPromptShape(**options))
+                if args.shape == "long-prompt"
+                else trace_gen.bursty_short_trace(trace_gen.BurstyShortShape(**options))
             )
-            stats = trace_gen.write_trace(args.out, trace_gen.long_prompt_trace(shape))
+            stats = trace_gen.write_trace(args.out, records)
         except (ValueError, OSError) as exc:
             raise CliError(str(exc)) from exc
         emit(json.dumps({"trace": str(args.out), **stats}))

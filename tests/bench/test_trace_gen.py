@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 
 from tandem.bench.router_bench import read_trace, run_router_bench, shared_cache_hit_rate
-from tandem.bench.trace_gen import LongPromptShape, long_prompt_trace, write_trace
+from tandem.bench.trace_gen import (
+    BurstyShortShape,
+    LongPromptShape,
+    bursty_short_trace,
+    long_prompt_trace,
+    write_trace,
+)
 from tandem.cli.main import main
 
 # A few minutes of the long-prompt shape, on fewer and shorter documents: a second to replay.
@@ -105,3 +111,27 @@ def test_cli_writes_a_trace_and_bench_router_compares_tiers(
     assert "device+store" in table and "round_robin" in table
     assert main([*args, "--store-capacity-blocks", "9"]) == 2
     assert "--store-capacity-blocks needs --store" in capsys.readouterr().err
+
+
+def test_the_bursty_shape_has_short_prompts_behind_shared_system_prompts_and_real_bursts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shape = BurstyShortShape(seed=3, duration_s=600.0)
+    records = bursty_short_trace(shape)
+    assert records == bursty_short_trace(shape) and records != bursty_short_trace(BurstyShortShape(seed=4))
+    write_trace(tmp_path / "b.jsonl", records)
+    trace = read_trace(tmp_path / "b.jsonl")
+    assert 500 < sum(r.input_length for r in trace) / len(trace) < 5_000
+    # a few system prompts: the first block of every prompt is one of at most 8
+    assert len({r.hash_ids[0] for r in trace}) <= shape.system_prompts
+    # bursts: the busiest 10 s hold well over the mean 10 s' arrivals
+    bins = [0] * 60
+    for r in trace:
+        bins[min(int(r.arrival_s // 10), 59)] += 1
+    assert max(bins) > 2.0 * (len(trace) / 60)
+    with pytest.raises(ValueError, match="burst_factor"):
+        BurstyShortShape(burst_factor=0.5)
+    out = tmp_path / "cli.jsonl"
+    argv = ["bench", "trace", "--shape", "bursty-short", "--out", str(out), "--duration-s", "60"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == len(read_trace(out)) > 100
