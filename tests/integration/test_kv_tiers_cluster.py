@@ -78,7 +78,10 @@ def test_every_tier_on_the_local_preset_gives_the_colocated_engines_tokens(tiny:
         assert tiers.total >= 0.8 * len(second) * 5 * PAGE, tiers
         assert tiers.device > 0 and tiers.host > 0 and tiers.store > 0, tiers
 
-        # over gRPC: the summary's bill carries the split
+        # over gRPC: the summary's bill carries the split. Its 5 full pages are found in some
+        # tier; a run a rank priced slower to load than to compute (a loaded machine's clock) is
+        # computed instead and counted as recomputed
+        recomputed = _recomputed(server)
         spec = PromptSpec(None, conversations[0] + [7, 7], greedy)
         (outcome,) = asyncio.run(
             generate_all(ClientOptions(f"127.0.0.1:{server.port}", timeout_s=120), [spec], 1)
@@ -86,7 +89,8 @@ def test_every_tier_on_the_local_preset_gives_the_colocated_engines_tokens(tiny:
         record = outcome.record()
         split = record["cached_tokens_by_tier"]
         assert set(split) == {"device", "host", "store"}
-        assert sum(split.values()) == record["cached_tokens"] == 5 * PAGE
+        assert sum(split.values()) == record["cached_tokens"] > 0
+        assert record["cached_tokens"] + _recomputed(server) - recomputed == 5 * PAGE
         (want,) = engine.generate([conversations[0] + [7, 7]], [greedy])
         assert record["token_ids"] == want.token_ids
 
@@ -103,6 +107,11 @@ def test_every_tier_on_the_local_preset_gives_the_colocated_engines_tokens(tiny:
         while _alive(master) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(master)
+
+
+def _recomputed(server: Server) -> int:
+    """Prompt tokens the ranks found in a tier but computed, priced cheaper than loading."""
+    return sum(s.tiers.recomputed_tokens for s in ray.get(server.controller.stats.remote()))
 
 
 def _alive(pid: int) -> bool:
