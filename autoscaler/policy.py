@@ -172,15 +172,15 @@ class Autoscaler:
             return _Want("add", rule, severity, count)
         st.pressure_ticks, st.calm_ticks = 0, st.calm_ticks + 1
         st.window.append((s.latency_p90_s or 0.0, s.demand or 0.0))
+        st.plans.append(plan.groups)  # every calm tick's plan, the waiting ones included
         while len(st.window) > cfg.downscale_ticks:
             st.window.popleft()
+        while len(st.plans) > cfg.downscale_ticks:
+            st.plans.popleft()
         if ready <= limits.min_groups:
             return _Want("hold", "at min_groups")
         if st.calm_ticks < cfg.downscale_ticks:
             return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
-        st.plans.append(plan.groups)
-        while len(st.plans) > cfg.downscale_ticks:
-            st.plans.popleft()
         keep = max(st.plans)  # the largest plan of the calm window: one low tick is no trend
         if keep >= ready:
             return _Want("hold", f"calm, the plan keeps {ready} groups")

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
+from tandem.autoscaler.planner import Planner, PlannerConfig
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import PoolSignals
 from tandem.wire.autoscaler_decision import Decision
@@ -308,6 +309,18 @@ def test_a_measured_pool_drains_to_its_plan_after_a_calm_window() -> None:
     for _ in range(CONFIG.downscale_ticks):
         held = _tick(near, prefill=_measured(3, 4000.0, ttft=0.9))[P]
     assert held.action == "hold" and "peaked within the margin" in held.rule
+
+
+def test_the_plans_of_the_first_calm_ticks_count_in_the_drain() -> None:
+    """Three groups carrying three groups' load for the first calm ticks, then one group's: the
+    calm window's largest plan is still three, so nothing drains (one low tick is no trend). The
+    forecast holds no peak here, so only the calm window remembers the first ticks' plans."""
+    scaler = Autoscaler(CONFIG)
+    scaler.planner = Planner(CONFIG, PlannerConfig(peak_window_s=0.0))
+    busy = [_tick(scaler, prefill=_measured(3, 20_000.0, ttft=0.25))[P] for _ in range(3)]
+    assert [d.inputs["plan"]["groups"] for d in busy] == [3, 3, 3]
+    held = _tick(scaler, prefill=_measured(3, 4000.0, ttft=0.25))[P]
+    assert held.action == "hold" and held.rule == "calm, the plan keeps 3 groups"
 
 
 def test_an_slo_breach_the_plan_does_not_explain_still_adds_a_group() -> None:
