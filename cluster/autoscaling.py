@@ -234,23 +234,43 @@ class AutoscalerLoop:
         threading.Thread(target=self._carry_out, args=(action, steps), name=name, daemon=True).start()
 
     def _carry_out(self, action: _Action, steps: list[Callable[[], str]]) -> None:
-        pool, kind = action.pool.value, action.kind
+        """The groups of an add start side by side (one failing does not stop the others); a
+        drain's go one after another, and the first that fails or times out ends it."""
         try:
-            for step in steps:
-                group = step()
-                with self._lock:
-                    action.left -= 1
-                log.info("autoscaler: %s %s %s done", kind, pool, group)
-        except DrainTimeout as exc:  # not a failure: the controller counts the cancelled drain
-            log.warning("autoscaler: drain of the %s pool cancelled: %s", pool, exc)
-        except Exception:
-            with self._lock:
-                self.action_failures[(pool, kind)] = self.action_failures.get((pool, kind), 0) + 1
-            log.exception("autoscaler: %s %s failed", kind, pool)
+            if action.kind == "add" and len(steps) > 1:
+                threads = [
+                    threading.Thread(target=self._step, args=(action, step), daemon=True) for step in steps
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            else:
+                for step in steps:
+                    if not self._step(action, step):
+                        break
         finally:
             with self._idle:
                 self._actions[action.pool].remove(action)
                 self._idle.notify_all()
+
+    def _step(self, action: _Action, step: Callable[[], str]) -> bool:
+        """One group added or removed; whether it was."""
+        pool, kind = action.pool.value, action.kind
+        try:
+            group = step()
+        except DrainTimeout as exc:  # not a failure: the controller counts the cancelled drain
+            log.warning("autoscaler: drain of the %s pool cancelled: %s", pool, exc)
+            return False
+        except Exception:
+            with self._lock:
+                self.action_failures[(pool, kind)] = self.action_failures.get((pool, kind), 0) + 1
+            log.exception("autoscaler: %s %s failed", kind, pool)
+            return False
+        with self._lock:
+            action.left -= 1
+        log.info("autoscaler: %s %s %s done", kind, pool, group)
+        return True
 
     def _record(self, decision: Decision) -> None:
         with self._lock:

@@ -14,7 +14,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -343,6 +344,23 @@ class RankGroup:
         if self._pg is not None:
             release_group(self._pg)
             self._pg = None
+
+
+def start_groups(groups: Sequence[RankGroup], concurrency: int | None = None) -> None:
+    """Start groups side by side, ``concurrency`` at a time (``None``: all at once; 1: one after
+    another): each one's placement, rank processes, model load and rendezvous overlap the
+    others'. Returns once every start has ended; then raises the first :class:`GroupFailed`
+    (every group that failed is already failed and freed; the others are ready)."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"start concurrency: expected at least 1 group at a time, got {concurrency}")
+    if not groups:
+        return
+    workers = len(groups) if concurrency is None else min(concurrency, len(groups))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="group-start") as pool:
+        futures = [pool.submit(g.start) for g in groups]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]  # type: ignore[misc]
 
 
 _RANK_ACTOR = re.compile(r"^tandem-rank-(?P<group>[a-z0-9-]+)-i(?P<inc>\d+)-r(?P<rank>\d+)-[0-9a-f]+$")

@@ -158,14 +158,16 @@ def test_a_tick_returns_while_a_drain_waits_and_the_pool_counts_it_as_pending() 
     assert loop.groups_left(Role.DECODE) == 0 and pools.ready[Role.DECODE] == 1
 
 
-def test_an_add_for_several_groups_starts_each_one_and_counts_those_left_as_pending() -> None:
+def test_an_add_for_several_groups_starts_them_side_by_side_and_counts_those_left_as_pending() -> None:
+    """All three starts are under way while none has finished (one after another, the second
+    would wait for the first); the pool counts them as pending until each ends."""
     policy, pools = _Policy(wants={Role.PREFILL: ("add", 3)}), _Pools(hold=True)
     pools.gate.clear()
     loop = _loop(policy, pools)
     loop.tick()
     deadline = time.monotonic() + 10
-    while not pools.actions:
-        assert time.monotonic() < deadline
+    while len(pools.actions) < 3:
+        assert time.monotonic() < deadline, f"only {pools.actions} under way at once"
         time.sleep(0.01)
     assert loop.groups_left(Role.PREFILL) == 3
     loop.tick()
@@ -174,6 +176,23 @@ def test_an_add_for_several_groups_starts_each_one_and_counts_those_left_as_pend
     assert loop.wait_actions(10)
     assert pools.actions == ["add prefill"] * 3 and pools.ready[Role.PREFILL] == 4
     assert loop.groups_left(Role.PREFILL) == 0
+
+
+def test_a_drain_of_several_groups_removes_them_one_after_another() -> None:
+    policy, pools = _Policy(wants={Role.DECODE: ("drain", -2)}), _Pools(hold=True)
+    pools.ready[Role.DECODE] = 3
+    pools.gate.clear()
+    loop = _loop(policy, pools)
+    assert loop.tick()[1].count == 2
+    deadline = time.monotonic() + 10
+    while not pools.actions:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert pools.actions == ["drain decode"]  # the second waits for the first
+    pools.gate.set()
+    assert loop.wait_actions(10)
+    assert pools.actions == ["drain decode"] * 2 and pools.ready[Role.DECODE] == 1
 
 
 def test_a_cancelled_drain_is_logged_not_failed_and_a_failed_add_is_logged_and_counted(
