@@ -134,6 +134,13 @@ class KVPeer:
                     return stats
         raise TimeoutError(f"send {request_id}: not over within {timeout_s}s")
 
+    def connect(self, ranks: list[str]) -> list[str]:
+        """Reach these peers ahead of any transfer (the transport's ``connect``); those missed."""
+        return self.transport.connect(ranks)
+
+    def warm_messages(self) -> int:
+        return int(getattr(self.transport, "warm_messages", 0))
+
     def expect(self, request_id: str, peer: str, pages: list[int], timeout_s: float) -> None:
         self.transport.expect(request_id, peer, pages, timeout_s)
         self._held[request_id] = pages

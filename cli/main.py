@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_arguments(
         bench.add_parser("speculative", help="speculative decoding against plain, side by side")
     )
+    from tandem.bench.start_bench import add_arguments as add_start_arguments
+
+    add_start_arguments(
+        bench.add_parser("start", help="serve-to-SERVING and first requests, groups one by one vs at once")
+    )
     from tandem.bench.tier_bench import add_arguments as add_tier_bench_arguments
 
     add_tier_bench_arguments(bench.add_parser("tiers", help="KV tiers off against on, served side by side"))
@@ -408,6 +413,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.bench.tier_bench import run_tiers_command
 
         return run_tiers_command(args)
+    if args.command == "bench" and args.bench_command == "start":
+        from tandem.bench.start_bench import run_start_command
+
+        return run_start_command(args)
     if args.command == "bench" and args.bench_command == "speculative":
         from tandem.bench.spec_bench import run_speculative_command
 

@@ -24,7 +24,7 @@ from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop, DrainTimeout
 from tandem.cluster.controller_state import AutoscalerSettings, ControllerRecord, RecordStore, Removal
-from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name
+from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name, start_groups
 from tandem.cluster.kv_store_master import StoreMaster
 from tandem.cluster.placement import RankResources
 from tandem.cluster.rank_spec import MetricsSpec
@@ -100,6 +100,7 @@ class Cluster:
         self._draining: set[str] = set()
         self.on_draining_changed: Callable[[], None] = lambda: None  # before ranks hear of it
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
+        self.starting: set[str] = set()  # groups ``Controller.add_group`` starts outside the lock
         self.store_master: StoreMaster | None = None
         store = self._store_config(topology.store)
         self.colocated = topology.colocated is not None
@@ -159,11 +160,11 @@ class Cluster:
         return [*self.prefill, *self.decode]
 
     def start(self) -> None:
-        """Start every group; if one fails, stop those already started (their ranks and
-        placement groups) before raising, so a failed start leaves nothing behind."""
+        """Start every group, side by side (the topology's ``start_concurrency`` at a time);
+        if one fails, stop the others (their ranks and placement groups) before raising, so a
+        failed start leaves nothing behind."""
         try:
-            for g in self.groups:
-                g.start()
+            start_groups(self.groups, self.topology.start_concurrency)
             self._send_membership()
         except BaseException:
             for g in self.groups:
@@ -171,29 +172,40 @@ class Cluster:
             raise
 
     def _takes_work(self, g: RankGroup) -> bool:
-        return g.state is GroupState.READY and g.group_id not in self._draining
+        return self._state(g) is GroupState.READY and g.group_id not in self._draining
+
+    def _state(self, g: RankGroup) -> GroupState:
+        """A group added outside the lock is starting until it has joined the membership."""
+        return GroupState.STARTING if g.group_id in self.starting else g.state
 
     def _send_membership(self) -> None:
-        """Tell every live decode rank the prefill ranks that take jobs (ready, not draining)."""
+        """Tell every live decode rank the prefill ranks that take jobs (ready, not draining);
+        with ``kv_preconnect``, every rank also connects its transport to those of the other role
+        (a rank already connected to a peer skips it)."""
         if self.colocated:
             return
         ranks: dict[RankId, Any] = {}
         for g in self.prefill:
             if self._takes_work(g):
                 ranks |= g.actors
-        ray.get(
-            [
-                a.set_peers.remote(ranks)
-                for g in self.decode
+        decode = [a for g in self.decode if g.state is GroupState.READY for a in g.actors.values()]
+        calls = [a.set_peers.remote(ranks) for a in decode]
+        if self.topology.kv_preconnect:  # each side reaches the other's transports ahead of a transfer
+            prefill_names = [r.name for r in ranks]
+            decode_names = [r.name for g in self.decode if self._takes_work(g) for r in g.rank_ids]
+            calls += [a.connect_peers.remote(prefill_names) for a in decode]
+            calls += [
+                a.connect_peers.remote(decode_names)
+                for g in self.prefill
                 if g.state is GroupState.READY
                 for a in g.actors.values()
             ]
-        )
+        ray.get(calls)
 
     def routing_view(self) -> RoutingView:
         def state(g: RankGroup) -> GroupState:
             draining = g.group_id in self._draining and g.state is GroupState.READY
-            return GroupState.DRAINING if draining else g.state
+            return GroupState.DRAINING if draining else self._state(g)
 
         live = [g for g in self.groups if self._takes_work(g)]
         views = tuple(
@@ -228,7 +240,7 @@ class Cluster:
     def _rank_targets(self) -> list[ScrapeTarget]:
         out = []
         for g in self.groups:
-            if g.state is not GroupState.READY:
+            if self._state(g) is not GroupState.READY:
                 continue
             for rank, address in g.metrics_addresses.items():
                 labels = RankLabels(self.model_name, g.role, g.group_id, rank.name, str(g.incarnation))
@@ -357,6 +369,10 @@ class Cluster:
         except BaseException:
             self.forget_group(group)
             raise
+        self.joined(group)
+
+    def joined(self, group: RankGroup) -> None:
+        """A group started outside ``start_group`` takes work: the decode ranks hear of it."""
         self._send_membership()
 
     def idle(self, group: RankGroup) -> bool:
@@ -376,6 +392,11 @@ class Cluster:
         self._draining.discard(group.group_id)
         self.on_draining_changed()
         self._send_membership()
+
+    def taking_work(self, role: Role) -> list[RankGroup]:
+        """The pool's groups that take work now (ready, joined, not draining)."""
+        pool = self.prefill if role is Role.PREFILL else self.decode
+        return [g for g in pool if self._takes_work(g)]
 
     def serving(self, role: Role) -> list[RankGroup]:
         """The pool's groups that take work, or will once started (not draining)."""
@@ -422,6 +443,8 @@ class Cluster:
         now = time.monotonic()
         for g in self.groups:
             if g.state is not GroupState.FAILED or now < self._retry_at.get(g.group_id, 0.0):
+                continue
+            if g.group_id in self.starting:  # its first start failed: that caller frees it
                 continue
             try:
                 g.restart(place_timeout_s)
@@ -633,7 +656,7 @@ class Controller:
 
         def remove(pool: Role) -> str:
             with self._lock:
-                newest = self.cluster.serving(pool)[-1].group_id
+                newest = self.cluster.taking_work(pool)[-1].group_id
             self._remove_group(newest, settings.drain_timeout_s, by_autoscaler=True)
             return newest
 
@@ -752,15 +775,33 @@ class Controller:
 
     def add_group(self, role: str) -> str:
         """Start one more group in ``role``'s pool ("prefill" or "decode"); its id once it takes
-        work. Frontends, the decode ranks and metrics discovery see it from the next view."""
+        work. Frontends, the decode ranks and metrics discovery see it from the next view.
+
+        The start runs without the lock: adds overlap one another (the autoscaler's several
+        groups of one decision start side by side), and the watch, rebuilds, drains and status
+        go on meanwhile. Until it ends the group is ``starting``, which the others leave alone
+        (a failed start is this call's to clean up, not the watch's to rebuild)."""
         with self._lock:
             group = self.cluster.new_group(Role(role))
+            self.cluster.starting.add(group.group_id)
             self._view = self._routing_view()
-            try:
-                self.cluster.start_group(group)
-            finally:
+        try:
+            group.start()
+        except BaseException:
+            with self._lock:
+                self.cluster.starting.discard(group.group_id)
+                self.cluster.forget_group(group)
                 self._view = self._routing_view()
-            return group.group_id
+            raise
+        with self._lock:
+            self.cluster.starting.discard(group.group_id)
+            if self._stop.is_set():  # stopped while this group started: it goes too
+                self.cluster.forget_group(group)
+                self._view = self._routing_view()
+                raise RuntimeError(f"the controller stopped while {group.group_id} started")
+            self.cluster.joined(group)
+            self._view = self._routing_view()
+        return group.group_id
 
     def remove_group(self, group_id: str, timeout_s: float = 300.0, quiet_s: float = 1.0) -> None:
         """Drain a group, wait until its ranks hold nothing for ``quiet_s`` (requests routed on a
@@ -776,7 +817,9 @@ class Controller:
     ) -> None:
         with self._lock:
             group = self.cluster.group(group_id)
-            if self.cluster.serving(group.config.role.role) == [group]:
+            if group_id in self.cluster.starting:
+                raise ValueError(f"{group_id} is still starting; remove it once it serves")
+            if not [g for g in self.cluster.taking_work(group.config.role.role) if g is not group]:
                 raise ValueError(f"{group_id} is the last group of its pool that takes work; add one first")
             removal = Removal(group_id, time.time(), timeout_s, by_autoscaler)
             self._removing[group_id] = removal

@@ -187,6 +187,12 @@ class RankActor:
         with contextlib.suppress(RankFailed):
             self._require().post(lambda worker: worker.set_peers(peers))
 
+    def connect_peers(self, ranks: list[str]) -> None:
+        """Reach the transports of these ranks of the other role now, on the loop thread (the
+        membership changed): the first transfer with each pays no wire-up."""
+        with contextlib.suppress(RankFailed):
+            self._require().post(lambda worker: worker.connect_peers(ranks))
+
     def peers_lost(self, ranks: list[str]) -> None:
         """The controller's word that these ranks' processes are gone (see ``RankWorker``)."""
         with contextlib.suppress(RankFailed):

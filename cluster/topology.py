@@ -200,6 +200,18 @@ class Topology(BaseModel):
         "ranks' cores (pin_cores_per_rank), a frontend woken by a token push does not preempt a step loop",
     )
     cpus_per_rank: float = Field(0.05, gt=0, description="CPU share of a rank on machines without GPUs")
+    kv_preconnect: bool = Field(
+        True,
+        description="when the membership changes, every rank connects its KV transport to the ranks "
+        "of the other role (metadata, descriptors, wire-up) ahead of the first transfer; false = at "
+        "first contact",
+    )
+    start_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="DEP groups started at once (placement, rank processes, model load, rendezvous); "
+        "null = every group of the deployment side by side, 1 = one after another",
+    )
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
     store: StoreSpec | None = Field(None, description="the shared KV store (off by default)")
     placement: PlacementSpec = Field(

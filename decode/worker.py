@@ -18,6 +18,7 @@ deadline, then sends prefill jobs for new reservations; ``step`` runs one decode
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
     from tandem.engine.tier_copier import TierCopier
     from tandem.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class PrefillDispatcher(ABC):
@@ -234,6 +237,12 @@ class DecodeWorker(RankWorker):
     def set_peers(self, peers: dict[RankId, Any]) -> None:
         self.dispatcher.set_ranks(peers)
 
+    def connect_peers(self, ranks: list[str]) -> None:
+        missed = self.transport.connect(ranks)
+        if missed:
+            log.info("rank %s: %d peers not reachable yet (%s); their first transfer connects",
+                     self.name, len(missed), ", ".join(missed[:4]))  # fmt: skip
+
     def peers_lost(self, ranks: list[str]) -> None:
         """Prefill ranks whose group failed: their receives fail now and are retried on the
         prefill ranks of the membership (which no longer lists them)."""
@@ -360,6 +369,7 @@ class DecodeWorker(RankWorker):
             total_pages=d.config.num_pages,
             kv_bytes_received=self.kv_bytes_received,
             sends_in_flight=sends,
+            peers_connected=self.transport.connected_peers(),
             receives_in_flight=receives,
             preemptions=self.preemptions,
             speculation=self.speculation,

@@ -123,6 +123,9 @@ class RankWorker(ABC):
     def set_peers(self, peers: dict[Any, Any]) -> None:
         raise RoleMismatch(f"rank {self.name} sends work to no other rank")
 
+    def connect_peers(self, ranks: list[str]) -> None:  # noqa: B027  (a rank without a transport)
+        """Reach these ranks' transports now, ahead of the first transfer with each."""
+
     def peers_lost(self, ranks: list[str]) -> None:  # noqa: B027  (a rank without a transport)
         """These ranks' incarnations are dead (their processes are gone): fail every transfer
         with them at once instead of waiting for its deadline."""

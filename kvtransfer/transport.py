@@ -128,6 +128,18 @@ class KVTransport(ABC):
         forget its agent, and fail every transfer with it at once, reported by the next
         ``poll``; its pages on this side are free, since nothing of it can write any more."""
 
+    def connect(self, ranks: Sequence[str]) -> list[str]:
+        """Reach these peers now, before any transfer with them (a membership change calls it):
+        their published metadata fetched, their pools' descriptors prepared and the channel
+        wired up, so a first transfer pays none of it. A peer already reached is skipped. The
+        ranks not reachable yet are returned: their first transfer connects, as without this.
+        By default a transport connects at first contact and reaches none ahead."""
+        return list(ranks)
+
+    def connected_peers(self) -> int:
+        """How many peers this transport has reached (ahead of, or at, a first transfer)."""
+        return 0
+
     @abstractmethod
     def poll(self) -> TransportEvents: ...
 

@@ -244,6 +244,7 @@ class FailureCounts:
 # -- notification wire format: one small JSON object ---------------------------------------------
 
 DONE, ABORT, ABORT_ACK = "done", "abort", "abort_ack"
+WARM = "warm"  # a connect's first message: it wires the channel up, the receiver drops it
 
 
 def encode_message(kind: str, request_id: str, sender: str, **fields: Any) -> bytes:

@@ -116,6 +116,12 @@ class PrefillWorker(RankWorker):
         else:
             self._forget(request_id)
 
+    def connect_peers(self, ranks: list[str]) -> None:
+        missed = self.transport.connect(ranks)
+        if missed:
+            log.info("rank %s: %d peers not reachable yet (%s); their first transfer connects",
+                     self.name, len(missed), ", ".join(missed[:4]))  # fmt: skip
+
     def peers_lost(self, ranks: list[str]) -> None:
         """Decode ranks whose group failed: nothing waits for their jobs' KV any more. Sends to
         them stop (their posted writes drained first); their jobs not yet sending are dropped."""
@@ -190,6 +196,7 @@ class PrefillWorker(RankWorker):
             cached_pages=s.kv_cache.num_cached_pages,
             kv_bytes_sent=self.kv_bytes_sent,
             sends_in_flight=sends,
+            peers_connected=self.transport.connected_peers(),
             receives_in_flight=receives,
             prefix_queried_tokens=s.num_queried_tokens,
             prefix_hit_tokens=s.num_hit_tokens,

@@ -439,6 +439,7 @@ class RankStats:
     kv_bytes_received: int = 0
     sends_in_flight: int = 0
     receives_in_flight: int = 0
+    peers_connected: int = 0  # ranks of the other role its KV transport has reached
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hit_tokens: int = 0  # of those, found there
     preemptions: int = 0

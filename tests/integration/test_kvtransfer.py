@@ -199,3 +199,31 @@ def test_kvtransfer_benchmark_reports_the_ratio(peers: tuple[Any, Any]) -> None:
     assert result["bytes_match"] is True
     assert result["nixl_gb_s"] > 0 and result["memcpy_gb_s"] > 0
     assert result["ratio"] == pytest.approx(result["nixl_gb_s"] / result["memcpy_gb_s"], rel=2e-2, abs=2e-3)
+
+
+def test_peers_connected_ahead_of_a_transfer_then_transfer_as_before(peers: tuple[Any, Any]) -> None:
+    """``connect`` (a membership change): each side reaches the other before any transfer and
+    the other drops the WARM message (not counted as a late one); connecting again sends
+    nothing; a rank not published yet is returned, for its first transfer to connect."""
+    prefill, decode = _peer("prefill-9"), _peer("decode-9")
+    ray.get([prefill.check.remote(), decode.check.remote()])
+    assert ray.get(prefill.connect.remote(["decode-9", "nowhere-0"])) == ["nowhere-0"]
+    assert ray.get(decode.connect.remote(["prefill-9", "prefill-9"])) == []
+    deadline = time.monotonic() + 10
+    while ray.get([prefill.warm_messages.remote(), decode.warm_messages.remote()]) != [1, 1]:
+        assert time.monotonic() < deadline, "a WARM message never arrived"
+        ray.get([prefill.poll.remote(0.05), decode.poll.remote(0.05)])
+    assert ray.get(prefill.connect.remote(["decode-9"])) == []  # already reached: nothing sent
+    src = ray.get(prefill.allocate.remote(2))
+    ray.get(prefill.fill.remote(src, 3))
+    dst = ray.get(decode.allocate.remote(2))
+    ray.get(decode.expect.remote("warm-1", "prefill-9", dst, 10.0))
+    ray.get(prefill.send.remote("warm-1", KVDestination("decode-9", 1, tuple(dst)), src, True, 10.0))
+    _settle(prefill, decode, {"warm-1"})
+    assert ray.get(decode.read.remote(dst)) == ray.get(prefill.read.remote(src))
+    ray.get([prefill.poll.remote(0.05), decode.poll.remote(0.05)])
+    assert ray.get([prefill.warm_messages.remote(), decode.warm_messages.remote()]) == [1, 1]
+    assert ray.get([prefill.late_messages_dropped.remote(), decode.late_messages_dropped.remote()]) == [0, 0]
+    ray.get([prefill.close.remote(), decode.close.remote()])
+    for actor in (prefill, decode):
+        ray.kill(actor)

@@ -110,8 +110,36 @@ def test_a_decode_group_added_then_the_first_removed_under_load(server: Server, 
 
 
 def test_a_prefill_group_added_then_the_first_removed_under_load(server: Server, tiny_dir: Path) -> None:
-    added = ray.get(server.controller.add_group.remote("prefill"))
+    """While the new group starts, the controller answers (the start holds no lock), shows it
+    starting, and routes nothing to it; it cannot be removed until it serves."""
+    adding = server.controller.add_group.remote("prefill")
+    seen = set()
+    while not ray.wait([adding], timeout=0)[0]:
+        status = ray.get(server.controller.status.remote(), timeout=10)  # not behind the start
+        if "prefill1" in status and status["prefill1"].startswith("starting"):
+            seen.add("starting")
+            view = ray.get(server.controller.routing_view.remote())
+            assert all(r.group_id != "prefill1" for r in view.prefill)
+            with pytest.raises(ray.exceptions.RayTaskError, match="prefill1 is still starting"):
+                ray.get(server.controller.remove_group.remote("prefill1"), timeout=10)
+        time.sleep(0.1)
+    assert seen == {"starting"}
+    added = ray.get(adding)
     assert added == "prefill1" and _groups(server)["prefill1"] == ("ready", 2)
+    # before any request reached it, its ranks and the decode ranks have connected their
+    # transports (the membership change did it): its first transfer pays no wire-up
+    deadline = time.monotonic() + 10
+    while True:
+        stats = {s.rank.name: s for s in ray.get(server.controller.stats.remote())}
+        new = [s for s in stats.values() if s.rank.group_id == "prefill1"]
+        decode = [s for s in stats.values() if s.rank.group_id.startswith("decode")]
+        connected = [s.peers_connected for s in new] == [len(decode)] * 2
+        if (connected and all(s.peers_connected == 4 for s in decode)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [s.peers_connected for s in new] == [len(decode)] * 2
+    assert [s.peers_connected for s in decode] == [4] * len(decode)  # prefill0's ranks and prefill1's
+    assert all(s.kv_bytes_sent == 0 for s in new)  # no transfer yet: connected ahead of one
     _frontend_refreshed(server)
     prompts, sampling = _workload(3, 12, 30)
     summaries = _generate_during(
