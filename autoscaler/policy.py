@@ -73,6 +73,16 @@ class _PoolState:
         self.window.clear()
         self.plans.clear()
 
+    def calm(self, s: PoolSignals, planned: int | None, ticks: int) -> None:
+        """One calm tick: counted, and its latency, demand and plan kept for the last ``ticks``."""
+        self.pressure_ticks, self.calm_ticks = 0, self.calm_ticks + 1
+        self.window.append((s.latency_p90_s or 0.0, s.demand or 0.0))
+        if planned is not None:
+            self.plans.append(planned)
+        for kept in (self.window, self.plans):
+            while len(kept) > ticks:
+                kept.popleft()
+
 
 @dataclass(frozen=True)
 class _Want:
@@ -140,14 +150,10 @@ class Autoscaler:
             if s.ready_groups >= cfg.limits(pool).max_groups:
                 return _Want("hold", f"{pressure[0]}, at max_groups")
             return _Want("add", pressure[0], pressure[1])
-        st.pressure_ticks, st.calm_ticks = 0, st.calm_ticks + 1
-        st.window.append((s.latency_p90_s or 0.0, s.demand or 0.0))
-        while len(st.window) > cfg.downscale_ticks:
-            st.window.popleft()
-        if s.ready_groups <= cfg.limits(pool).min_groups:
-            return _Want("hold", "at min_groups")
-        if st.calm_ticks < cfg.downscale_ticks:
-            return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
+        st.calm(s, None, cfg.downscale_ticks)
+        held = self._calm_hold(pool, s)
+        if held is not None:
+            return held
         if not self.can_shrink(pool, s):
             return _Want("hold", "calm, but one group fewer would not keep the SLO")
         return _Want("drain", "calm")
@@ -170,23 +176,25 @@ class Autoscaler:
             count = min(max(plan.groups - ready, 1), limits.max_groups - ready)
             severity = max(plan.needed / max(ready, 1), breach or 0.0)
             return _Want("add", rule, severity, count)
-        st.pressure_ticks, st.calm_ticks = 0, st.calm_ticks + 1
-        st.window.append((s.latency_p90_s or 0.0, s.demand or 0.0))
-        st.plans.append(plan.groups)  # every calm tick's plan, the waiting ones included
-        while len(st.window) > cfg.downscale_ticks:
-            st.window.popleft()
-        while len(st.plans) > cfg.downscale_ticks:
-            st.plans.popleft()
-        if ready <= limits.min_groups:
-            return _Want("hold", "at min_groups")
-        if st.calm_ticks < cfg.downscale_ticks:
-            return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
+        st.calm(s, plan.groups, cfg.downscale_ticks)  # every calm tick's plan, the waiting ones included
+        held = self._calm_hold(pool, s)
+        if held is not None:
+            return held
         keep = max(st.plans)  # the largest plan of the calm window: one low tick is no trend
         if keep >= ready:
             return _Want("hold", f"calm, the plan keeps {ready} groups")
         if not self._latency_kept(pool, s):
             return _Want("hold", "calm, but the latency peaked within the margin of the SLO")
         return _Want("drain", "plan", count=ready - max(keep, limits.min_groups))
+
+    def _calm_hold(self, pool: Role, s: PoolSignals) -> _Want | None:
+        """A calm pool holds at its minimum, and until its calm window is full."""
+        cfg, st = self.config, self._state[pool]
+        if s.ready_groups <= cfg.limits(pool).min_groups:
+            return _Want("hold", "at min_groups")
+        if st.calm_ticks < cfg.downscale_ticks:
+            return _Want("hold", f"calm {st.calm_ticks}/{cfg.downscale_ticks}")
+        return None
 
     def _latency_kept(self, pool: Role, s: PoolSignals) -> bool:
         """Over the calm window (this tick included) the peak latency kept ``1 - margin`` of the
@@ -314,7 +322,9 @@ class Autoscaler:
             "severity": round(want.severity, 4),
             "plan": _finite(asdict(plan)) if plan is not None else None,
         }
-        return Decision(pool.value, want.action, want.rule, s.ready_groups, base + step, inputs)
+        return Decision(
+            pool.value, want.action, want.rule, s.ready_groups, base + step, inputs, s.pending_groups
+        )
 
 
 def _finite(values: dict[str, object]) -> dict[str, object]:

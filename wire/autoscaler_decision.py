@@ -18,6 +18,7 @@ class Decision:
     ready_groups: int
     desired_groups: int
     inputs: dict[str, Any] = field(default_factory=dict)
+    pending_groups: int = 0  # groups of the pool still starting or draining when it was decided
 
     @property
     def reason(self) -> str:
@@ -29,9 +30,9 @@ class Decision:
     @property
     def count(self) -> int:
         """Groups to add or drain: an add's desired size counts the groups still starting
-        (``inputs["pending_groups"]``), which it does not start again."""
+        (``pending_groups``), which it does not start again."""
         if self.action == "add":
-            return max(self.desired_groups - self.ready_groups - int(self.inputs.get("pending_groups", 0)), 1)
+            return max(self.desired_groups - self.ready_groups - self.pending_groups, 1)
         return max(self.ready_groups - self.desired_groups, 1)
 
     def to_json(self) -> str:
