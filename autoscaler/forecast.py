@@ -84,15 +84,15 @@ class TrendForecast:
         return max(v for t, v in self.samples if t >= now - self.peak_window_s)
 
     def _smoothed(self) -> list[tuple[float, float]]:
-        """The samples' moving mean over ``rise_smoothing_ticks`` (fewer at the start)."""
-        out, window, total = [], deque[float](), 0.0
-        for t, v in self.samples:
-            window.append(v)
-            total += v
-            if len(window) > self.rise_smoothing_ticks:
-                total -= window.popleft()
-            out.append((t, total / len(window)))
-        return out
+        """The samples' moving mean over ``rise_smoothing_ticks`` (fewer at the start), each
+        summed afresh: a running sum's rounding leaves a residue (1e-11) after a burst, which
+        would read an idle pool as busy and add the history's rises to it."""
+        values = [v for _, v in self.samples]
+        n = self.rise_smoothing_ticks
+        return [
+            (t, math.fsum(values[max(0, i + 1 - n) : i + 1]) / min(i + 1, n))
+            for i, (t, _) in enumerate(self.samples)
+        ]
 
     def _rise(self, points: list[tuple[float, float]], ahead_s: float) -> float:
         """The ``rise_quantile`` of ``value(t + ahead_s) - value(t)`` (at most ``max_rise *
