@@ -2,10 +2,12 @@
 
 Prefill: the tokens per second one *busy* group computes, by prompt-length bucket (log2 of the
 mean new prompt tokens per request), as an exponentially weighted mean of the ticks' ratios of
-new prompt tokens per second to busy groups. The time to first token a size would give is
-predicted as an M/M/n queue of requests (service time: a mean prompt over one group's rate; the
-wait by Sakasegawa's approximation) times a correction ``k``: the weighted mean ratio of observed
-to predicted TTFT, clamped to ``[0.5, 8]`` so one odd window cannot swing it far.
+new prompt tokens per second to busy groups. The p90 time to first token a size would give is
+predicted from an M/M/n queue of requests (service time: a mean prompt over one group's rate;
+the wait's p90 from Sakasegawa's probability of waiting and the exponential wait that follows)
+times a correction ``k``: the weighted mean ratio of observed to predicted p90 TTFT, clamped to
+``[0.5, 8]`` so one odd window cannot swing it far. (A mean predicted against an observed p90
+read every bursty window as a slow group: ``k`` at its bound.)
 
 Decode: the inter-token latency as a least-squares fit ``a + b n + c n ctx`` over the ticks'
 (sequences per group ``n``, mean context ``ctx``, ITL) samples; a group holds the most sequences
@@ -32,14 +34,19 @@ def bucket_of(prompt_tokens: float) -> int:
     return max(0, int(math.log2(max(1.0, prompt_tokens))))
 
 
-def mmn_wait_s(arrival_per_s: float, service_s: float, servers: int) -> float:
-    """The mean wait in an M/M/n queue (Sakasegawa): ``inf`` at or past saturation."""
+def mmn_wait_quantile_s(arrival_per_s: float, service_s: float, servers: int, q: float = 0.9) -> float:
+    """The ``q`` quantile of the wait in an M/M/n queue: a request waits with probability
+    ``P`` (Sakasegawa's ``rho ** (sqrt(2 (n + 1)) - 1)``), then for an exponential time of rate
+    ``n (1 - rho) / service``; ``inf`` at or past saturation, 0 while ``P <= 1 - q``."""
     if arrival_per_s <= 0:
         return 0.0
     rho = arrival_per_s * service_s / servers
     if rho >= 1:
         return math.inf
-    return service_s * rho ** (math.sqrt(2 * (servers + 1)) - 1) / (servers * (1 - rho))
+    waits = rho ** (math.sqrt(2 * (servers + 1)) - 1)
+    if waits <= 1 - q:
+        return 0.0
+    return service_s / (servers * (1 - rho)) * math.log(waits / (1 - q))
 
 
 @dataclass
@@ -70,11 +77,13 @@ class PrefillCapacity:
         return self.per_bucket[nearest]
 
     def raw_ttft_s(self, demand_tokens_per_s: float, prompt_tokens: float, groups: int) -> float | None:
+        """TTFT's p90 by the queue model, uncorrected: the mean prompt's compute plus the wait's
+        p90 (the SLO and the correction read TTFT's p90: like is compared with like)."""
         rate = self.per_group(prompt_tokens)
         if rate is None or groups < 1 or prompt_tokens <= 0:
             return None
         service_s = prompt_tokens / rate
-        return service_s + mmn_wait_s(demand_tokens_per_s / prompt_tokens, service_s, groups)
+        return service_s + mmn_wait_quantile_s(demand_tokens_per_s / prompt_tokens, service_s, groups)
 
     def predict_ttft_s(self, demand_tokens_per_s: float, prompt_tokens: float, groups: int) -> float | None:
         raw = self.raw_ttft_s(demand_tokens_per_s, prompt_tokens, groups)

@@ -6,10 +6,11 @@ sizes from its fitted latency and its KV."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
-from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity, bucket_of, mmn_wait_s
+from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity, bucket_of, mmn_wait_quantile_s
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
 from tandem.autoscaler.forecast import TrendForecast
 from tandem.autoscaler.planner import Planner, PlannerConfig
@@ -56,11 +57,15 @@ def test_prefill_capacity_is_the_tokens_per_busy_group_second_by_prompt_bucket()
     assert cap.per_group(PROMPT) == pytest.approx(10_000.0)
 
 
-def test_the_mmn_wait_grows_with_load_and_is_unbounded_at_saturation() -> None:
-    waits = [mmn_wait_s(rate, 0.4, 2) for rate in (0.5, 2.5, 4.5, 4.99)]
-    assert waits[0] < waits[1] < waits[2] < waits[3]
-    assert mmn_wait_s(5.0, 0.4, 2) == math.inf and mmn_wait_s(0.0, 0.4, 2) == 0.0
-    assert mmn_wait_s(4.0, 0.4, 4) < mmn_wait_s(4.0, 0.4, 2)  # more servers, less wait
+def test_the_mmn_waits_p90_grows_with_load_and_is_unbounded_at_saturation() -> None:
+    """Rising with load from 0 (a light load waits less than 1 time in 10), infinite at
+    saturation, shorter with more servers; on one server it is M/M/1's exact p90:
+    P(W > t) = rho exp(-(1 - rho) t / service), so t = service / (1 - rho) ln(10 rho)."""
+    waits = [mmn_wait_quantile_s(rate, 0.4, 2) for rate in (0.5, 2.5, 4.5, 4.99)]
+    assert waits[0] == 0.0 and waits[1] < waits[2] < waits[3]
+    assert mmn_wait_quantile_s(5.0, 0.4, 2) == math.inf and mmn_wait_quantile_s(0.0, 0.4, 2) == 0.0
+    assert mmn_wait_quantile_s(4.0, 0.4, 4) < mmn_wait_quantile_s(4.0, 0.4, 2)  # more servers, less wait
+    assert mmn_wait_quantile_s(0.8, 1.0, 1) == pytest.approx(1.0 / 0.2 * math.log(8.0))
 
 
 def test_the_ttft_correction_follows_observed_over_predicted_within_its_bounds() -> None:
@@ -116,10 +121,15 @@ def test_an_idle_pool_plans_its_minimum_once_its_peak_window_passed() -> None:
 
 
 def test_a_tight_ttft_slo_plans_more_groups_than_throughput_needs() -> None:
+    """25k tokens/s of 4k-token prompts at 10k per group: three groups carry it (a p90 TTFT of
+    0.4 s of compute plus 1.6 s of waiting, within a 4 s SLO); a 0.6 s SLO needs more."""
     tight = AutoscalingConfig(
         prefill=CONFIG.prefill, decode=CONFIG.decode, rank_budget=48, ttft_slo_s=0.6, interval_s=5.0
     )
-    loose = Planner(CONFIG, PlannerConfig(peak_window_s=0, growth_history_s=0))
+    roomy = AutoscalingConfig(
+        prefill=CONFIG.prefill, decode=CONFIG.decode, rank_budget=48, ttft_slo_s=4.0, interval_s=5.0
+    )
+    loose = Planner(roomy, PlannerConfig(peak_window_s=0, growth_history_s=0))
     strict = Planner(tight, PlannerConfig(peak_window_s=0, growth_history_s=0))
     for tick in range(10):
         a = loose.plan(P, _prefill(25_000.0, 8), tick * 5.0)
@@ -196,6 +206,18 @@ def test_the_forecast_extrapolates_a_ramp_and_holds_a_recent_peak() -> None:
     assert rises.predict(5.0) == 0.0
     with pytest.raises(ValueError, match=r"t_s: 1\.0 is not after"):
         rises.observe(1.0, 0.0)
+
+
+def test_an_idle_pool_after_an_uneven_burst_forecasts_exactly_no_load() -> None:
+    """Uneven figures, then an idle minute: the smoothed level is exactly 0 (a running sum's
+    rounding residue read it as busy, and the history's rises, 10^5 tokens/s, were added to it)."""
+    rng = random.Random(7)
+    forecast = TrendForecast(peak_window_s=30)
+    values = [rng.uniform(1_000.0, 90_000.0) for _ in range(60)] + [0.0] * 12
+    for t, v in enumerate(values):
+        forecast.observe(t * 5.0, v)
+    assert forecast._smoothed()[-1][1] == 0.0
+    assert forecast.predict(90.0) == 0.0
 
 
 def test_infinite_or_nan_figures_are_ignored_not_learned() -> None:

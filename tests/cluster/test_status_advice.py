@@ -27,7 +27,7 @@ def _view(decisions: tuple = ()) -> RoutingView:
 def test_status_shows_each_pools_latest_decision_and_the_plan_beside_it() -> None:
     scaler = Autoscaler(CONFIG)
     prefill = PoolSignals(
-        ready_groups=1, latency_p90_s=0.4, demand=12_000.0, busy_groups=0.8, prompt_tokens=3000.0
+        ready_groups=1, latency_p90_s=0.4, demand=6_000.0, busy_groups=0.4, prompt_tokens=3000.0
     )
     decode = PoolSignals(ready_groups=1, latency_p90_s=0.03, kv_usage=0.2, demand=4.0)
     decisions = []
@@ -37,7 +37,8 @@ def test_status_shows_each_pools_latest_decision_and_the_plan_beside_it() -> Non
     assert advice is not None and sorted(advice) == ["decode", "prefill"]
     p = advice["prefill"]
     assert p["at"] == 102.0 and (p["action"], p["ready_groups"]) == ("hold", 1)
-    # 12k tokens/s at 15k per busy group-second, planned at 90% utilization: one group
+    # 6k tokens/s at 15k per busy group-second: one group (its p90 TTFT 0.2 s of compute and
+    # 0.46 s of waiting, within the 1 s SLO's margin)
     assert (p["planned_groups"], p["plan_basis"]) == (1, "throughput")
     assert p["predicted_latency_now_s"] == p["predicted_latency_planned_s"] > 3000 / 15_000
     d = advice["decode"]  # one batch size seen: no latency fit, no plan
