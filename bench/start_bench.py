@@ -16,7 +16,8 @@ the membership changes (the defaults). Each start reports:
   median of the others is what the start leaves to the first user. ``kv_wait`` is the decode
   rank's wait for the KV (the prefill's compute and the transfer), where a wire-up shows.
 - **add a group**: ``add_group`` of one more prefill group, from the call (the autoscaler's
-  decision) until it takes work, then until the first request it computed returned.
+  decision) until it takes work, then until the first request it computed returned (that
+  figure includes a 0.5 s pause after the add, for the frontend to read the new view).
 
 Left out: a real model's load time (the demo model loads in well under a second; a DeepSeek-V3
 checkpoint's load dominates a real start), GPU warm-up (CUDA graphs, Triton compiles) and a

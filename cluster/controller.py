@@ -347,7 +347,7 @@ class Cluster:
 
     def new_group(self, role: Role) -> RankGroup:
         """A group more for ``role``'s pool (named after the pool, never reusing a name), not
-        started yet; ``start_group`` starts it."""
+        started yet; ``Controller.add_group`` starts it."""
         if role not in self._templates:
             raise ValueError(f"role: expected prefill or decode, got {role!r}")
         index = self._next_index[role]
@@ -361,18 +361,9 @@ class Cluster:
         (self.prefill if role is Role.PREFILL else self.decode).append(group)
         return group
 
-    def start_group(self, group: RankGroup) -> None:
-        """Start a group ``new_group`` made and tell the decode ranks; one that fails to start
-        leaves the pool again (its ranks and placement group freed) and the error is raised."""
-        try:
-            group.start()
-        except BaseException:
-            self.forget_group(group)
-            raise
-        self.joined(group)
-
     def joined(self, group: RankGroup) -> None:
-        """A group started outside ``start_group`` takes work: the decode ranks hear of it."""
+        """A group ``new_group`` made has started (``Controller.add_group``) and takes work:
+        the decode ranks hear of it."""
         self._send_membership()
 
     def idle(self, group: RankGroup) -> bool:
