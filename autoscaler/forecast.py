@@ -16,6 +16,15 @@ The forecast at ``ahead_s`` is the largest of three readings of the recent past:
 
 Each is cheap and robust; their maximum errs towards capacity, which the SLO prefers, and the
 scale-down rules keep it from costing more than a peak window's worth.
+
+:class:`BurstHeadroom` reads what none of these can: bursts shorter than a group's start, which
+only capacity already serving absorbs. Each tick it takes the arrival rate's short-range peak
+(its largest rate over a few seconds) over the arrival level (the mean rate of the last
+``level_ticks`` windows); the ``quantile`` of those ratios over the history, times the current
+level, is the peak to be ready for. As a multiple of the level, it follows the load's swing (a
+burst in the trough asks less than one at the peak), and both figures come from the same
+arrivals, so neither a pool that computes less than arrives nor a load that grows reads as a
+burst of its own.
 """
 
 from __future__ import annotations
@@ -112,3 +121,44 @@ class TrendForecast:
         rises.sort()
         at = min(len(rises) - 1, max(0, math.ceil(self.rise_quantile * len(rises)) - 1))
         return max(0.0, rises[at])
+
+
+@dataclass
+class BurstHeadroom:
+    """``level_ticks`` windows make the level; ratios older than ``history_s`` are dropped."""
+
+    level_ticks: int = 12
+    quantile: float = 0.9
+    history_s: float = 1800.0
+    levels: deque[float] = field(default_factory=deque)
+    ratios: deque[tuple[float, float]] = field(default_factory=deque)  # (time, peak / level)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.level_ticks, int) or self.level_ticks < 1:
+            raise ValueError(f"level_ticks: must be an integer >= 1, got {self.level_ticks!r}")
+        if not 0 <= self.quantile <= 1:
+            raise ValueError(f"burst_quantile: must be in [0, 1], got {self.quantile!r}")
+
+    def observe(self, t_s: float, rate: float | None, peak: float | None) -> None:
+        """One tick's arrival ``rate`` over the window and its short-range ``peak`` within it
+        (``None`` or not finite: not read; no rate counts as no arrivals)."""
+        self.levels.append(rate if rate is not None and math.isfinite(rate) else 0.0)
+        while len(self.levels) > self.level_ticks:
+            self.levels.popleft()
+        level = self.level()
+        if peak is not None and math.isfinite(peak) and level > 0:
+            self.ratios.append((t_s, max(peak, 0.0) / level))
+        while self.ratios and self.ratios[0][0] < t_s - self.history_s:
+            self.ratios.popleft()
+
+    def level(self) -> float:
+        return math.fsum(self.levels) / len(self.levels) if self.levels else 0.0
+
+    def peak(self) -> float | None:
+        """The short-range peak to be ready for at the current level; ``None`` before any tick
+        with arrivals."""
+        if not self.ratios:
+            return None
+        ordered = sorted(r for _, r in self.ratios)
+        at = min(len(ordered) - 1, max(0, math.ceil(self.quantile * len(ordered)) - 1))
+        return self.level() * ordered[at]

@@ -8,8 +8,12 @@ Per tick and pool, from its :class:`PoolSignals`::
                (a group decided now serves after it starts; the signal lags half its window)
     ahead    = the forecast demand within the horizon
     prefill  n * C * utilization_target >= ahead + backlog / backlog_drain_s
+             and n * C >= burst * w / (w + (1 - margin) * SLO - service)
              and the predicted TTFT at n groups <= (1 - margin) * SLO
-             (C: one group's tokens/s at the window's prompt length)
+             (C: one group's tokens/s at the window's prompt length; burst: the arrival
+              rate's peak over w = BURST_WINDOW_S to be ready for at the current arrival level,
+              forecast.BurstHeadroom; a burst at that rate for w seconds leaves a backlog the
+              groups clear within the SLO's room past a prompt's own compute, ``service``)
     decode   n >= ahead / S   (ahead: of the sequences in flight and those waiting for a slot)
              (S: the sequences one group holds within (1 - margin) * SLO and its KV filled to
               the usage target)
@@ -28,8 +32,8 @@ from typing import Any
 
 from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity
 from tandem.autoscaler.config import AutoscalingConfig
-from tandem.autoscaler.forecast import TrendForecast
-from tandem.autoscaler.signals import PoolSignals
+from tandem.autoscaler.forecast import BurstHeadroom, TrendForecast
+from tandem.autoscaler.signals import BURST_WINDOW_S, PoolSignals
 from tandem.wire.messages import Role
 
 
@@ -44,6 +48,8 @@ class PlannerConfig:
     growth_history_s: float = 1800.0
     growth_quantile: float = 0.9
     kv_tokens_per_decode_group: float | None = None
+    burst_window_s: float = BURST_WINDOW_S  # the range demand_peak's rate is read over
+    burst_quantile: float | None = 0.9  # of the peak-to-level ratios; None: no burst headroom
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization_target <= 1:
@@ -52,10 +58,10 @@ class PlannerConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: must be a number of seconds >= 0, got {value!r}")
-        if not isinstance(self.backlog_drain_s, int | float) or not self.backlog_drain_s > 0:
-            raise ValueError(
-                f"backlog_drain_s: must be a positive number of seconds, got {self.backlog_drain_s!r}"
-            )
+        for name in ("backlog_drain_s", "burst_window_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or not value > 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
         kv = self.kv_tokens_per_decode_group
         if kv is not None and not kv > 0:
             raise ValueError(f"kv_tokens_per_decode_group: must be positive, got {kv!r}")
@@ -64,7 +70,7 @@ class PlannerConfig:
 @dataclass(frozen=True)
 class Plan:
     """``groups`` the planned size; ``needed`` the unrounded groups the demand asks for;
-    ``basis`` what bound it (``throughput``, ``ttft``, ``sequences``, ``min_groups``,
+    ``basis`` what bound it (``throughput``, ``burst``, ``ttft``, ``sequences``, ``min_groups``,
     ``max_groups``); the demand now and ahead, one group's capacity, and the predicted latency at
     the current and the planned size (``None`` where no prediction is possible)."""
 
@@ -86,13 +92,17 @@ class Planner:
     prefill: PrefillCapacity = field(default_factory=PrefillCapacity)
     decode: DecodeCapacity = field(default_factory=DecodeCapacity)
     forecasts: dict[Role, TrendForecast] = field(default_factory=dict)
+    bursts: BurstHeadroom | None = None
 
     def __post_init__(self) -> None:
         p = self.planner
         for pool in (Role.PREFILL, Role.DECODE):
             self.forecasts.setdefault(
-                pool, TrendForecast(p.forecast_ticks, p.peak_window_s, p.growth_history_s, p.growth_quantile)
+                pool,
+                TrendForecast(p.forecast_ticks, p.peak_window_s, p.growth_history_s, p.growth_quantile),
             )
+        if self.bursts is None and p.burst_quantile is not None:
+            self.bursts = BurstHeadroom(p.forecast_ticks, p.burst_quantile, p.growth_history_s)
         if p.kv_tokens_per_decode_group is not None:
             self.decode.kv_tokens_per_group = p.kv_tokens_per_decode_group
 
@@ -126,6 +136,8 @@ class Planner:
                 cap.correct(s.latency_p90_s, demand, prompt, s.ready_groups)
         forecast = self.forecasts[Role.PREFILL]
         forecast.observe(now_s, demand or 0.0)  # no sample in the window: no traffic
+        if self.bursts is not None:
+            self.bursts.observe(now_s, s.arrival_rate, s.demand_peak)
         ahead = forecast.predict(self.horizon_s)
         if prompt is None and cap.per_bucket:  # no request in the window: the last bucket seen
             prompt = 2.0 ** max(cap.per_bucket)
@@ -135,6 +147,12 @@ class Planner:
         load = ahead + (s.backlog or 0.0) / self.planner.backlog_drain_s
         needed = load / (rate * self.planner.utilization_target)
         basis = "throughput"
+        burst = self.bursts.peak() if self.bursts is not None else None
+        if burst:
+            w = self.planner.burst_window_s
+            drain_s = max(0.0, self.config.ttft_slo_s * room - prompt / rate)
+            if (by_burst := burst * w / (w + drain_s) / rate) > needed:
+                needed, basis = by_burst, "burst"
         limits = self.config.limits(Role.PREFILL)
         n = max(1, math.ceil(needed - 1e-9))
         slo = self.config.ttft_slo_s * room
@@ -203,6 +221,8 @@ def _finite(s: PoolSignals) -> PoolSignals:
             "backlog",
             "prompt_tokens",
             "context_tokens",
+            "demand_peak",
+            "arrival_rate",
         )
         if (value := getattr(s, name)) is not None and not math.isfinite(value)
     }

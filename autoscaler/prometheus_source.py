@@ -1,10 +1,12 @@
 """The autoscaler's signals read from Prometheus' HTTP API with PromQL over Tandem's metrics.
 
-Every query is configurable; ``$window`` (a PromQL duration) and ``$model`` are filled in.
+Every query is configurable; ``$window`` (a PromQL duration), ``$burst`` (``BURST_WINDOW_S``)
+and ``$model`` are filled in.
 An empty answer or NaN (no sample in the window) is ``None``: no traffic, not zero latency.
-The prefill pool's busy groups, mean new prompt tokens per request and backlog (requests
-waiting times that mean, in tokens), and the decode pool's backlog (requests waiting for pages
-or a batch slot) are the planner's."""
+The prefill pool's busy groups, mean new prompt tokens per request, backlog (requests waiting
+times that mean, in tokens), arrival rate (of the new prompt tokens the router routed) and its
+peak (the largest ``$burst`` rate within the window, evaluated every second), and the decode pool's
+backlog (requests waiting for pages or a batch slot) are the planner's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from string import Template
 
-from tandem.autoscaler.signals import MetricSource, PoolSignals
+from tandem.autoscaler.signals import BURST_WINDOW_S, MetricSource, PoolSignals
 from tandem.wire.messages import Role
 
 
@@ -48,6 +50,9 @@ DEFAULT_QUERIES: dict[str, str] = {
     "[$window])))",
     "prefill_prompt_tokens": 'sum(rate(tandem_new_prompt_tokens_total{model="$model"}[$window]))'
     ' / sum(rate(tandem_request_prefill_part_seconds_count{model="$model",part="prefill_queue"}[$window]))',
+    "prefill_arrival_rate": 'sum(rate(tandem_router_new_prompt_tokens_total{model="$model"}[$window]))',
+    "prefill_demand_peak": 'max_over_time(sum(rate(tandem_router_new_prompt_tokens_total{model="$model"}'
+    "[$burst]))[$window:1s])",
     "prefill_waiting": 'sum(tandem_num_requests_waiting{model="$model",role="prefill"})',
     "decode_waiting": 'sum(tandem_num_requests_waiting{model="$model",role="decode"})',
     "prefill_ready_groups": _groups("prefill", "ready"),
@@ -74,7 +79,9 @@ class PrometheusSource(MetricSource):
     timeout_s: float = 5.0
 
     def query(self, name: str) -> float | None:
-        promql = Template(self.queries[name]).substitute(model=self.model, window=self.window)
+        promql = Template(self.queries[name]).substitute(
+            model=self.model, window=self.window, burst=f"{BURST_WINDOW_S:g}s"
+        )
         address = f"{self.url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
         try:
             with urllib.request.urlopen(address, timeout=self.timeout_s) as reply:
@@ -103,6 +110,8 @@ class PrometheusSource(MetricSource):
                     "busy_groups": self.query("prefill_busy_groups"),
                     "prompt_tokens": prompt,
                     "backlog": waiting * prompt if waiting is not None and prompt is not None else None,
+                    "arrival_rate": self.query("prefill_arrival_rate"),
+                    "demand_peak": self.query("prefill_demand_peak"),
                 }
             out[pool] = PoolSignals(
                 ready_groups=int(self.query(f"{name}_ready_groups") or 0),

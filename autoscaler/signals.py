@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from tandem.wire.messages import Role
 
+# The short range over which ``demand_peak`` reads the prefill pool's arrival rate: three
+# scrapes at the default 5 s interval, short enough to see a burst that a group's start outlasts.
+BURST_WINDOW_S = 15.0
+
 
 @dataclass(frozen=True)
 class PoolSignals:
@@ -22,7 +26,10 @@ class PoolSignals:
     computing over the window (prefill); ``backlog`` the work queued and not started (prompt
     tokens waiting for prefill; sequences waiting for a slot and pages on decode); ``prompt_tokens`` the mean
     new prompt tokens per request (prefill); ``context_tokens`` the mean context of a running
-    sequence (decode)."""
+    sequence (decode); ``arrival_rate`` the new prompt tokens a second that arrived over the
+    window, and ``demand_peak`` the largest such rate over any ``BURST_WINDOW_S`` within it
+    (prefill: counted as the router routes them, so a burst reads in full even when the pool
+    computes less)."""
 
     ready_groups: int
     pending_groups: int = 0  # groups starting or draining: an action not finished
@@ -34,6 +41,8 @@ class PoolSignals:
     backlog: float | None = None
     prompt_tokens: float | None = None
     context_tokens: float | None = None
+    demand_peak: float | None = None
+    arrival_rate: float | None = None
 
 
 class MetricSource(ABC):

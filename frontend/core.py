@@ -304,7 +304,7 @@ class FrontendCore:
         if running is None:
             assert stream is not None
             if self.metrics is not None:
-                self.metrics.routed(decision.branch, decision.predicted_cached_tokens)
+                self.metrics.routed(decision.branch, decision.predicted_cached_tokens, len(prompt))
             stream.route = Route(
                 prefill_rank, rank, decision.predicted_cached_tokens, decision.branch, 0.0, routed_s
             )

@@ -214,6 +214,11 @@ class FrontendMetrics:
             "tandem_router_predicted_cached_tokens",
             "Prompt tokens the router predicted its chosen prefill rank holds",
         ).labels(**base)
+        self.routed_new_tokens = counter(
+            "tandem_router_new_prompt_tokens",
+            "Prompt tokens past the prefix the router predicted cached, counted as it routes each "
+            "request: the prefill pool's demand as it arrives",
+        ).labels(**base)
         self.found_cached = counter(
             "tandem_router_found_cached_tokens",
             "Prompt tokens the chosen prefill rank found cached at the request's first attempt",
@@ -227,9 +232,12 @@ class FrontendMetrics:
                 **base
             ).set_function(streams_open)
 
-    def routed(self, branch: str, predicted_cached_tokens: int) -> None:
+    def routed(self, branch: str, predicted_cached_tokens: int, prompt_tokens: int) -> None:
+        """A request routed: its branch, the cached tokens predicted, and the new ones its
+        ``prompt_tokens`` leave (what its prefill will compute, as far as the router knows)."""
         self._child(self._route, branch=branch).inc()
         self.predicted_cached.inc(predicted_cached_tokens)
+        self.routed_new_tokens.inc(max(0, prompt_tokens - predicted_cached_tokens))
 
     def rejected(self, code: str, finish_reason: str = "rejected") -> None:
         """A request refused before it had a stream (``INVALID_ARGUMENT``, ``UNAVAILABLE``, ...),

@@ -18,6 +18,7 @@ from tandem.bench.autoscale_sim import (
     Simulation,
     bench_config,
     format_report,
+    hindsight_schedule,
     retime,
     run_autoscale_bench,
 )
@@ -128,8 +129,24 @@ def test_the_report_compares_the_autoscaler_with_every_static_pair() -> None:
     assert at is None or at["slo_attainment"] >= auto["slo_attainment"]
     same = result["best_static_at_autoscaler_rank_seconds"]
     assert same is None or same["rank_seconds"] <= auto["rank_seconds"]
+    hindsight = result["hindsight_at_autoscaler_attainment"]
+    assert hindsight is not None and hindsight["slo_attainment"] >= auto["slo_attainment"]
     table = format_report([{"trace": "steps", **result}], config)
-    assert "| steps |" in table and "TTFT <= 1 s" in table
+    assert "| steps |" in table and "TTFT <= 1 s" in table and "hindsight schedule" in table
+
+
+def test_the_hindsight_schedule_takes_the_bigger_pair_only_where_it_meets_more() -> None:
+    """Two pairs over four minutes of 10 requests: the small one meets 5, the big one 8, the
+    difference all in minute 1. At 0.8 the schedule is the small pair but in minute 1; more
+    than the big pair meets everywhere is out of reach."""
+    met = {(1, 1): {0: 2, 2: 2, 3: 1}, (2, 1): {0: 2, 1: 3, 2: 2, 3: 1}}
+    ranks = {(1, 1): 2, (2, 1): 4}
+    best = hindsight_schedule(met, ranks, 0.8, 10, 60.0)
+    assert best is not None
+    assert (best["rank_seconds"], best["slo_attainment"], best["bins"]) == ((2 + 4 + 2 + 2) * 60.0, 0.8, 4)
+    assert hindsight_schedule(met, ranks, 0.5, 10, 60.0) == {**best, "rank_seconds": 4 * 2 * 60.0,
+                                                            "slo_attainment": 0.5}  # fmt: skip
+    assert hindsight_schedule(met, ranks, 0.81, 10, 60.0) is None
 
 
 def _write_trace(path: Path, count: int) -> Path:
@@ -161,3 +178,24 @@ def test_the_command_prints_one_result_per_trace_and_refuses_bad_options(
     bad.write_text('{"timestamp": 0}\n')
     assert main(["bench", "autoscale", "--trace", str(bad)]) == 2
     assert "field 'input_length' is missing" in capsys.readouterr().err
+
+
+def test_the_simulated_peak_rate_reads_a_burst_in_full_while_the_pool_computes_less() -> None:
+    """Three times one group's rate for 15 s (40 prompts/s of 3k new tokens against 40k tokens/s),
+    then nothing: the tokens computed a second over the window stay within one group's rate,
+    while the peak rate as routed is the burst's, as ``max_over_time(rate(...[15s]))`` reads it."""
+    requests = _requests([(60.0, 0.0), (75.0, 40.0), (120.0, 0.0)])
+    requests.append(TraceRequest(400.0, 4000, 100, (0,)))  # the run goes on past the burst
+    sim = Simulation([r.arrival_s for r in requests], requests, MODEL, bench_config(MODEL), 1, 1, False)
+    new = sum(r.input_length - 1024 for r in requests[:-1]) + 1024  # the first misses the prefix
+    t = 0.0
+    while t < 80.0:  # the cluster's steps, without the autoscaler
+        sim._arrive(t)
+        sim._start_prefills(t)
+        sim._admit(t)
+        sim._decode(t)
+        t += MODEL.dt_s
+    signals = sim._prefill_signals(t)
+    assert signals.demand_peak == pytest.approx(new / 15.0)
+    assert signals.arrival_rate == pytest.approx(new / 60.0)  # the window's mean, as routed
+    assert signals.demand is not None and 0 < signals.demand * 60.0 / 20.0 <= MODEL.prefill_tokens_per_s

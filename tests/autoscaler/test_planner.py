@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import random
+import re
+from dataclasses import replace
 
 import pytest
 
 from tandem.autoscaler.capacity import DecodeCapacity, PrefillCapacity, bucket_of, mmn_wait_quantile_s
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
-from tandem.autoscaler.forecast import TrendForecast
+from tandem.autoscaler.forecast import BurstHeadroom, TrendForecast
 from tandem.autoscaler.planner import Planner, PlannerConfig
 from tandem.autoscaler.signals import PoolSignals
 from tandem.wire.messages import Role
@@ -208,6 +210,47 @@ def test_the_forecast_extrapolates_a_ramp_and_holds_a_recent_peak() -> None:
         rises.observe(1.0, 0.0)
 
 
+def test_the_burst_headroom_is_the_historys_peak_to_level_ratio_at_the_current_level() -> None:
+    """Arrivals at 100 tokens a second whose every fourth window peaked at 300 over 15 s: the
+    ratios' top is 3 (the level, the last 4 windows' mean, is 100); at half the level the
+    headroom halves with it; a window without arrivals lowers the level, and a peak not read
+    adds no ratio."""
+    headroom = BurstHeadroom(level_ticks=4, quantile=1.0)
+    assert headroom.peak() is None
+    for t in range(40):
+        headroom.observe(t * 5.0, 100.0, 300.0 if t % 4 == 3 else 110.0)
+    assert headroom.peak() == pytest.approx(300.0)
+    for t in range(40, 44):
+        headroom.observe(t * 5.0, 50.0, 60.0)
+    assert headroom.peak() == pytest.approx(50.0 * 3.0)  # the history's ratio, at today's level
+    ratios = len(headroom.ratios)
+    headroom.observe(220.0, None, math.nan)
+    assert len(headroom.ratios) == ratios and headroom.peak() == pytest.approx(37.5 * 3.0)
+    with pytest.raises(ValueError, match="level_ticks: must be an integer >= 1"):
+        BurstHeadroom(level_ticks=0)
+
+
+def test_bursts_shorter_than_a_start_keep_the_groups_that_absorb_them() -> None:
+    """20k tokens/s on average, and in every sixth window 15 s at 60k: the throughput alone
+    asks for 3 groups (20k / 9k), but the bursts need n * 10k >= 60k * 15 / (15 + 1.6 - 0.4)
+    (their backlog cleared within the SLO's room past a prompt's compute): 6 groups; without
+    the burst reading, the throughput's 3."""
+    plans = {}
+    for quantile in (0.9, None):
+        planner = Planner(CONFIG, PlannerConfig(burst_quantile=quantile))
+        for tick in range(60):
+            peak = 60_000.0 if tick % 6 == 5 else 22_000.0
+            signals = replace(_prefill(20_000.0, 6), arrival_rate=20_000.0, demand_peak=peak)
+            plans[quantile] = planner.plan(P, signals, tick * 5.0)
+    burst, plain = plans[0.9], plans[None]
+    assert burst is not None and plain is not None
+    assert (plain.groups, plain.basis) == (3, "throughput")
+    assert burst.basis == "burst"
+    expected = 60_000 * 15 / (15 + 2.0 * 0.8 - PROMPT / GROUP_RATE) / GROUP_RATE
+    assert burst.needed == pytest.approx(expected, rel=1e-4)
+    assert burst.groups == 6
+
+
 def test_an_idle_pool_after_an_uneven_burst_forecasts_exactly_no_load() -> None:
     """Uneven figures, then an idle minute: the smoothed level is exactly 0 (a running sum's
     rounding residue read it as busy, and the history's rises, 10^5 tokens/s, were added to it)."""
@@ -242,8 +285,10 @@ def test_infinite_or_nan_figures_are_ignored_not_learned() -> None:
         ({"backlog_drain_s": 0}, "backlog_drain_s: must be a positive number of seconds"),
         ({"group_start_s": -1}, "group_start_s: must be a number of seconds >= 0"),
         ({"forecast_ticks": 1}, "trend_ticks: must be an integer >= 2"),
+        ({"burst_window_s": 0}, "burst_window_s: must be a positive number of seconds"),
+        ({"burst_quantile": 1.5}, "burst_quantile: must be in [0, 1]"),
     ],
 )
 def test_a_bad_planner_setting_names_its_field(change: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Planner(CONFIG, PlannerConfig(**change))  # type: ignore[arg-type]

@@ -197,6 +197,8 @@ def test_the_autoscaler_reads_its_signals_from_prometheus(deployment: Deployment
     # the planner's: the one group was busy part of the window; the prompts' mean new tokens
     assert prefill.busy_groups is not None and 0 < prefill.busy_groups <= 1
     assert prefill.prompt_tokens is not None and prefill.prompt_tokens > 0
+    # the new prompt tokens routed: some 15 s of the window saw them arrive faster than its mean
+    assert prefill.demand_peak is not None and prefill.demand_peak > prefill.demand
     assert prefill.backlog == 0 and decode.backlog == 0  # nothing waits
     assert decode.kv_usage == 0 and decode.demand == 0  # every request has ended
     source.queries = {**source.queries, "decode_kv_usage": "max(no_such_metric)"}

@@ -66,7 +66,7 @@ def _summary() -> StreamSummary:
 def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     metrics = FrontendMetrics(FrontendLabels("tiny", "fe"), streams_open=lambda: 3)
     summary = _summary()
-    metrics.routed("cache_hit", 32)
+    metrics.routed("cache_hit", 32, 40)
     metrics.ended(summary)
     metrics.rejected("INVALID_ARGUMENT")
     s = _samples(metrics.registry)
@@ -91,6 +91,7 @@ def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     assert exposed == pytest.approx(0.021)
     assert _value(s, "tandem_router_decisions_total", branch="cache_hit") == 1
     assert _value(s, "tandem_router_predicted_cached_tokens_total") == 32
+    assert _value(s, "tandem_router_new_prompt_tokens_total") == 8  # counted when routed
     assert _value(s, "tandem_router_found_cached_tokens_total") == 32
     assert _value(s, "tandem_streams_open") == 3
 
