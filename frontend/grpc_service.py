@@ -3,7 +3,8 @@
 Status codes: a bad field -> INVALID_ARGUMENT naming it (``sampling.top_p: must be in (0, 1]``);
 a running request id -> ALREADY_EXISTS; the frontend, or the client, at its limit of running
 requests -> RESOURCE_EXHAUSTED; no pool ready -> UNAVAILABLE; a missing or wrong bearer token ->
-UNAUTHENTICATED (``grpc_auth``). The server also carries ``grpc.health.v1`` and server reflection.
+UNAUTHENTICATED (``grpc_auth``). The server also carries ``grpc.health.v1`` and server reflection
+(``v1`` and ``v1alpha``: ``grpc_standard_services``).
 
 Every size a client controls is capped here, before any work is done on it: the request's bytes
 (``limits.max_request_bytes``, gRPC's RESOURCE_EXHAUSTED), the text's characters and the prompt's
@@ -29,11 +30,11 @@ from typing import Any
 import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from tandem.frontend.core import FrontendCore
 from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth, BearerTokenInterceptor, server_credentials
+from tandem.frontend.grpc_standard_services import add_health, add_reflection
 from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
 from tandem.frontend.request_stream import StreamChunk
 from tandem.frontend.running import GenerateSpec
@@ -61,9 +62,8 @@ def build_server(core: FrontendCore) -> tuple[Any, Any, int]:
     options = [("grpc.so_reuseport", 0), *config.limits.server_options()]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     _add_tandem_service(TandemServicer(core, auth), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    health_servicer = add_health(server)
+    add_reflection(server, (SERVICE_NAME,))
     address = f"{config.host}:{config.port}"
     if config.tls_cert_file or config.tls_key_file:
         if not (config.tls_cert_file and config.tls_key_file):

@@ -5,12 +5,17 @@ event loop, beside the gRPC server, over the same :class:`FrontendCore`.
 
     POST /v1/completions, /v1/chat/completions ─▶ auth ─▶ JSON ─▶ openai_protocol (pydantic,
         GenerateSpec) ─▶ FrontendCore.generate ─▶ chunks ─▶ stop strings ─▶ JSON or SSE
-    GET /v1/models, GET /health (200 while the frontend serves, else 503; no token needed)
+    GET /v1/models, /v1/models/{id}, GET /health (200 while the frontend serves, else 503; no
+        token needed)
 
 Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad field 400
-naming it, a missing or wrong bearer token 401, an unknown model or route 404, the frontend or
-the client at its limit of running requests 429, no pool ready 503; 500 only for a bug here, with
-no traceback in the body. Tokens are ``FrontendConfig.clients``' (``grpc_auth``), sent as
+naming it, a body that is not JSON (or nests deeper than ``MAX_JSON_DEPTH``) 400, a missing or
+wrong bearer token 401, an unknown model or route 404, a body past the limit 413, a POST whose
+``Content-Type`` is not JSON 415, the frontend or the client at its limit of running requests
+429, no pool ready 503; 500 only for a bug here, with no traceback in the body. Every refusal is
+counted in ``tandem_requests_total{finish_reason="rejected",code}`` by the code gRPC would give
+it. Every response carries ``X-Request-Id``: the client's, when it sent a usable one, else one
+made here. Tokens are ``FrontendConfig.clients``' (``grpc_auth``), sent as
 ``Authorization: Bearer``; the client they name scopes request ids and limits as on gRPC.
 
 Invariant: a request's generator is closed when its response ends, however it ends. A stop
@@ -69,6 +74,22 @@ from tandem.wire.stream_summary import StreamSummary
 log = logging.getLogger(__name__)
 STOP_ABORT_WAIT_S = 30.0  # for the rank's report of a request a stop string ended
 DISCONNECT_POLL_S = 0.5  # how often a whole-response request looks for its client
+MAX_JSON_DEPTH = 64  # nesting of a request body's arrays and objects; no field needs more than 4
+MAX_REQUEST_ID_CHARS = 128
+_TOO_DEEP = object()
+# the gRPC code of each HTTP refusal, as tandem_requests_total's code label counts it
+CODE_OF_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    409: "ALREADY_EXISTS",
+    413: "RESOURCE_EXHAUSTED",
+    415: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 
 
 @dataclass(frozen=True)
@@ -90,35 +111,73 @@ def build_app(core: FrontendCore) -> FastAPI:
     )
     edge = _Edge(core, BearerAuth(config.clients) if config.clients else None, model)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _internal_error)
+
+    def refused(status: int) -> None:
+        if core.metrics is not None:
+            core.metrics.rejected(CODE_OF_STATUS.get(status, "UNKNOWN"))
+
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        if not exc.counted:
+            refused(exc.status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+        refused(exc.status_code)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+        else:
+            message = str(exc.detail)
+        body = OpenAIError(exc.status_code, message, "invalid_request_error").body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        refused(500)
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        body = OpenAIError(500, "internal server error", "server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(OpenAIError, openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, internal_error)
     app.add_api_route("/health", edge.health, methods=["GET"])
     app.add_api_route("/v1/models", edge.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", edge.model_card, methods=["GET"])
     app.add_api_route("/v1/completions", edge.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", edge.chat_completions, methods=["POST"])
-    return app
+    return _RequestIds(app)  # type: ignore[return-value]
 
 
-async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+class _RequestIds:
+    """ASGI middleware: every HTTP response carries ``X-Request-Id``, the client's when it sent
+    printable ASCII of at most ``MAX_REQUEST_ID_CHARS`` characters, else a new one (the header
+    the request had is what its logs can be matched by)."""
 
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
-    if exc.status_code == 404:
-        message, kind = f"no route {request.method} {request.url.path}", "invalid_request_error"
-    else:
-        message, kind = str(exc.detail), "invalid_request_error"
-    body = OpenAIError(exc.status_code, message, kind).body()
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        usable = (
+            given is not None
+            and 0 < len(given) <= MAX_REQUEST_ID_CHARS
+            and all(0x21 <= b <= 0x7E for b in given)
+        )
+        request_id = given if usable and given is not None else uuid.uuid4().hex.encode()
 
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
 
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    body = OpenAIError(500, "internal server error", "server_error").body()
-    return JSONResponse(body, status_code=500)
+        await self.app(scope, receive, send_with_id)
 
 
 class _Edge:
@@ -137,8 +196,23 @@ class _Edge:
 
     async def models(self, request: Request) -> JSONResponse:
         self._client(request)
-        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "tandem"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request, model_id: str) -> JSONResponse:
+        """``GET /v1/models/{id}``: the served model's card, or 404 ``model_not_found``."""
+        self._client(request)
+        if model_id != self.model.name:
+            raise OpenAIError(
+                404,
+                f"The model {model_id[:64]!r} does not exist; this server serves {self.model.name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "tandem"}
 
     async def completions(self, request: Request) -> Response:
         arrival_s, client = time.monotonic(), self._client(request)
@@ -176,39 +250,36 @@ class _Edge:
         return client
 
     async def _json(self, request: Request) -> Any:
+        kind = request.headers.get("content-type")
+        if kind is not None and not _is_json(kind):
+            raise OpenAIError.invalid(
+                None, f"Content-Type {kind[:64]!r}: the body must be JSON (application/json)", 415
+            )
         limit = self.core.config.limits.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
+            raise OpenAIError.invalid(None, f"the body passes {limit} bytes", 413)
         # counted as it arrives: a chunked body declares no length, and is refused at the limit
         # without waiting for (or holding) the rest
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > limit:
-                raise self._refused(OpenAIError.invalid(None, f"the body passes {limit} bytes", 413))
+                raise OpenAIError.invalid(None, f"the body passes {limit} bytes", 413)
         try:
-            return json.loads(body)
+            parsed = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise self._refused(OpenAIError.invalid(None, f"the body is not JSON: {exc}")) from None
-        except RecursionError:
-            raise self._refused(OpenAIError.invalid(None, "the body's JSON nests too deeply")) from None
+            raise OpenAIError.invalid(None, f"the body is not JSON: {exc}") from None
+        except RecursionError:  # deeper than the parser's stack: deeper than the limit too
+            parsed = _TOO_DEEP
+        if parsed is _TOO_DEEP or _depth_past(parsed, MAX_JSON_DEPTH):
+            raise OpenAIError.invalid(None, f"the body's JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        return parsed
 
     async def _prepare(self, prepare: Callable[[], Prepared], request: Request) -> Prepared:
         """Validate and tokenise (a long body on a thread: the loop keeps the streams going)."""
-        try:
-            size = int(request.headers.get("content-length") or 0)
-            return await asyncio.to_thread(prepare) if size > INLINE_TOKENIZE_CHARS else prepare()
-        except OpenAIError as exc:
-            raise self._refused(exc) from None
-
-    def _refused(self, exc: OpenAIError) -> OpenAIError:
-        """Count a request refused before it ran, by the code gRPC would give it."""
-        code = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 409: "ALREADY_EXISTS", 413: "RESOURCE_EXHAUSTED"}
-        code |= {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-        if self.core.metrics is not None and exc.status in code:
-            self.core.metrics.rejected(code[exc.status])
-        return exc
+        size = int(request.headers.get("content-length") or 0)
+        return await asyncio.to_thread(prepare) if size > INLINE_TOKENIZE_CHARS else prepare()
 
     async def _admitted(
         self, prepared: Prepared
@@ -218,18 +289,14 @@ class _Edge:
         try:
             first = await anext(items)
         except FrontendOverloaded as exc:
-            raise self._refused(
-                OpenAIError(429, str(exc), "rate_limit_exceeded", None, "rate_limit_exceeded")
-            ) from None
+            raise OpenAIError(429, str(exc), "rate_limit_exceeded", None, "rate_limit_exceeded") from None
         except FrontendUnavailable as exc:
-            raise self._refused(
-                OpenAIError(503, str(exc), "service_unavailable", None, "service_unavailable")
-            ) from None
+            raise OpenAIError(503, str(exc), "service_unavailable", None, "service_unavailable") from None
         except DuplicateRequest as exc:
-            raise self._refused(OpenAIError.invalid(None, str(exc), 409)) from None
+            raise OpenAIError.invalid(None, str(exc), 409) from None
         except InvalidRequestError as exc:  # limits of the running pools
             field = {"prompt": "prompt", "sampling.max_tokens": "max_tokens"}.get(exc.field, exc.field)
-            raise self._refused(OpenAIError.invalid(field, exc.message)) from None
+            raise OpenAIError.invalid(field, exc.message) from None
         except BaseException:
             await items.aclose()
             raise
@@ -258,6 +325,25 @@ class _Edge:
         if whole.cancelled():  # nobody is there to read a response
             return Response(status_code=499)
         return JSONResponse(whole.result())
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, whatever its parameters (``charset=utf-8``)."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _depth_past(value: Any, limit: int) -> bool:
+    """Whether ``value``'s arrays and objects nest deeper than ``limit`` (walked without
+    recursion: a deep body must not exhaust the stack that checks it)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -315,22 +401,38 @@ async def _sse(
     core: FrontendCore, prepared: Prepared, shape: ResponseShape, items: AsyncIterator[Any], first: Any
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: a chunk per piece of text, the last with the finish
-    reason, the usage when asked for, then ``[DONE]``."""
+    reason, the usage when asked for, then ``[DONE]``. With ``continuous_usage_stats`` every
+    chunk carries the usage so far (the last one the bill's, as the usage chunk does)."""
     stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
+
+    def event(body: dict[str, Any], bill: Bill | None = None) -> bytes:
+        if prepared.continuous_usage:
+            body["usage"] = (
+                usage(prompt_tokens, completion_tokens, bill)
+                if bill is not None
+                else {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                }
+            )
+        return _event(body)
+
     if shape.chat:
-        yield _event(shape.chunk(shape.choice("", None, [] if ids else None, first=True)))
+        yield event(shape.chunk(shape.choice("", None, [] if ids else None, first=True)))
     item, summary = first, None
     while True:
         if isinstance(item, StreamChunk):
             completion_tokens += len(item.token_ids)
             text = stopper.feed(item.text)
             if text or (ids and item.token_ids):
-                yield _event(shape.chunk(shape.choice(text, None, item.token_ids if ids else None)))
+                yield event(shape.chunk(shape.choice(text, None, item.token_ids if ids else None)))
             if stopper.stopped:
                 summary = await _stopped(core, prepared, items)
                 seed = summary.bill.seed if summary is not None else None
-                yield _event(shape.chunk(shape.choice("", "stop", [] if ids else None), seed))
+                bill = summary.bill if summary is not None else Bill()
+                yield event(shape.chunk(shape.choice("", "stop", [] if ids else None), seed), bill)
                 break
         else:
             summary = item
@@ -340,7 +442,7 @@ async def _sse(
                 return
             finish = finish_reason(summary.finish_reason, False)
             choice = shape.choice(stopper.flush(), finish, [] if ids else None)
-            yield _event(shape.chunk(choice, summary.bill.seed))
+            yield event(shape.chunk(choice, summary.bill.seed), summary.bill)
             break
         item = await anext(items)
     if prepared.include_usage:
@@ -370,7 +472,9 @@ async def _whole(
         summary = item
         if summary.finish_reason == FinishReason.ERROR:
             body = _error_body(summary)["error"]
-            raise OpenAIError(503, body["message"], body["type"], None, body["code"])
+            failed = OpenAIError(503, body["message"], body["type"], None, body["code"])
+            failed.counted = True  # the frontend counted the request's end
+            raise failed
         text.append(stopper.flush())
         finish = finish_reason(summary.finish_reason, False)
     bill = summary.bill if summary is not None else Bill()

@@ -6,11 +6,15 @@ seeded request gives the same tokens on either edge.
 Fields this server implements: ``model``, ``prompt`` (one string or one list of token ids),
 ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
 ``n`` (1 only), ``stop`` (stop strings, matched here on the detokenised text: :class:`StopMatcher`),
-``stream``, ``stream_options.include_usage``, and vLLM's extensions ``top_k``, ``stop_token_ids``,
-``ignore_eos`` and ``return_token_ids``. ``user`` is accepted and ignored. A field OpenAI defines
+``stream``, ``stream_options.include_usage`` and vLLM's ``stream_options.continuous_usage_stats``
+(the usage so far on every chunk), and vLLM's extensions ``top_k``, ``stop_token_ids``,
+``ignore_eos`` and ``return_token_ids``. OpenAI's fields that do not change the output are checked
+and otherwise ignored: ``user``, ``store`` (nothing is stored), ``metadata`` (at most 16 string
+pairs), ``service_tier`` (one tier) and ``parallel_tool_calls`` (no tools). A field OpenAI defines
 that would change the output but is not implemented (``logprobs``, ``best_of``, ``tools``, ...)
 is refused when set, and so is any field OpenAI does not define: :class:`OpenAIError` 400 naming
-it in ``param``. Responses' ``usage`` carries one field OpenAI does not define,
+it in ``param`` (a nested one by its path: ``stream_options.made_up``, ``messages.0.made_up``).
+Responses' ``usage`` carries one field OpenAI does not define,
 ``prompt_tokens_details.cached_tokens_by_tier`` (:func:`usage`).
 """
 
@@ -39,6 +43,7 @@ from tandem.wire.request_params import (
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the room left
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
 # OpenAI's fields that change what the client gets and are not implemented here: refused when
 # set to anything but the value that means "off"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -55,7 +60,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -72,6 +76,7 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.counted = False  # True: the request ran, and its end is counted already
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -96,6 +101,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk
 
 
 class _GenerateRequest(_Strict):
@@ -116,6 +122,11 @@ class _GenerateRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's, that do not change the output: checked, then ignored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: Any = None
     top_logprobs: Any = None
     best_of: Any = None
@@ -129,7 +140,6 @@ class _GenerateRequest(_Strict):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    parallel_tool_calls: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -178,7 +188,15 @@ def parse_request(model: type[RequestT], body: Any) -> RequestT:
 
 
 def _validation_error(exc: ValidationError) -> OpenAIError:
-    error = exc.errors()[0]
+    errors = exc.errors()
+    # an unknown field, by its full path (a union's other members fail on it too: it wins)
+    unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+    if unknown is not None:
+        *within, name = unknown["loc"]  # the unknown key itself is kept whatever it is
+        kept = [part for part in within if isinstance(part, int) or _is_field_name(part)]
+        path = ".".join(str(part) for part in (*kept, name))
+        return OpenAIError.invalid(path or None, "unknown field: this server does not know it")
+    error = errors[0]
     loc = list(error["loc"])
     param = str(loc[0]) if loc else None
     # messages.2.content: the message and its field; a union's member tags ("str", ...) are left out
@@ -186,11 +204,18 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
         param += f".{loc[1]}"
         if len(loc) > 2 and loc[2] in ChatMessage.model_fields:
             param += f".{loc[2]}"
-    if error["type"] == "extra_forbidden":
-        return OpenAIError.invalid(param, "unknown field: this server does not know it")
     if error["type"] == "missing":
         return OpenAIError.invalid(param, "is required")
     return OpenAIError.invalid(param, error["msg"])
+
+
+def _is_field_name(part: object) -> bool:
+    """A location's part that names a field, not a union member's tag (``str``, ``list[int]``,
+    ``function-after[...]``): a client's key is kept whatever it is, since it is the last part."""
+    return isinstance(part, str) and part.isidentifier() and part not in _UNION_TAGS
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 # ---- conversion -----------------------------------------------------------------------------
@@ -214,6 +239,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False  # the usage so far on every streamed chunk
 
 
 def prepare_completion(
@@ -296,6 +322,23 @@ def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
         raise OpenAIError.invalid("n", f"must be 1 (one choice a request), got {request.n}")
     if request.stream_options is not None and not request.stream:
         raise OpenAIError.invalid("stream_options", "only applies with stream: true")
+    _check_metadata(request.metadata)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise OpenAIError.invalid("metadata", f"{len(metadata)} pairs; at most {MAX_METADATA_PAIRS}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise OpenAIError.invalid(
+                "metadata", f"a key of {len(key)} characters; at most {MAX_METADATA_KEY_CHARS}"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise OpenAIError.invalid(
+                f"metadata.{key}", f"{len(value)} characters; at most {MAX_METADATA_VALUE_CHARS}"
+            )
 
 
 def _prepared(
@@ -333,6 +376,7 @@ def _prepared(
         bool(request.stream),
         options is not None and options.include_usage,
         request.return_token_ids,
+        options is not None and options.continuous_usage_stats,
     )
 
 

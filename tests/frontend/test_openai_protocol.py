@@ -119,6 +119,16 @@ def test_openai_defaults_token_id_prompts_and_one_prompt_in_a_list(model: Served
         ({"stop": [""]}, "stop", 400),
         ({"stop_token_ids": [999]}, "stop_token_ids", 400),
         ({"stream_options": {"include_usage": True}}, "stream_options", 400),
+        ({"stream": True, "stream_options": {"made_up": True}}, "stream_options.made_up", 400),
+        ({"stream": True, "stream_options": {"str": True}}, "stream_options.str", 400),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options", 400),
+        ({"store": "yes"}, "store", 400),
+        ({"metadata": {"k": 1}}, "metadata", 400),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", 400),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", 400),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
+        ({"service_tier": "turbo"}, "service_tier", 400),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", 400),
     ],
 )
 def test_bad_fields_are_refused_naming_them(
@@ -136,6 +146,27 @@ def test_bad_fields_are_refused_naming_them(
 def test_off_values_of_unsupported_fields_pass(model: ServedModel) -> None:
     prepared = _completion(model, logprobs=None, echo=False, best_of=1, frequency_penalty=0, logit_bias={})
     assert prepared.spec.sampling.max_tokens == 16
+
+
+def test_fields_that_do_not_change_the_output_are_accepted_and_change_nothing(model: ServedModel) -> None:
+    """``store``, ``metadata``, ``service_tier``, ``user`` and ``parallel_tool_calls``, as the
+    official client and agent frameworks send them: the same spec as without them."""
+    plain = _completion(model, seed=3)
+    dressed = _completion(
+        model,
+        seed=3,
+        store=True,
+        metadata={"team": "eval", "run": "7"},
+        service_tier="auto",
+        user="alice@example.com",
+        parallel_tool_calls=False,
+    )
+    assert dressed.spec == plain.spec
+    streamed = _completion(
+        model, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
+    assert streamed.include_usage and streamed.continuous_usage
+    assert not _completion(model, stream=True, stream_options={"include_usage": True}).continuous_usage
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
@@ -164,7 +195,12 @@ def test_chat_refusals_name_the_message(model: ServedModel, tokenizer_dir: Path)
     assert _refused(lambda: chat([])).param == "messages"
     assert _refused(lambda: chat([{"role": "wizard", "content": "x"}])).param == "messages.0.role"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    assert _refused(lambda: chat(image)).param == "messages.0.content"
+    assert _refused(lambda: chat(image)).param == "messages.0.content.0.image_url"  # not a text part
+    assert _refused(lambda: chat([{"role": "user", "content": 5}])).param == "messages.0.content"
+    made_up = _refused(lambda: chat([{"role": "user", "content": "x", "made_up": 1}]))
+    assert made_up.param == "messages.0.made_up" and "unknown field" in made_up.message
+    part = [{"role": "user", "content": [{"type": "text", "text": "x", "made_up": 1}]}]
+    assert _refused(lambda: chat(part)).param == "messages.0.content.0.made_up"
     no_template = ServedModel("tiny", model.tokenizer, 258, CONTEXT, None)
     error = _refused(lambda: chat([{"role": "user", "content": "x"}], no_template))
     assert error.param == "messages" and "no chat template" in error.message
@@ -319,6 +355,75 @@ def test_the_apps_errors_over_http_before_any_cluster(tiny_dir: Path) -> None:
     assert "not JSON" in replies[3][1]["error"]["message"]
     assert replies[4][1]["error"]["message"] == "no route GET /v1/nothing"
     assert replies[6][1]["data"][0]["id"] == "tiny"
+
+
+def test_malformed_bodies_are_4xx_counted_and_every_response_carries_a_request_id(tiny_dir: Path) -> None:
+    """Each malformed body (too deep, not UTF-8, not JSON, not an object, a form, too large, an
+    unknown nested field) answers 4xx in OpenAI's shape and is counted in
+    ``tandem_requests_total`` by its code; ``GET /v1/models/{id}`` answers the card or 404; every
+    response carries the client's ``X-Request-Id`` or a new one."""
+    import httpx2 as httpx
+
+    from tandem.frontend.openai_http import MAX_JSON_DEPTH, build_app
+
+    core = FrontendCore(FrontendConfig(str(tiny_dir), "tiny"))
+    app = build_app(core)
+    limit = core.config.limits.max_request_bytes
+    json_type = {"Content-Type": "application/json"}
+    deep = '{"model":"tiny","prompt":"x","metadata":' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}"
+    cases: list[tuple[bytes, dict[str, str], int, str]] = [
+        (deep.encode(), json_type, 400, "nests deeper than 64 levels"),
+        (b"[" * 200_000 + b"]" * 200_000, json_type, 400, "nests deeper"),  # past the parser's stack
+        (b'{"model": "\xff"}', json_type, 400, "not JSON"),
+        (b'{"model": "tiny", ', json_type, 400, "not JSON"),
+        (b"[1, 2]", json_type, 400, "must be a JSON object"),
+        (b"model=tiny&prompt=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "must be JSON"),
+        (b" " * (limit + 1), json_type, 413, f"passes {limit} bytes"),
+        (json.dumps({"model": "tiny", "prompt": "x", "stream": True,
+                     "stream_options": {"nope": 1}}).encode(), json_type, 400, "stream_options.nope"),
+    ]  # fmt: skip
+
+    async def calls() -> tuple[list[Any], list[Any]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            refused = [
+                await client.post("/v1/completions", content=body, headers=h) for body, h, _, _ in cases
+            ]
+            others = [
+                await client.get("/v1/models/tiny", headers={"X-Request-Id": "trace-42"}),
+                await client.get("/v1/models/gpt-4", headers={"X-Request-Id": "bad id"}),
+                await client.put("/v1/completions", json={}),
+                await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "store": True}),
+            ]
+            return refused, others
+
+    refused, others = asyncio.run(calls())
+    for reply, (_, _, status, words) in zip(refused, cases, strict=True):
+        assert reply.status_code == status, (reply.status_code, reply.text)
+        error = reply.json()["error"]
+        assert words in (error["param"] or "") + error["message"], error
+    card, unknown, method, unready = others
+    assert card.status_code == 200 and card.json()["id"] == "tiny"
+    assert card.headers["x-request-id"] == "trace-42"  # the client's, echoed
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    made = unknown.headers["x-request-id"]  # not printable ASCII: one made here instead
+    assert made != "bad id" and len(made) == 32 and all(r.headers["x-request-id"] for r in refused)
+    assert method.status_code == 405 and "does not take PUT" in method.json()["error"]["message"]
+    assert unready.status_code == 503  # accepted as far as the cluster (none here)
+    assert core.metrics is not None
+    counted = {
+        sample.labels["code"]: sample.value
+        for metric in core.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "tandem_requests_total" and sample.labels["finish_reason"] == "rejected"
+    }
+    assert counted == {
+        "INVALID_ARGUMENT": 7,  # the six 400s and the 415
+        "RESOURCE_EXHAUSTED": 1,
+        "NOT_FOUND": 1,
+        "UNIMPLEMENTED": 1,
+        "UNAVAILABLE": 1,
+    }
 
 
 def test_a_temperature_below_the_greedy_bound_is_passed_on_as_greedy(model: ServedModel) -> None:

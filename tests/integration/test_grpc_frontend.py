@@ -163,6 +163,37 @@ def test_a_generic_reflection_client_lists_the_service(served: Served) -> None:
         assert generate.server_streaming and generate.output_type.full_name == "tandem.v1.GenerateResponse"
 
 
+def test_reflection_v1_and_health_list_answer_as_current_clients_ask(served: Served) -> None:
+    """grpcurl and Postman ask for ``grpc.reflection.v1`` first: it lists the services as
+    ``v1alpha`` does; health's ``List`` gives every service's status (the server's own, "")."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(served.addr) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        replies = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=AUTH))
+        listed = {s.name for s in replies[0].list_services_response.service}
+        assert {
+            "tandem.v1.Tandem",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= listed
+        described = list(
+            call(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="tandem.v1.Tandem")]),
+                metadata=AUTH,
+            )
+        )
+        assert described[0].file_descriptor_response.file_descriptor_proto  # the proto, serialized
+        statuses = (
+            health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        )
+        assert statuses[""].status == health_pb2.HealthCheckResponse.SERVING
+
+
 def _prompts(n: int, seed: int) -> list[PromptSpec]:
     rng = random.Random(seed)
     specs = []

@@ -19,6 +19,8 @@ import httpx2 as httpx
 import openai
 import pytest
 import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.client.grpc_client import ClientOptions, generate_all
@@ -196,6 +198,55 @@ def test_a_repeated_long_prompt_reports_cached_tokens(served: Served) -> None:
     assert cached is not None and 20 * PAGE <= cached < second.usage.prompt_tokens
 
 
+def test_guidellms_stream_shape_gets_the_usage_on_every_chunk(served: Served) -> None:
+    """guidellm streams with ``stream_options: {include_usage, continuous_usage_stats}``: every
+    chunk carries the usage so far (completion tokens rising to the total), the finishing chunk
+    and the usage chunk the whole request's; the text is what the same request gives whole."""
+    client, model = served.client(), served.server.model_name
+    args: dict[str, Any] = {"model": model, "prompt": "Once upon a time", "max_tokens": 8, "seed": 5}
+    whole = client.completions.create(**args, extra_body={"ignore_eos": True})
+    chunks = list(
+        client.completions.create(
+            **args,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert done == sorted(done) and done[-1] == 8 and done[0] < 8
+    assert all(c.usage is not None and c.usage.prompt_tokens == 17 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+
+
+def test_the_official_clients_fields_that_change_nothing_are_accepted(served: Served) -> None:
+    """``store``, ``metadata``, ``service_tier``, ``user``, ``parallel_tool_calls`` through the
+    official client: the same tokens as without them; ``models.retrieve`` answers the card, and
+    the ``X-Request-Id`` a client sends comes back."""
+    client, model = served.client(), served.server.model_name
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=2)  # type: ignore[arg-type]
+    dressed = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=6,
+        seed=2,
+        store=False,
+        metadata={"suite": "compat"},
+        service_tier="auto",
+        user="eval-bot",
+        parallel_tool_calls=True,
+        extra_headers={"X-Request-Id": "compat-1"},
+    )
+    assert dressed.headers["x-request-id"] == "compat-1"
+    assert dressed.parse().choices[0].message.content == plain.choices[0].message.content
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
 def test_errors_in_openais_shape(served: Served) -> None:
     client, model = served.client(), served.server.model_name
     with pytest.raises(openai.BadRequestError) as bad_n:
@@ -317,7 +368,98 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(served: Served)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert _requests_counted(served, "rejected", "RESOURCE_EXHAUSTED") == refused + 1
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    invalid = _requests_counted(served, "rejected", "INVALID_ARGUMENT")
     deep = httpx.post(
         f"{served.base_url}/completions", content=b"[" * 1000 + b"]" * 1000, headers=headers, timeout=30
     )
-    assert deep.status_code == 400 and "nests too deeply" in deep.json()["error"]["message"]
+    assert deep.status_code == 400 and "nests deeper than 64 levels" in deep.json()["error"]["message"]
+    schema = httpx.post(f"{served.base_url}/completions", json={"prompt": 5}, headers=headers, timeout=30)
+    assert schema.status_code == 400  # a field of the wrong type, refused by the schema
+    assert _requests_counted(served, "rejected", "INVALID_ARGUMENT") == invalid + 2
+
+
+# ---- fuzz ---------------------------------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+SERVED = "$served"  # the served model's name, filled in when a body is sent
+# each field's values: ones the server takes, and anything JSON carries
+FIELDS: dict[str, tuple[Any, Any]] = {
+    "model": (st.just(SERVED), st.text(max_size=20) | JSON),
+    "prompt": (st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 257), min_size=1, max_size=20),
+               JSON | st.lists(st.integers(-(2**40), 2**40), max_size=30)),
+    "max_tokens": (st.integers(1, 3), st.integers(-(2**63), 2**63) | JSON),
+    "temperature": (st.floats(0, 2), st.floats() | JSON),
+    "top_p": (st.floats(0.01, 1), st.floats() | JSON),
+    "seed": (st.integers(0, 2**63 - 1), st.integers() | JSON),
+    "stop": (st.lists(st.text(min_size=1, max_size=4), max_size=3), JSON),
+    "stream": (st.booleans(), JSON),
+    "stream_options": (st.just({"include_usage": True, "continuous_usage_stats": True}), JSON),
+    "n": (st.just(1), JSON),
+    "logprobs": (st.none(), JSON),
+    "metadata": (st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3), JSON),
+    "made_up": (st.nothing(), JSON),
+}  # fmt: skip
+
+
+@st.composite
+def _bodies(draw: Any) -> dict[str, Any] | bytes:
+    """A request body: valid fields but for a few drawn wild, or bytes that may not be JSON."""
+    if draw(st.integers(0, 9)) == 0:
+        return bytes(draw(st.binary(max_size=80)))
+    wild = draw(st.sets(st.sampled_from(list(FIELDS)), max_size=3))
+    body = {}
+    for name, (valid, anything) in FIELDS.items():
+        if name in wild:
+            body[name] = draw(anything)
+        elif name in ("model", "prompt", "max_tokens") or (name != "made_up" and draw(st.booleans())):
+            body[name] = draw(valid)
+    if body.get("stream") is not True and "stream_options" not in wild:
+        body.pop("stream_options", None)
+    return body
+
+
+def test_fuzzed_http_requests_get_a_4xx_or_a_response_and_the_server_keeps_serving(served: Served) -> None:
+    """Drawn bodies, content types and routes: every answer is a 200 (whole or streamed) or a
+    4xx in OpenAI's shape, never a 5xx; afterwards every page is free and a plain request gets
+    the tokens it got before."""
+    model = served.server.model_name
+    client = served.client()
+    args: dict[str, Any] = {"model": model, "prompt": "after the fuzz", "max_tokens": 6, "seed": 9}
+    before = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    outcomes: dict[int, int] = {}
+    http = httpx.Client(base_url=served.base_url, timeout=60)
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(
+        body=_bodies(),
+        kind=st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain", None]),
+        route=st.sampled_from(["/completions", "/chat/completions"]),
+    )
+    def one(body: dict[str, Any] | bytes, kind: str | None, route: str) -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}", **({"Content-Type": kind} if kind else {})}
+        if isinstance(body, dict):
+            if route == "/chat/completions" and "prompt" in body:
+                prompt = body.pop("prompt")
+                body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else "hi"}]
+            body = json.dumps({**body, "model": model} if body.get("model") == SERVED else body).encode()
+        reply = http.post(route, content=body, headers=headers)
+        outcomes[reply.status_code] = outcomes.get(reply.status_code, 0) + 1
+        assert reply.status_code == 200 or 400 <= reply.status_code < 500, (
+            body,
+            reply.status_code,
+            reply.text,
+        )
+        if reply.status_code != 200:
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+        assert reply.headers["x-request-id"]
+
+    try:
+        one()
+    finally:
+        http.close()
+    assert outcomes.get(200, 0) > 0 and outcomes.get(400, 0) > 0 and outcomes.get(415, 0) > 0, outcomes
+    _wait_all_pages_free(served)
+    assert client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text == before
