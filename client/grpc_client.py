@@ -69,9 +69,14 @@ def request_message(spec: PromptSpec, request_id: str = "", model: str = "") -> 
         top_k=s.top_k,
         ignore_eos=s.ignore_eos,
         stop_token_ids=list(s.stop_token_ids),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        min_p=s.min_p,
     )
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
     message = tandem_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
     if spec.token_ids is not None:
         message.token_ids.ids.extend(spec.token_ids)

@@ -23,7 +23,10 @@ answers every id ``expired`` returns and every ``CANCEL_TRANSFER`` with a later 
 
 Recompute after preemption: the request's next prefill job covers ``all_token_ids[:-1]``; the
 token that prefill samples is ignored and the last output token is the next decode input, so
-the outputs continue exactly as if there had been no preemption.
+the outputs continue exactly as if there had been no preemption. A preempted request reserves
+again only when its pages fit beside what the running and arriving requests may still grow
+into (``_growth_pages``): it waits for them rather than preempt them back, so the batch always
+makes progress.
 
 Requests reach RUNNING whenever their KV arrives; each step decodes the first ``max_num_seqs``
 of them in arrival order, so reservations can fetch KV ahead while the batch is full.
@@ -150,7 +153,10 @@ class DecodeScheduler:
             entry = self._queue[0]
             request = entry.request
             num_tokens = request.num_tokens - 1 if request.output_token_ids else request.num_prompt_tokens
-            page_ids = self.kv_cache.allocate(math.ceil(num_tokens / config.page_size))
+            num_pages = math.ceil(num_tokens / config.page_size)
+            if request.num_preemptions and num_pages > self.kv_cache.num_free_pages - self._growth_pages():
+                break  # it waits for the batch to finish rather than take the pages it grows into
+            page_ids = self.kv_cache.allocate(num_pages)
             if page_ids is None:
                 if not self._waiting_for_kv and not self._running:
                     raise PageAccountingError(
@@ -169,6 +175,20 @@ class DecodeScheduler:
                 Reservation(request.request_id, tuple(page_ids), num_tokens, entry.deadline_s, entry.attempt)
             )
         return reservations
+
+    def _growth_pages(self) -> int:
+        """The pages the running and arriving requests may still take, to their ``max_tokens``
+        (or their context): a preempted request reserves only beside them, so it never preempts
+        one of them in turn. Without this, two requests that do not fit together preempt each
+        other forever, each re-prefilled before it makes a token."""
+        size, total = self.config.page_size, 0
+        for entry in (*self._running, *self._waiting_for_kv.values()):
+            request = entry.request
+            end = request.num_prompt_tokens + request.sampling.max_tokens
+            if request.max_model_len is not None:
+                end = min(end, request.max_model_len)
+            total += max(0, math.ceil(end / size) - len(request.page_ids))
+        return total
 
     def kv_arrived(
         self, request_id: str, first_token: int, cached_tokens: int, *, attempt: int | None = None
@@ -309,6 +329,11 @@ class DecodeScheduler:
                     sampling=request.sampling,
                     output_index=len(request.output_token_ids),
                     draft_room=entry.num_drafts,
+                    history=(
+                        (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+                        if request.sampling.penalized
+                        else None
+                    ),
                 )
             )
         return SchedulerOutput(

@@ -129,6 +129,12 @@ class MtpDrafter(Drafter):
                     [r.sampling for r in active],
                     [seed_of(r.request_id, r.sampling) for r in active],
                     [len(r.output_token_ids) + j for r in active],
+                    [  # a draft is drawn as its target will be: with the penalties of the tokens before it
+                        (r.prompt_token_ids, (*r.output_token_ids, *drafts[r.request_id]))
+                        if r.sampling.penalized
+                        else None
+                        for r in active
+                    ],
                 )
                 for r, t in zip(active, tokens, strict=True):
                     drafts[r.request_id].append(t)

@@ -15,7 +15,7 @@ from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
-from tandem.model.sampler import sample
+from tandem.model.sampler import History, sample
 from tandem.wire.messages import StepSplit
 from tandem.wire.request_params import SamplingParams
 
@@ -145,13 +145,19 @@ class ModelRunner:
         if chunks:
             logits = self.model.compute_logits(rows)
             params, seeds, indices = [], [], []
+            histories: list[History | None] = []
             for c in chunks:
                 seed = seed_of(c.request_id, c.sampling)
                 for j in range(c.num_sampled):  # output o + j is drawn with (seed, o + j)
                     params.append(c.sampling)
                     seeds.append(seed)
                     indices.append(c.output_index + j)
-            tokens = sample(logits, params, seeds, indices)
+                    # a verify row's outputs so far end with the drafts before it
+                    history = c.history
+                    histories.append(
+                        None if history is None else (history[0], (*history[1], *c.draft_token_ids[:j]))
+                    )
+            tokens = sample(logits, params, seeds, indices, histories)
             at = 0
             for c in chunks:
                 target = tokens[at : at + c.num_sampled]

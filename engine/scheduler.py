@@ -279,14 +279,16 @@ class Scheduler:
             token_ids = tuple(outputs[start - len(prompt) : end - len(prompt)])
         else:
             token_ids = tuple(prompt[start:end]) + tuple(outputs[: max(0, end - len(prompt))])
+        sample = end == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=token_ids,
             start_position=start,
             page_ids=tuple(request.page_ids),
-            sample=end == request.num_tokens,
+            sample=sample,
             sampling=request.sampling,
             output_index=len(outputs),
+            history=(tuple(prompt), tuple(outputs)) if sample and request.sampling.penalized else None,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -38,6 +38,7 @@ class ScheduledChunk:
     draft_token_ids: tuple[int, ...] = ()
     draft_room: int = 0  # drafts the scheduler holds pages for (a decode step; 0 elsewhere)
     next_token_id: int | None = None
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def num_sampled(self) -> int:

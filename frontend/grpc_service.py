@@ -291,6 +291,12 @@ def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: i
         seed=message.seed if message.HasField("seed") else None,
         stop_token_ids=stops,
         ignore_eos=message.ignore_eos,
+        presence_penalty=float(message.presence_penalty),
+        frequency_penalty=float(message.frequency_penalty),
+        repetition_penalty=float(message.repetition_penalty)
+        if message.HasField("repetition_penalty")
+        else 1.0,
+        min_p=float(message.min_p),
     )
     return checked_sampling(sampling, "sampling.")
 

@@ -5,11 +5,12 @@ seeded request gives the same tokens on either edge.
 
 Fields this server implements: ``model``, ``prompt`` (one string or one list of token ids),
 ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
-``n`` (1 only), ``stop`` (stop strings, matched here on the detokenised text: :class:`StopMatcher`),
-``stream``, ``stream_options.include_usage`` and vLLM's ``stream_options.continuous_usage_stats``
-(the usage so far on every chunk), and vLLM's extensions ``top_k``, ``stop_token_ids``,
-``ignore_eos`` and ``return_token_ids``. OpenAI's fields that do not change the output are checked
-and otherwise ignored: ``user``, ``store`` (nothing is stored), ``metadata`` (at most 16 string
+``presence_penalty``, ``frequency_penalty``, ``n`` (1 only), ``stop`` (stop strings, matched
+here on the detokenised text: :class:`StopMatcher`), ``stream``, ``stream_options.include_usage``
+and vLLM's ``stream_options.continuous_usage_stats`` (the usage so far on every chunk), and
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos`` and ``return_token_ids``. OpenAI's fields that do not change the output are
+checked and otherwise ignored: ``user``, ``store`` (nothing is stored), ``metadata`` (at most 16 string
 pairs), ``service_tier`` (one tier) and ``parallel_tool_calls`` (no tools). A field OpenAI defines
 that would change the output but is not implemented (``logprobs``, ``best_of``, ``tools``, ...)
 is refused when set, and so is any field OpenAI does not define: :class:`OpenAIError` 400 naming
@@ -53,8 +54,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -119,6 +118,10 @@ class _GenerateRequest(_Strict):
     stop_token_ids: list[int] | None = None  # vLLM's
     ignore_eos: bool = False  # vLLM's
     return_token_ids: bool = False  # vLLM's: each choice carries its token ids
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -133,8 +136,6 @@ class _GenerateRequest(_Strict):
     echo: Any = None
     suffix: Any = None
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -403,6 +404,10 @@ def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_f
         seed=request.seed,
         stop_token_ids=stops,
         ignore_eos=request.ignore_eos,
+        presence_penalty=float(request.presence_penalty or 0.0),
+        frequency_penalty=float(request.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if request.repetition_penalty is None else float(request.repetition_penalty),
+        min_p=float(request.min_p or 0.0),
     )
     try:
         return checked_sampling(sampling)

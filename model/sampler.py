@@ -1,9 +1,12 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling from logits: penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds.
 
 Sampled rows are processed together with row-local operations only, and the randomness is
 counter-based: the Gumbel noise for vocabulary entry ``v`` of output token ``i`` of a request is a
 hash of ``(seed, i, v)``. A seeded request therefore gets the same tokens in any batch and on any
 rank (a prefill rank samples the first token, a decode rank the rest), with no generator state.
+Penalties read only the request's own tokens (its prompt and its outputs so far, ``History``),
+so they keep that: the same history and seed give the same token in any batch.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from tandem.wire.request_params import SamplingParams
+
+# a sampled row's tokens so far: (prompt token ids, output token ids before the one drawn)
+History = tuple[Sequence[int], Sequence[int]]
 
 _MASK64 = (1 << 64) - 1
 
@@ -52,8 +58,43 @@ def _top_p_mask(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     return drop
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History | None]
+) -> torch.Tensor:
+    """``logits [N, vocab]`` (float32) with each penalized row's penalties applied, in vLLM's
+    order (``SamplingParams``): the repetition penalty over the prompt's and the outputs'
+    tokens, then the frequency and presence penalties over the outputs'."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    for i in rows:
+        p, history = params[i], histories[i]
+        if history is None:
+            raise ValueError(f"row {i}: a penalized request's row needs its tokens so far")
+        prompt, outputs = history
+        counts = torch.bincount(
+            torch.tensor(list(outputs), dtype=torch.int64, device=device), minlength=vocab
+        )
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if len(prompt):
+                seen[torch.tensor(list(prompt), dtype=torch.int64, device=device)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, scaled, row)
+        row = (
+            row - p.frequency_penalty * counts.to(row.dtype) - p.presence_penalty * (counts > 0).to(row.dtype)
+        )
+        logits[i] = row
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, row by row of ``logits [N, vocab]`` (float32)."""
+    """Temperature, then top-k, then top-p, then min-p, row by row of ``logits [N, vocab]``
+    (float32). Min-p's threshold is relative to the likeliest token, which every filter keeps, so
+    it does not depend on the order."""
     vocab = logits.shape[-1]
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -73,6 +114,11 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         drop = _top_p_mask(values, top_p)
         mask = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, order, drop)
         rows = rows.masked_fill(mask, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        # p(v) < min_p * p(max)  <=>  logit(v) < logit(max) + log(min_p)
+        bound = rows.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        rows = rows.masked_fill(rows < bound, float("-inf"))
     return rows
 
 
@@ -81,9 +127,13 @@ def sample(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     output_indices: Sequence[int],
+    histories: Sequence[History | None] | None = None,
 ) -> list[int]:
-    """One token per row of ``logits [N, vocab]``."""
+    """One token per row of ``logits [N, vocab]``; ``histories`` (each penalized row's tokens so
+    far) is needed only where a row's request has a penalty."""
     logits = logits.float()
+    if any(p.penalized for p in params):
+        logits = apply_penalties(logits, params, histories or [None] * len(params))
     tokens = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -368,6 +368,7 @@ class PrefillScheduler:
             sampling=job.sampling,
             output_index=job.output_index,
             next_token_id=job.prompt_token_ids[end] if end < job.num_prompt_tokens else None,
+            history=_history(job) if end == job.num_prompt_tokens and job.sampling.penalized else None,
         )
 
     def _find(self, request_id: str) -> _JobState | None:
@@ -431,3 +432,12 @@ class PrefillScheduler:
             cached = cache.cached_hash(page_id)
             if cached is not None and cached != expected:
                 raise PageAccountingError(f"job {rid} uses cached page {page_id} of another prefix")
+
+
+def _history(job: PrefillJob) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A job's prompt and outputs, for its penalties. A first prefill (``output_index`` 0) has no
+    outputs; a re-prefill's tokens end with the request's outputs so far (all but the last, which
+    is the decode rank's next input), and the token it samples is one the decode rank ignores,
+    so the split only has to be deterministic there."""
+    split = len(job.prompt_token_ids) - job.output_index
+    return tuple(job.prompt_token_ids[:split]), tuple(job.prompt_token_ids[split:])

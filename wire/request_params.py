@@ -66,10 +66,20 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty, either sign
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. A temperature below ``GREEDY_TEMPERATURE`` (0 included) is greedy;
-    ``top_k == 0`` disables top-k.
+    ``top_k == 0`` disables top-k; ``min_p`` drops the tokens less likely than ``min_p`` times
+    the likeliest (0 disables).
+
+    Penalties change the logits before anything else, greedy requests too, in vLLM's order:
+    ``repetition_penalty`` (``r``) divides a positive logit by ``r`` and multiplies a negative one,
+    for every token of the prompt and of the output so far; then OpenAI's ``frequency_penalty``
+    times the token's count in the output so far, and ``presence_penalty`` once if it is there
+    at all, are subtracted. Their neutral values (0, 0, 1) change nothing.
 
     With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
     random draw for output token ``i`` is keyed by ``(seed, i)``.
@@ -82,6 +92,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -94,10 +108,27 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(
+                    name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                )
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be > 0 (1 disables), got {self.repetition_penalty!r}"
+            )
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies: the sampler then needs the request's tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def seeded(self) -> SamplingParams:
         """The same sampling with a seed: its own, or a fresh one (``draw_seed``). Every draw of a

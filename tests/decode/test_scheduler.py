@@ -591,6 +591,36 @@ def test_request_needing_a_page_preempts_itself_when_newest() -> None:
     cluster.assert_all_free()
 
 
+def test_two_requests_that_do_not_fit_together_take_turns_instead_of_preempting_each_other() -> None:
+    """Six pages; "a" grows to five, "b" to six; each recomputation takes two steps to arrive.
+    Once "b" is preempted, it reserves again only when its pages fit beside what "a" still grows
+    into: while "a" runs, "b" stays queued (no reservation, so "a" is not preempted in turn), and
+    both finish after one preemption. Before, "b"'s reservation took the page "a" needed next, so
+    "a" preempted itself, then the same the other way round: each re-prefilled before it made a
+    token, forever."""
+    cluster = Cluster(num_pages=6)
+    scheduler = cluster.scheduler
+    cluster.add(make_request("a", 4, max_tokens=16), make_request("b", 8, max_tokens=16))
+    waited: dict[str, int] = {}
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        cluster.reserve()
+        for rid in list(cluster.transfers):  # the prefill delivers a transfer two steps later
+            waited[rid] = waited.get(rid, 0) + 1
+            if waited[rid] > 2:
+                del waited[rid]
+                cluster.deliver(rid)
+        if cluster.preempted and scheduler.status("a") is RequestStatus.RUNNING:
+            assert scheduler.status("b") is RequestStatus.PREEMPTED  # the wait: "b" holds back
+        cluster.step()
+    assert not scheduler.has_unfinished_requests(), cluster.preempted[:10]
+    assert cluster.preempted == ["b"]
+    for rid in ("a", "b"):
+        assert cluster.finished[rid].request.output_token_ids == expected_outputs(rid, 16)
+    cluster.assert_all_free()
+
+
 # -- everything at once ---------------------------------------------------------------------------
 
 

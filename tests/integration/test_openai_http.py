@@ -326,6 +326,49 @@ def test_the_same_seed_gives_the_grpc_paths_tokens(served: Served) -> None:
     assert other_seed.choices[0].model_extra["token_ids"] != grpc_tokens  # type: ignore[index]
 
 
+def test_penalties_through_prefill_and_decode_give_the_colocated_engines_tokens(
+    served: Served, tiny_dir: Path
+) -> None:
+    """A seeded, sampled request with all four penalties and min-p: the prefill rank draws the
+    first token (the repetition penalty over the prompt), the decode rank the rest (over the
+    outputs as they come); over HTTP and gRPC the tokens are the colocated engine's, and not
+    those of the same request without penalties."""
+    import torch
+
+    from tandem.engine.colocated import ColocatedEngine
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.model.checkpoint import load_checkpoint
+    from tandem.model.config import ModelConfig
+    from tandem.model.deepseek import DeepseekV3
+
+    prompt = [5, 9, 9, 17, 33, 9, 40, 41, 42, 9, 12, 13]
+    penalties = {"presence_penalty": 0.6, "frequency_penalty": 0.9, "repetition_penalty": 1.4, "min_p": 0.05}
+    sampling = SamplingParams(max_tokens=16, temperature=0.9, seed=77, ignore_eos=True, **penalties)
+    cfg = ModelConfig.from_dir(tiny_dir)
+    model = DeepseekV3(cfg, torch.float64)
+    model.load_weights(load_checkpoint(tiny_dir, cfg, torch.float64))
+    (reference,) = ColocatedEngine(model, EngineConfig(page_size=PAGE, num_pages=64)).generate(
+        [prompt], sampling
+    )
+    reply = served.client().completions.create(
+        model=served.server.model_name,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.9,
+        seed=77,
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.4, "min_p": 0.05},
+    )
+    assert reply.choices[0].model_extra["token_ids"] == reference.token_ids  # type: ignore[index]
+    options = ClientOptions(served.grpc_addr, TOKEN, timeout_s=120)
+    (outcome,) = asyncio.run(generate_all(options, [PromptSpec(None, prompt, sampling)], 1))
+    assert outcome.summary is not None and list(outcome.summary.token_ids) == reference.token_ids
+    plain = SamplingParams(max_tokens=16, temperature=0.9, seed=77, ignore_eos=True)
+    (unpenalized,) = asyncio.run(generate_all(options, [PromptSpec(None, prompt, plain)], 1))
+    assert unpenalized.summary is not None and list(unpenalized.summary.token_ids) != reference.token_ids
+
+
 def test_a_client_that_goes_away_before_a_whole_response_frees_the_pages(served: Served) -> None:
     model = served.server.model_name
     cancelled = _requests_counted(served, "abort", "CANCELLED")

@@ -139,6 +139,17 @@ def _cases() -> tuple[list[list[int]], list[SamplingParams]]:
     sampling.append(SamplingParams(max_tokens=2, ignore_eos=True))  # max_tokens below K
     prompts.append(prompts[1])
     sampling.append(SamplingParams(max_tokens=40))  # may stop at EOS within a step's tokens
+    # penalties: a verify row reads the drafts before it, a re-prefill its outputs so far
+    prompts.append(prompts[0])
+    sampling.append(
+        SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
+    )
+    prompts.append(prompts[2])
+    sampling.append(
+        SamplingParams(
+            max_tokens=24, temperature=0.8, seed=3, presence_penalty=0.8, min_p=0.1, ignore_eos=True
+        )
+    )
     return prompts, sampling
 
 

@@ -110,6 +110,44 @@ def test_concurrent_greedy_generation_matches(float64_reference: Any) -> None:
     _check_all_pages_free(engine)
 
 
+def test_greedy_generation_with_penalties_matches(float64_reference: Any) -> None:
+    """Repetition, frequency and presence penalties (greedy, so only the penalties decide)
+    against ``transformers``: its ``repetition_penalty`` over prompt and output, and OpenAI's two
+    as a logits processor over the output, applied after it as vLLM does."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    path, hf, prompts, plain = float64_reference
+    if not path.name.startswith("hf-qlora"):
+        pytest.skip("one checkpoint variant is enough for the sampler's penalties")
+
+    class OpenAIPenalties(LogitsProcessor):  # type: ignore[misc]
+        def __init__(self, prompt_len: int) -> None:
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            counts = torch.bincount(input_ids[0, self.prompt_len :], minlength=scores.shape[-1])
+            return scores - 0.7 * counts.to(scores.dtype) - 0.4 * (counts > 0).to(scores.dtype)
+
+    sampling = SamplingParams(
+        max_tokens=GEN_TOKENS, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4
+    )
+    engine = ColocatedEngine(_load(path, torch.float64), EngineConfig(page_size=16, num_pages=64))
+    outputs = engine.generate(prompts, sampling)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=GEN_TOKENS,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            repetition_penalty=1.3,
+            logits_processor=LogitsProcessorList([OpenAIPenalties(len(prompt))]),
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids == ref
+    assert [o.token_ids for o in outputs] != plain  # the penalties changed what greedy gives
+    _check_all_pages_free(engine)
+
+
 def test_shared_prefixes_hit_the_cache_and_match(float64_reference: Any) -> None:
     path, hf, prompts, expected = float64_reference
     engine = ColocatedEngine(_load(path, torch.float64), EngineConfig(page_size=8, num_pages=128))

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tandem.model.sampler import filter_logits, sample
+from tandem.model.sampler import apply_penalties, filter_logits, sample
 from tandem.wire.request_params import SamplingParams
 
 
@@ -86,3 +87,37 @@ def test_temperatures_below_the_greedy_bound_are_argmax_down_to_the_smallest_flo
         assert params.greedy and params.canonical().temperature == 0.0
         assert sample(logits, [params] * 4, [9, 10, 11, 12], [0, 1, 2, 3]) == argmax, temperature
     assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+
+
+def test_penalties_follow_vllms_order_on_the_requests_own_tokens() -> None:
+    """Repetition over the prompt's and outputs' tokens (a positive logit divided, a negative one
+    multiplied), then frequency per output occurrence and presence once, subtracted; a row
+    without penalties is left alone, and a penalized row without its tokens is an error."""
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    prompt, outputs = (0, 1), (3, 3, 2)
+    out = apply_penalties(torch.stack([row, row]), [p, SamplingParams()], [(prompt, outputs), None])
+    expected = torch.tensor([2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.25 - 0.5, 3.0 / 2 - 2 * 0.25 - 0.5, -2.0, 1.0])
+    assert torch.allclose(out[0], expected) and torch.equal(out[1], row)
+    # greedy with a penalty takes the argmax of the penalized logits: 3 loses to 0 here
+    assert sample(row[None], [p], [0], [3], [(prompt, outputs)]) == [0]
+    assert sample(row[None], [SamplingParams()], [0], [3]) == [3]
+    with pytest.raises(ValueError, match="needs its tokens so far"):
+        sample(row[None], [p], [0], [3])
+
+
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_likeliest() -> None:
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filter_logits(row[None], [SamplingParams(temperature=1.0, min_p=0.2)])[0]
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]  # 0.05 < 0.2 * 0.5
+    assert torch.isfinite(filter_logits(row[None], [SamplingParams(temperature=1.0)])[0]).all()
+
+
+def test_a_seeded_penalized_draw_depends_on_its_history_not_its_batch() -> None:
+    logits = _logits(4)
+    p = SamplingParams(temperature=1.0, seed=7, frequency_penalty=1.5, repetition_penalty=1.3)
+    history = ((5, 6, 7), tuple(range(10, 30)))
+    alone = sample(logits[1:2], [p], [7], [20], [history])
+    others = [SamplingParams(), p, SamplingParams(temperature=0.8, seed=1), p]
+    histories = [None, history, None, ((1,), ())]
+    assert sample(logits, others, [0, 7, 1, 7], [0, 20, 3, 20], histories)[1] == alone[0]
