@@ -26,6 +26,8 @@ class ScheduledChunk:
     output_index + len(draft_token_ids)`` at its positions and keeps those the drafts earn
     (``engine/speculation.py``). ``next_token_id``: the token after the chunk when the request
     has it (a prefill chunk before the prompt's last), which the MTP layer's last row reads.
+    ``history``: the request's prompt and its outputs before ``output_index``, on a sampling
+    chunk of a penalized request only (its penalties read them; ``None`` elsewhere).
     """
 
     request_id: str
