@@ -148,7 +148,9 @@ class FrontendCore:
         self.metrics: FrontendMetrics | None = None
         if config.metrics:
             labels = FrontendLabels(config.model_name, config.name)
-            self.metrics = FrontendMetrics(labels, streams_open=lambda: len(self.running))
+            self.metrics = FrontendMetrics(
+                labels, streams_open=lambda: len(self.running), clients=[c.name for c in config.clients]
+            )
         self.migration = Migration(
             self.router,
             self.membership,
@@ -225,7 +227,7 @@ class FrontendCore:
             while True:
                 item = await stream.buffer.get()  # all the tokens that came: one message
                 if isinstance(item, StreamSummary) and self.metrics is not None:
-                    self.metrics.ended(item)
+                    self.metrics.ended(item, client=spec.client)
                 yield item
                 if isinstance(item, StreamSummary):
                     return
@@ -233,7 +235,7 @@ class FrontendCore:
             if not stream.finished:  # the client cancelled, or its deadline passed
                 stream.finished = True
                 if self.metrics is not None:
-                    self.metrics.rejected("CANCELLED", finish_reason="abort")
+                    self.metrics.rejected("CANCELLED", finish_reason="abort", client=spec.client)
                 if running.submitting:
                     self._tasks.add(task := asyncio.ensure_future(_abort_after(submit, running)))
                     task.add_done_callback(self._tasks.discard)

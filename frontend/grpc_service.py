@@ -198,7 +198,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, exc: Exception) -> None:
         if self.core.metrics is not None:
-            self.core.metrics.rejected(code.name)
+            self.core.metrics.rejected(code.name, client=self._client(context))
         await context.abort(code, str(exc))
 
     async def Abort(

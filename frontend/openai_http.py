@@ -112,19 +112,20 @@ def build_app(core: FrontendCore) -> FastAPI:
     edge = _Edge(core, BearerAuth(config.clients) if config.clients else None, model)
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def refused(status: int) -> None:
-        if core.metrics is not None:
-            core.metrics.rejected(CODE_OF_STATUS.get(status, "UNKNOWN"))
+    def refused(request: Request, status: int) -> None:
+        if core.metrics is not None:  # by the client its token named, once it was checked
+            client = getattr(request.state, "client", ANONYMOUS)
+            core.metrics.rejected(CODE_OF_STATUS.get(status, "UNKNOWN"), client=client)
 
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         if not exc.counted:
-            refused(exc.status)
+            refused(request, exc.status)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
-        refused(exc.status_code)
+        refused(request, exc.status_code)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
@@ -135,7 +136,7 @@ def build_app(core: FrontendCore) -> FastAPI:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        refused(500)
+        refused(request, 500)
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         body = OpenAIError(500, "internal server error", "server_error").body()
         return JSONResponse(body, status_code=500)
@@ -247,6 +248,7 @@ class _Edge:
         if client is None:
             why = "invalid bearer token" if given else "missing bearer token (Authorization: Bearer ...)"
             raise OpenAIError(401, why, "invalid_request_error", None, "invalid_api_key")
+        request.state.client = client  # a later refusal counts as this client's
         return client
 
     async def _json(self, request: Request) -> Any:

@@ -115,7 +115,17 @@ PREFILL_PARTS = ("prefill_pickup", "prefill_queue", "prefill_compute", "kv_trans
 
 
 class FrontendMetrics:
-    def __init__(self, labels: FrontendLabels, streams_open: Callable[[], int] | None = None) -> None:
+    """The frontend's series. The request and token counters carry the ``client`` label: the
+    authenticated client's name (``clients``, the token file's names, each at zero from the
+    start), or ``""`` without tokens or before a call was authenticated, so their cardinality is
+    bounded by the token file."""
+
+    def __init__(
+        self,
+        labels: FrontendLabels,
+        streams_open: Callable[[], int] | None = None,
+        clients: Sequence[str] = (),
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = labels
         names = list(labels.as_dict())
@@ -124,8 +134,8 @@ class FrontendMetrics:
         self._requests = Counter(
             "tandem_requests",
             "Requests ended, by finish reason (stop, length, abort, error; rejected: refused before "
-            "any stream) and gRPC status code",
-            [*names, "finish_reason", "code"],
+            "any stream), gRPC status code and client",
+            [*names, "finish_reason", "code", "client"],
             registry=r,
         )
         self._base = base
@@ -184,26 +194,32 @@ class FrontendMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=r)
 
-        self.prompt_tokens = counter(
+        def per_client(name: str, doc: str) -> Counter:
+            return Counter(name, doc, [*names, "client"], registry=r)
+
+        self._prompt_tokens = per_client(
             "tandem_prompt_tokens", "Prompt tokens of ended requests (the sum of the bills' prompt_tokens)"
-        ).labels(**base)
+        )
         self._cached_prompt_tokens = Counter(
             "tandem_cached_prompt_tokens",
             "Prompt tokens found in a prefill rank's prefix cache, by the tier they came from: device "
             "pages, host-memory pool, shared store (the sum of the bills' cached_tokens_by_tier)",
-            [*names, "tier"],
+            [*names, "tier", "client"],
             registry=r,
         )
-        for tier in TIERS:  # at zero from the start, as the parts above
-            self._child(self._cached_prompt_tokens, tier=tier)
-        self.new_prompt_tokens = counter(
+        self._new_prompt_tokens = per_client(
             "tandem_new_prompt_tokens",
             "Prompt tokens a prefill rank computed (the sum of the bills' new_prompt_tokens)",
-        ).labels(**base)
-        self.generation_tokens = counter(
+        )
+        self._generation_tokens = per_client(
             "tandem_generation_tokens",
             "Output tokens of ended requests (the sum of the bills' output_tokens)",
-        ).labels(**base)
+        )
+        for client in dict.fromkeys(["", *clients]):  # at zero from the start, as the parts above
+            for tier in TIERS:
+                self._child(self._cached_prompt_tokens, tier=tier, client=client)
+            for metric in (self._prompt_tokens, self._new_prompt_tokens, self._generation_tokens):
+                self._child(metric, client=client)
         self._route = Counter(
             "tandem_router_decisions",
             "Routing decisions, by the branch of the prefill policy that chose the rank",
@@ -239,10 +255,10 @@ class FrontendMetrics:
         self.predicted_cached.inc(predicted_cached_tokens)
         self.routed_new_tokens.inc(max(0, prompt_tokens - predicted_cached_tokens))
 
-    def rejected(self, code: str, finish_reason: str = "rejected") -> None:
+    def rejected(self, code: str, finish_reason: str = "rejected", client: str = "") -> None:
         """A request refused before it had a stream (``INVALID_ARGUMENT``, ``UNAVAILABLE``, ...),
         or whose client went away before its end (``CANCELLED``, finish reason ``abort``)."""
-        self._child(self._requests, finish_reason=finish_reason, code=code).inc()
+        self._child(self._requests, finish_reason=finish_reason, code=code, client=client).inc()
 
     def _child(self, metric: Any, **labels: str) -> Any:
         """``metric.labels(**base, **labels)``, looked up once (the client's lookup costs more
@@ -253,16 +269,16 @@ class FrontendMetrics:
             child = self._children[key] = metric.labels(**self._base, **labels)
         return child
 
-    def ended(self, summary: StreamSummary, code: str = "OK") -> None:
-        """A request whose stream ended with ``summary``."""
+    def ended(self, summary: StreamSummary, code: str = "OK", client: str = "") -> None:
+        """A request of ``client`` whose stream ended with ``summary``."""
         bill = summary.bill
-        self._child(self._requests, finish_reason=str(summary.finish_reason), code=code).inc()
-        self.prompt_tokens.inc(bill.prompt_tokens)
+        self._child(self._requests, finish_reason=str(summary.finish_reason), code=code, client=client).inc()
+        self._child(self._prompt_tokens, client=client).inc(bill.prompt_tokens)
         for tier, tokens in bill.cached_tokens_by_tier.as_dict().items():
             if tokens:
-                self._child(self._cached_prompt_tokens, tier=tier).inc(tokens)
-        self.new_prompt_tokens.inc(bill.new_prompt_tokens)
-        self.generation_tokens.inc(len(summary.token_ids))
+                self._child(self._cached_prompt_tokens, tier=tier, client=client).inc(tokens)
+        self._child(self._new_prompt_tokens, client=client).inc(bill.new_prompt_tokens)
+        self._child(self._generation_tokens, client=client).inc(len(summary.token_ids))
         if bill.attempts and bill.attempts[0].delivered:
             self.found_cached.inc(bill.attempts[0].cached_tokens)
         self.e2e.observe(summary.e2e_s)

@@ -247,6 +247,31 @@ def test_the_official_clients_fields_that_change_nothing_are_accepted(served: Se
         client.models.retrieve("gpt-4")
 
 
+def _counted(served: Served, name: str, **labels: str) -> float:
+    text = httpx.get(served.metrics_url, timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_usage_counts_under_the_client_whose_token_was_used(served: Served) -> None:
+    """Two clients of the token file: each one's prompt and output tokens, and its requests,
+    count under its own ``client`` label only."""
+    before = {c: _counted(served, "tandem_generation_tokens_total", client=c) for c in ("alice", "bob")}
+    requests = {c: _counted(served, "tandem_requests_total", client=c, code="OK") for c in ("alice", "bob")}
+    bob = served.client("tok-bob")
+    bob.completions.create(model=served.server.model_name, prompt="per tenant", max_tokens=5,
+                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert _counted(served, "tandem_generation_tokens_total", client="bob") == before["bob"] + 5
+    assert _counted(served, "tandem_generation_tokens_total", client="alice") == before["alice"]
+    assert _counted(served, "tandem_requests_total", client="bob", code="OK") == requests["bob"] + 1
+    assert _counted(served, "tandem_requests_total", client="alice", code="OK") == requests["alice"]
+    assert _counted(served, "tandem_prompt_tokens_total", client="bob") > 0
+
+
 def test_errors_in_openais_shape(served: Served) -> None:
     client, model = served.client(), served.server.model_name
     with pytest.raises(openai.BadRequestError) as bad_n:

@@ -96,6 +96,34 @@ def test_a_summary_counts_its_bill_and_observes_each_histogram_once() -> None:
     assert _value(s, "tandem_streams_open") == 3
 
 
+def test_the_request_and_token_counters_are_per_client_and_start_at_zero_for_each() -> None:
+    """Each client the token file names has its series from the start (a rate() over a client's
+    first request sees it); a request counts under its own client only, a refusal before any
+    token was checked under the anonymous one (``""``)."""
+    metrics = FrontendMetrics(FrontendLabels("tiny", "fe"), clients=["alice", "bob"])
+    s = _samples(metrics.registry)
+    for client in ("", "alice", "bob"):
+        for name in (
+            "tandem_prompt_tokens_total",
+            "tandem_new_prompt_tokens_total",
+            "tandem_generation_tokens_total",
+        ):
+            assert _value(s, name, client=client) == 0
+        assert _value(s, "tandem_cached_prompt_tokens_total", client=client, tier="device") == 0
+    metrics.ended(_summary(), client="alice")
+    metrics.rejected("UNAUTHENTICATED")
+    metrics.rejected("INVALID_ARGUMENT", client="bob")
+    s = _samples(metrics.registry)
+    assert _value(s, "tandem_prompt_tokens_total", client="alice") == 40
+    assert _value(s, "tandem_new_prompt_tokens_total", client="alice") == 8
+    assert _value(s, "tandem_cached_prompt_tokens_total", client="alice", tier="device") == 32
+    assert _value(s, "tandem_generation_tokens_total", client="alice") == 4
+    assert _value(s, "tandem_prompt_tokens_total", client="bob") == 0
+    assert _value(s, "tandem_requests_total", client="alice", finish_reason="length", code="OK") == 1
+    assert _value(s, "tandem_requests_total", client="", code="UNAUTHENTICATED") == 1
+    assert _value(s, "tandem_requests_total", client="bob", code="INVALID_ARGUMENT") == 1
+
+
 def test_cached_prompt_tokens_count_by_tier_and_add_up_to_the_bills() -> None:
     """Bills whose cached tokens came from the host pool and the store count there; the tiers
     summed (the dashboard's sum(rate(...))) are the bills' cached_tokens."""
@@ -211,7 +239,10 @@ def test_the_endpoint_serves_metrics_and_discovery() -> None:
         base = f"http://{server.address}"
         with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
             assert reply.headers["Content-Type"].startswith("text/plain")
-            assert 'tandem_generation_tokens_total{frontend="fe",model="tiny"} 4.0' in reply.read().decode()
+            assert (
+                'tandem_generation_tokens_total{client="",frontend="fe",model="tiny"} 4.0'
+                in reply.read().decode()
+            )
         with urllib.request.urlopen(f"{base}/sd", timeout=5) as reply:
             document = json.load(reply)
         assert document == [
