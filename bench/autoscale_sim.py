@@ -503,6 +503,7 @@ def run_autoscale_bench(
     scaled = Simulation(arrivals, requests, model, config, p0, d0, autoscale=True, window_s=window_s).run()
     static = []
     met_by_minute: dict[tuple[int, int], dict[int, int]] = {}
+    ranks_of: dict[tuple[int, int], int] = {}
     for p in range(config.prefill.min_groups, config.prefill.max_groups + 1):
         for d in range(config.decode.min_groups, config.decode.max_groups + 1):
             ranks = p * config.prefill.ranks_per_group + d * config.decode.ranks_per_group
@@ -511,12 +512,8 @@ def run_autoscale_bench(
             sim = Simulation(arrivals, requests, model, config, p, d, autoscale=False)
             result = sim.run()
             static.append({"prefill_groups": p, "decode_groups": d, **result.as_dict()})
-            met_by_minute[p, d] = _met_by_bin(sim.outcomes, HINDSIGHT_BIN_S)
+            met_by_minute[p, d], ranks_of[p, d] = _met_by_bin(sim.outcomes, HINDSIGHT_BIN_S), ranks
     auto = scaled.as_dict()
-    ranks_of = {
-        pair: pair[0] * config.prefill.ranks_per_group + pair[1] * config.decode.ranks_per_group
-        for pair in met_by_minute
-    }
 
     def cheapest(at_least: float) -> dict[str, Any] | None:
         matching = [s for s in static if s["slo_attainment"] >= at_least]

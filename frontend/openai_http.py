@@ -203,13 +203,7 @@ class _Edge:
         """``GET /v1/models/{id}``: the served model's card, or 404 ``model_not_found``."""
         self._client(request)
         if model_id != self.model.name:
-            raise OpenAIError(
-                404,
-                f"The model {model_id[:64]!r} does not exist; this server serves {self.model.name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+            raise OpenAIError.model_not_found(model_id, self.model.name)
         return JSONResponse(self._card())
 
     def _card(self) -> dict[str, Any]:
@@ -344,7 +338,8 @@ def _depth_past(value: Any, limit: int) -> bool:
         if isinstance(item, dict | list):
             if depth > limit:
                 return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))  # no scalar
     return False
 
 

@@ -86,6 +86,16 @@ class OpenAIError(Exception):
         return OpenAIError(status, shown, "invalid_request_error", param)
 
     @staticmethod
+    def model_not_found(asked: str, served: str) -> OpenAIError:
+        return OpenAIError(
+            404,
+            f"The model {asked[:64]!r} does not exist; this server serves {served!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+    @staticmethod
     def from_invalid(exc: InvalidRequestError, field_names: dict[str, str] | None = None) -> OpenAIError:
         """An engine check's error (``sampling.max_tokens``) on this API's field (``max_tokens``)."""
         field = exc.field.removeprefix("sampling.")
@@ -308,13 +318,7 @@ def prepare_chat(
 
 def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
     if request.model != model.name:
-        raise OpenAIError(
-            404,
-            f"The model {request.model[:64]!r} does not exist; this server serves {model.name!r}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
+        raise OpenAIError.model_not_found(request.model, model.name)
     for name, off in UNSUPPORTED.items():
         value = getattr(request, name)
         if not any(value == o and type(value) is type(o) for o in off):

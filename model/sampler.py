@@ -74,14 +74,12 @@ def apply_penalties(
         if history is None:
             raise ValueError(f"row {i}: a penalized request's row needs its tokens so far")
         prompt, outputs = history
-        counts = torch.bincount(
-            torch.tensor(list(outputs), dtype=torch.int64, device=device), minlength=vocab
-        )
+        counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64, device=device), minlength=vocab)
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
             if len(prompt):
-                seen[torch.tensor(list(prompt), dtype=torch.int64, device=device)] = True
+                seen[torch.tensor(prompt, dtype=torch.int64, device=device)] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row = torch.where(seen, scaled, row)
         row = (
