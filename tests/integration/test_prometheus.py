@@ -197,12 +197,30 @@ def test_the_autoscaler_reads_its_signals_from_prometheus(deployment: Deployment
     # the planner's: the one group was busy part of the window; the prompts' mean new tokens
     assert prefill.busy_groups is not None and 0 < prefill.busy_groups <= 1
     assert prefill.prompt_tokens is not None and prefill.prompt_tokens > 0
-    # the new prompt tokens routed: some 15 s of the window saw them arrive faster than its mean
-    assert prefill.demand_peak is not None and prefill.demand_peak > prefill.demand
     assert prefill.backlog == 0 and decode.backlog == 0  # nothing waits
     assert decode.kv_usage == 0 and decode.demand == 0  # every request has ended
     source.queries = {**source.queries, "decode_kv_usage": "max(no_such_metric)"}
     assert source.query("decode_kv_usage") is None  # no sample: no figure, not zero
+
+
+def test_the_planners_arrival_peak_reads_a_fresh_burst(deployment: Deployment) -> None:
+    """A burst of requests routed now, once scraped: the peak 15 s rate of the new prompt tokens
+    routed is above the window's mean rate of them (the arrival level), and both see them."""
+    source = PrometheusSource(deployment.prometheus.url, deployment.server.model_name, window="5m")
+    model = deployment.server.model_name
+    routed = f'sum(tandem_router_new_prompt_tokens_total{{model="{model}"}})'
+    before = deployment.prometheus.scalar(routed) or 0.0
+    _summaries(deployment.grpc_addr, _prompts(6, 3), 3)
+    deadline = time.monotonic() + 60.0
+    while (deployment.prometheus.scalar(routed) or 0.0) <= before and time.monotonic() < deadline:
+        time.sleep(0.25)  # until a scrape after the burst
+    peak = rate = None
+    while time.monotonic() < deadline:
+        peak, rate = source.query("prefill_demand_peak"), source.query("prefill_arrival_rate")
+        if peak is not None and rate is not None and peak > rate > 0:
+            break
+        time.sleep(0.5)
+    assert peak is not None and rate is not None and peak > rate > 0, (peak, rate)
 
 
 def test_a_rebuilt_decode_group_is_discovered_and_scraped(deployment: Deployment) -> None:
