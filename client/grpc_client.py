@@ -77,6 +77,10 @@ def request_message(spec: PromptSpec, request_id: str = "", model: str = "") -> 
         sampling.seed = s.seed
     if s.repetition_penalty != 1.0:
         sampling.repetition_penalty = s.repetition_penalty
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     message = tandem_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
     if spec.token_ids is not None:
         message.token_ids.ids.extend(spec.token_ids)

@@ -60,6 +60,7 @@ from tandem.engine.page_allocator import PageAccountingError, PageAllocator
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import FINISHED_STATUS, Request, RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, InvalidRequestError
 
 
@@ -191,10 +192,18 @@ class DecodeScheduler:
         return total
 
     def kv_arrived(
-        self, request_id: str, first_token: int, cached_tokens: int, *, attempt: int | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        cached_tokens: int,
+        *,
+        attempt: int | None = None,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs | None] = (),
     ) -> DecodeFinished | None:
         """The KV of a WAITING_FOR_KV request landed: it joins the running batch with
-        ``first_token`` as output 0 (a recomputed request keeps its outputs instead). Returns the
+        ``first_token`` as output 0 (a recomputed request keeps its outputs instead), and its
+        ``logprobs`` and its prompt's where the prefill rank computed them. Returns the
         record when that finishes it at once, or when it was aborted meanwhile. Unknown ids,
         other phases and other attempts are late arrivals: ignored, ``None``."""
         entry = self._current_transfer(request_id, attempt)
@@ -212,14 +221,24 @@ class DecodeScheduler:
             raise KVNotificationError(
                 request_id, "cached_tokens", f"{cached_tokens} is outside [0, {entry.num_reserved_tokens}]"
             )
+        if prompt_logprobs and len(prompt_logprobs) != request.num_prompt_tokens:
+            raise KVNotificationError(
+                request_id,
+                "logprobs.prompt",
+                f"has {len(prompt_logprobs)} entries for a {request.num_prompt_tokens}-token prompt",
+            )
         del self._waiting_for_kv[request_id]
         request.num_computed_tokens = entry.num_reserved_tokens
         request.status = RequestStatus.RUNNING
         bisect.insort(self._running, entry, key=lambda e: e.arrival)
+        if prompt_logprobs and not request.prompt_logprobs:
+            request.prompt_logprobs = list(prompt_logprobs)
         if request.output_token_ids:  # recomputed after preemption: the sampled token is ignored
             return None
         request.num_cached_tokens = cached_tokens
         request.append_output(first_token)
+        if logprobs is not None:
+            request.record_output_logprobs(1, [logprobs])
         if request.is_finished:
             self._running.remove(entry)
             return self._finish(entry, request.finish_reason or FinishReason.LENGTH)

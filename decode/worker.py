@@ -37,6 +37,7 @@ from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
+from tandem.wire.logprobs import TokenLogprobs, parse_all
 from tandem.wire.messages import (
     Bill,
     CachedByTier,
@@ -298,6 +299,8 @@ class DecodeWorker(RankWorker):
             if track is None or given <= 0:
                 continue
             track.token_at.extend([now] * given)  # a verify step's tokens are known together
+            if request.sampling.logprobs is not None:
+                request.record_output_logprobs(given, self.runner.logprobs.get(request.request_id, []))
             self._count_speculation(track, chunk.draft_token_ids, given)
             if self.drafter is not None and not request.is_finished:
                 needs = self.drafter.needs_hidden
@@ -389,8 +392,14 @@ class DecodeWorker(RankWorker):
             return
         n = got.notification
         try:
+            first_logprobs, prompt_logprobs = _notified_logprobs(transfer.request_id, n.logprobs)
             finished = self.scheduler.kv_arrived(
-                transfer.request_id, n.first_token, n.cached_tokens, attempt=transfer.attempt
+                transfer.request_id,
+                n.first_token,
+                n.cached_tokens,
+                attempt=transfer.attempt,
+                logprobs=first_logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except KVNotificationError as error:  # its writes are over: this attempt fails, not the rank
             self._transfers[n.request_id] = transfer
@@ -528,7 +537,15 @@ class DecodeWorker(RankWorker):
     ) -> RequestResult:
         tokens = tuple(request.output_token_ids) if request is not None else ()
         bill = track.bill(request, time.monotonic())
-        return RequestResult(request_id, tokens, reason, bill, self.rank_id, track.prefill_rank, error)
+        result = RequestResult(request_id, tokens, reason, bill, self.rank_id, track.prefill_rank, error)
+        if request is None:
+            return result
+        sampling = request.sampling
+        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+            return result
+        prompt = tuple(request.prompt_logprobs) if sampling.prompt_logprobs is not None else ()
+        logprobs = tuple(request.output_logprobs_from(0))
+        return dataclasses.replace(result, logprobs=logprobs, prompt_logprobs=prompt)
 
     def _report(self, track: _Track, result: RequestResult) -> None:
         self.streams.result(track.routing.frontend, result)
@@ -541,5 +558,26 @@ class DecodeWorker(RankWorker):
         new = tuple(outputs[track.streamed :])
         known = track.token_at[track.streamed : len(outputs)]
         at = tuple(known) + (time.monotonic(),) * (len(new) - len(known))
-        self.streams.tokens(frontend, request.request_id, track.streamed, new, at, now_unix_s)
+        logprobs = request.output_logprobs_from(track.streamed)
+        wanted = request.sampling.prompt_logprobs is not None and track.streamed == 0
+        prompt = request.prompt_logprobs if wanted else ()
+        streamed = track.streamed
+        self.streams.tokens(frontend, request.request_id, streamed, new, at, now_unix_s, logprobs, prompt)
         track.streamed = len(outputs)
+
+
+def _notified_logprobs(
+    request_id: str, raw: dict[str, Any] | None
+) -> tuple[TokenLogprobs | None, tuple[TokenLogprobs | None, ...]]:
+    """The first output's and the prompt's logprobs a notification carries (``wire/logprobs``);
+    ``KVNotificationError`` naming the field when they are malformed."""
+    if raw is None:
+        return None, ()
+    try:
+        output = parse_all(raw.get("output"), "logprobs.output")
+        prompt = parse_all(raw.get("prompt"), "logprobs.prompt")
+    except ValueError as error:
+        raise KVNotificationError(request_id, "logprobs", str(error)) from None
+    if len(output) > 1:
+        raise KVNotificationError(request_id, "logprobs.output", f"{len(output)} entries for one token")
+    return (output[0] if output else None), prompt

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.tokenizer import Tokenizer
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, SamplingParams, check_prompt
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class GenerationOutput:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: FinishReason
+    # when asked for (SamplingParams.logprobs / prompt_logprobs): each output's, each prompt position's
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class ColocatedEngine:
@@ -128,7 +132,7 @@ class ColocatedEngine:
         plan = self.scheduler.schedule()
         self.run_tier_ops()
         tokens = self.runner.run(plan)
-        finished = self.scheduler.update(plan, tokens)
+        finished = self.scheduler.update(plan, tokens, self.runner.logprobs, self.runner.prompt_logprobs)
         self.run_tier_ops()
         return finished
 
@@ -157,4 +161,6 @@ class ColocatedEngine:
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
             finish_reason=request.finish_reason or FinishReason.LENGTH,
+            logprobs=list(request.output_logprobs),
+            prompt_logprobs=list(request.prompt_logprobs),
         )

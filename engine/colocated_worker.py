@@ -25,6 +25,7 @@ from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.stream_publisher import StreamPublisher
 from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import (
     Bill,
     CachedByTier,
@@ -136,9 +137,10 @@ class ColocatedWorker(RankWorker):
                 track.scheduled_at = scheduled_at
         requests = [r for r in (scheduler.get_request(c.request_id) for c in plan.chunks) if r is not None]
         before = [len(r.output_token_ids) for r in requests]
-        sampled = self.engine.runner.run(plan)
+        runner = self.engine.runner
+        sampled = runner.run(plan)
         t1 = time.perf_counter()
-        finished = scheduler.update(plan, sampled)
+        finished = scheduler.update(plan, sampled, runner.logprobs, runner.prompt_logprobs)
         self.engine.run_tier_ops()  # what the forward computed, to the store
         now, now_unix_s = time.monotonic(), time.time()
         for request, count in zip(requests, before, strict=True):
@@ -213,7 +215,12 @@ class ColocatedWorker(RankWorker):
             return
         new = tuple(outputs[track.streamed :])
         times = tuple(track.token_at[-len(new) :])
-        self.streams.tokens(track.frontend, request.request_id, track.streamed, new, times, now_unix_s)
+        logprobs = request.output_logprobs_from(track.streamed)
+        streamed = track.streamed
+        prompt = _prompt_logprobs(request) if streamed == 0 else ()
+        self.streams.tokens(
+            track.frontend, request.request_id, streamed, new, times, now_unix_s, logprobs, prompt
+        )
         track.streamed = len(outputs)
 
     def _finish(
@@ -231,6 +238,8 @@ class ColocatedWorker(RankWorker):
             self.rank_id if track is not None and track.token_at else None,
             error=error,
             rank_failure=error if rank_failure else None,
+            logprobs=tuple(request.output_logprobs_from(0)),
+            prompt_logprobs=_prompt_logprobs(request),
         )
         self.streams.result(track.frontend if track is not None else None, result)
 
@@ -263,3 +272,10 @@ class ColocatedWorker(RankWorker):
             pickup_s=track.queued_at - track.received,
             decode_s=(now - first) if first is not None else 0.0,
         )
+
+
+def _prompt_logprobs(request: Request) -> tuple[TokenLogprobs | None, ...]:
+    """A request's prompt logprobs for its result, when it asked (a one-token prompt's: ``None``)."""
+    if request.sampling.prompt_logprobs is None:
+        return ()
+    return tuple(request.prompt_logprobs) or (None,)

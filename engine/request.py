@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, SamplingParams
 
 
@@ -63,6 +64,11 @@ class Request:
     num_cached_store_tokens: int = 0  # and from the shared store
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # when asked for (``SamplingParams.logprobs``/``prompt_logprobs``): each output token's, in
+    # order (``None`` for one that came without: a resumed request's earlier outputs), and each
+    # prompt position's from its first computation (``[0]`` is ``None``: no logits precede it)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,6 +81,35 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for its prompt's logprobs and has not got all of them yet."""
+        wanted = self.sampling.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def record_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of prompt positions ``first`` onwards (a recomputation rewrites them)."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
+        if not 1 <= first <= len(self.prompt_logprobs):
+            raise ValueError(f"{self.request_id}: prompt logprobs from {first} leave a gap")
+        self.prompt_logprobs[first : first + len(entries)] = entries
+
+    def record_output_logprobs(self, given: int, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of the ``given`` outputs appended last: the first ``given`` entries
+        (a verify step's rows past the tokens it kept are dropped)."""
+        before = len(self.output_token_ids) - given
+        self.output_logprobs += [None] * (before - len(self.output_logprobs))
+        del self.output_logprobs[before:]
+        self.output_logprobs += entries[:given]
+
+    def output_logprobs_from(self, start: int) -> list[TokenLogprobs | None]:
+        """The logprobs of outputs ``start`` onwards, one an output, when it asked (else none)."""
+        if self.sampling.logprobs is None:
+            return []
+        entries = self.output_logprobs[start:]
+        return entries + [None] * (len(self.output_token_ids) - start - len(entries))
 
     @property
     def is_finished(self) -> bool:

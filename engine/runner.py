@@ -8,16 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.scheduler_output import SchedulerOutput
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.speculation import accept
 from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
-from tandem.model.sampler import History, sample
+from tandem.model.sampler import History, logprobs_of, sample
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import StepSplit
 from tandem.wire.request_params import SamplingParams
+
+_LOGIT_ROWS = 256  # prompt positions whose logits are computed together (prompt logprobs)
 
 
 @dataclass
@@ -57,6 +60,10 @@ class ModelRunner:
         self.keep_hidden = keep_hidden or mtp_prefill
         self._hidden: torch.Tensor | None = None
         self._hidden_at: dict[str, tuple[int, int]] = {}  # request -> (first row, rows) in _hidden
+        # the last step's logprobs: each sampled row's, of the requests that asked (``logprobs``),
+        # and the prompt positions' (request -> the first position predicted, its entries)
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
 
     def split(self, schedule_s: float = 0.0, update_s: float = 0.0, draft_s: float = 0.0) -> StepSplit:
         """This runner's share of a rank's step split, with the worker's own pieces."""
@@ -95,7 +102,9 @@ class ModelRunner:
             return {}
         start = time.perf_counter()
         self._hidden, self._hidden_at = None, {}
-        if self.static is not None and on_layer_kv is None and self.static.applies(plan):
+        self.logprobs, self.prompt_logprobs = {}, {}
+        prompt_rows = any(c.prompt_logprob_targets for c in plan.chunks)
+        if self.static is not None and on_layer_kv is None and not prompt_rows and self.static.applies(plan):
             return self._sample(plan, self.static.run, start)
         device = self.model.device
         input_ids: list[int] = []
@@ -104,7 +113,9 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         page_lists: list[list[int]] = []
+        offsets: list[int] = []  # each chunk's first row in the packed batch
         for chunk in plan.chunks:
+            offsets.append(len(input_ids))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
             if chunk.sample:
@@ -129,6 +140,8 @@ class ModelRunner:
             hidden = self.model.forward(ids, pos, meta, self.pool, on_layer_kv)
             if self.mtp_prefill:
                 self._mtp_rows(plan, ids, pos, hidden, on_layer_kv)
+            if prompt_rows:
+                self._prompt_logprobs(plan, offsets, hidden)
             return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
 
         return self._sample(plan, forward, start)
@@ -158,6 +171,7 @@ class ModelRunner:
                         None if history is None else (history[0], (*history[1], *c.draft_token_ids[:j]))
                     )
             tokens = sample(logits, params, seeds, indices, histories)
+            self._output_logprobs(chunks, logits, tokens)
             at = 0
             for c in chunks:
                 target = tokens[at : at + c.num_sampled]
@@ -172,6 +186,44 @@ class ModelRunner:
         self.stats.forward_s += t1 - t0
         self.stats.sample_s += time.perf_counter() - t1
         return sampled
+
+    def _output_logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int]) -> None:
+        """The logprobs of each sampled row of the chunks whose request asked for them, from the
+        logits that sampled it (a verify chunk's: one a row, for the drafts it may accept)."""
+        rows: list[int] = []
+        top: list[int] = []
+        owners: list[tuple[str, int]] = []
+        at = 0
+        for c in chunks:
+            if c.sampling.logprobs is not None:
+                rows.extend(range(at, at + c.num_sampled))
+                top.extend([c.sampling.logprobs] * c.num_sampled)
+                owners.append((c.request_id, c.num_sampled))
+            at += c.num_sampled
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        entries = logprobs_of(logits[index], [tokens[r] for r in rows], top)
+        at = 0
+        for request_id, count in owners:
+            self.logprobs[request_id] = entries[at : at + count]
+            at += count
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, offsets: list[int], hidden: torch.Tensor) -> None:
+        """Each chunk's prompt positions' logprobs (``ScheduledChunk.prompt_logprob_targets``),
+        their logits computed a slice of rows at a time (a long prompt's at once would hold
+        ``rows x vocab`` floats)."""
+        for chunk, first in zip(plan.chunks, offsets, strict=True):
+            targets = chunk.prompt_logprob_targets
+            if not targets:
+                continue
+            k = chunk.sampling.prompt_logprobs or 0
+            entries: list[TokenLogprobs] = []
+            for at in range(0, len(targets), _LOGIT_ROWS):
+                part = targets[at : at + _LOGIT_ROWS]
+                logits = self.model.compute_logits(hidden[first + at : first + at + len(part)])
+                entries += logprobs_of(logits, part, [k] * len(part))
+            self.prompt_logprobs[chunk.request_id] = (chunk.start_position + 1, entries)
 
     def hidden_rows(self, request_id: str, count: int) -> torch.Tensor:
         """The hidden states (after the final norm) of the first ``count`` positions the last

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 from tandem.engine.admission import admit_new_request
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.engine.prefix_cache import PrefixCache, PrefixMatch, block_hashes
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -161,11 +162,19 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
         )
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        logprobs: Mapping[str, list[TokenLogprobs]] | None = None,
+        prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]] | None = None,
+    ) -> list[Request]:
         """Apply a step: advance computed tokens, append sampled ones, cache newly full pages.
 
         ``sampled`` maps the id of every chunk with ``sample`` to its token. Chunks of requests
         aborted since ``schedule`` are skipped. Returns the requests that finished this step.
+        ``logprobs`` and ``prompt_logprobs``: the runner's of this step (``ModelRunner``), kept
+        with their requests.
         """
         size = self.config.page_size
         finished: list[Request] = []
@@ -179,6 +188,8 @@ class Scheduler:
                     f"computed {request.num_computed_tokens} tokens; apply each output once, in order"
                 )
             request.num_computed_tokens += len(chunk.token_ids)
+            if prompt_logprobs and chunk.request_id in prompt_logprobs:
+                request.record_prompt_logprobs(*prompt_logprobs[chunk.request_id])
             if request.num_computed_tokens // size > chunk.start_position // size:
                 self.kv_cache.cache_full_pages(
                     request.all_token_ids,
@@ -191,6 +202,8 @@ class Scheduler:
             if chunk.request_id not in sampled:
                 raise StaleSchedulerOutputError(f"no sampled token for {chunk.request_id}, which samples")
             request.append_output(sampled[chunk.request_id])
+            if logprobs and chunk.request_id in logprobs:
+                request.record_output_logprobs(1, logprobs[chunk.request_id])
             if request.is_finished:
                 self._running.remove(request)
                 self._finish(request, request.status)
@@ -252,13 +265,16 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> bool:
         """Match the cached prefix and take pages for the first chunk; all or nothing."""
         token_ids = request.all_token_ids
-        found = self.kv_cache.match(token_ids)
+        # a prompt's logprobs need every position's logits, which its cached pages do not keep
+        uncached = request.needs_prompt_logprobs
+        found = PrefixMatch() if uncached else self.kv_cache.match(token_ids)
         page_ids, num_cached = found.page_ids, found.num_tokens
         num_new = min(len(token_ids) - num_cached, budget)
         num_pages = math.ceil((num_cached + num_new) / self.config.page_size)
         new_pages = self.kv_cache.allocate(num_pages - len(page_ids))
         if new_pages is None:
-            self.kv_cache.undo_match(page_ids, len(token_ids))
+            if not uncached:
+                self.kv_cache.undo_match(page_ids, len(token_ids))
             return False
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
@@ -280,6 +296,7 @@ class Scheduler:
         else:
             token_ids = tuple(prompt[start:end]) + tuple(outputs[: max(0, end - len(prompt))])
         sample = end == request.num_tokens
+        targets = tuple(prompt[start + 1 : end + 1]) if request.needs_prompt_logprobs else ()
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=token_ids,
@@ -289,6 +306,7 @@ class Scheduler:
             sampling=request.sampling,
             output_index=len(outputs),
             history=(tuple(prompt), tuple(outputs)) if sample and request.sampling.penalized else None,
+            prompt_logprob_targets=targets,
         )
 
     def _preempt(self, request: Request) -> None:

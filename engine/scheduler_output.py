@@ -28,6 +28,9 @@ class ScheduledChunk:
     has it (a prefill chunk before the prompt's last), which the MTP layer's last row reads.
     ``history``: the request's prompt and its outputs before ``output_index``, on a sampling
     chunk of a penalized request only (its penalties read them; ``None`` elsewhere).
+    ``prompt_logprob_targets``: for a request that asked for its prompt's logprobs, the prompt
+    tokens the chunk's first rows predict (row ``j``'s is the token at ``start_position + j +
+    1``); the runner gives their logprobs (``ModelRunner.prompt_logprobs``).
     """
 
     request_id: str
@@ -41,6 +44,7 @@ class ScheduledChunk:
     draft_room: int = 0  # drafts the scheduler holds pages for (a decode step; 0 elsewhere)
     next_token_id: int | None = None
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_sampled(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.engine.outbox import Outbox
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import RankId, RequestResult, StreamBatch, StreamColumns
 
 
@@ -26,11 +27,16 @@ class StreamPublisher:
         token_ids: tuple[int, ...],
         times_s: Sequence[float],
         unix_s: float,
+        logprobs: Sequence[TokenLogprobs | None] = (),
+        prompt_logprobs: Sequence[TokenLogprobs | None] = (),
     ) -> None:
         """Output tokens ``start_index`` onwards of a request, each known at ``times_s`` (this
-        rank's monotonic clock), all in a step that ended at ``unix_s``."""
+        rank's monotonic clock), all in a step that ended at ``unix_s``; their ``logprobs``
+        when the request asked, and with its first tokens its prompt's."""
         columns = self._pushes.setdefault(frontend, (StreamColumns(), []))[0]
-        columns.add(request_id, start_index, token_ids, tuple(times_s), (unix_s,) * len(token_ids))
+        if prompt_logprobs:
+            columns.prompt_logprobs.append((request_id, tuple(prompt_logprobs)))
+        columns.add(request_id, start_index, token_ids, tuple(times_s), (unix_s,) * len(token_ids), logprobs)
 
     def result(self, frontend: str | None, result: RequestResult) -> None:
         """How a request ended: pushed to its frontend, or kept for ``take_results``."""

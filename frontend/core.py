@@ -224,10 +224,16 @@ class FrontendCore:
             running.submitting = False
             if running.abort_requested and not stream.finished:
                 running.send_abort()  # an Abort that came while the submit was on its way
+            wants_logprobs, first = spec.sampling.logprobs is not None, True
             while True:
                 item = await stream.buffer.get()  # all the tokens that came: one message
                 if isinstance(item, StreamSummary) and self.metrics is not None:
                     self.metrics.ended(item, client=spec.client)
+                elif isinstance(item, StreamChunk):
+                    if wants_logprobs:
+                        item.logprobs = stream.logprobs_of(item.first_index, len(item.token_ids))
+                    if first:
+                        item.prompt_logprobs, first = stream.prompt_logprobs, False
                 yield item
                 if isinstance(item, StreamSummary):
                     return
@@ -363,6 +369,11 @@ class FrontendCore:
     def on_stream(self, batch: StreamBatch) -> None:
         orphans: list[str] = []
         by_id, tokens, times, unix = self._by_rank_id, batch.token_ids, batch.times_s, batch.times_unix_s
+        for request_id, prompt_logprobs in batch.prompt_logprobs:
+            running = by_id.get(request_id)
+            if running is not None and not running.stream.prompt_logprobs:
+                running.stream.prompt_logprobs = prompt_logprobs
+        logprobs = batch.logprobs
         begin = 0
         for request_id, start, end in zip(batch.request_ids, batch.start_indices, batch.ends, strict=True):
             running = by_id.get(request_id)
@@ -371,6 +382,8 @@ class FrontendCore:
             else:
                 if start == 0:
                     self.router.prefill_done(request_id)
+                if logprobs:
+                    running.stream.add_logprobs(start, logprobs[begin:end])
                 if end - begin == 1:
                     running.stream.on_token(start, tokens[begin], times[begin], unix[begin])
                 else:

@@ -40,6 +40,7 @@ from tandem.frontend.request_stream import StreamChunk
 from tandem.frontend.running import GenerateSpec
 from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import CachedByTier, ProcessPlace, RankId
 from tandem.wire.request_params import InvalidRequestError, SamplingParams, check_prompt
 from tandem.wire.stream_summary import StreamSummary
@@ -122,8 +123,8 @@ def _add_tandem_service(servicer: TandemServicer, server: Any) -> None:
 
 
 def unknown_field_paths(message: Message, prefix: str = "") -> list[str]:
-    """Where ``message`` holds fields its schema does not declare: ``sampling.#12`` is field
-    number 12 of ``sampling``, at any depth."""
+    """Where ``message`` holds fields its schema does not declare: ``sampling.#15`` is field
+    number 15 of ``sampling``, at any depth."""
     paths = [f"{prefix}#{f.field_number}" for f in unknown_fields.UnknownFieldSet(message)]
     for descriptor, value in message.ListFields():
         if descriptor.message_type is None:
@@ -297,6 +298,8 @@ def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: i
         if message.HasField("repetition_penalty")
         else 1.0,
         min_p=float(message.min_p),
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
     )
     return checked_sampling(sampling, "sampling.")
 
@@ -311,6 +314,8 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
         chunk.first_index = item.first_index
         chunk.server_times_s.extend(item.server_times_s)
         chunk.gaps_s.extend(item.gaps_s)
+        if item.logprobs is not None:
+            chunk.logprobs.extend(_logprob(t, e) for t, e in zip(item.token_ids, item.logprobs, strict=True))
         return response
     bill, route = item.bill, item.route
     latency = tandem_pb2.Latency(
@@ -382,8 +387,21 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
         ),
         token_ids=item.token_ids,
         text=item.text,
+        prompt_logprobs=[_logprob(e.token_id, e) for e in item.prompt_logprobs[1:] if e is not None],
     )
     return tandem_pb2.GenerateResponse(request_id=request_id, summary=summary)
+
+
+def _logprob(token_id: int, entry: TokenLogprobs | None) -> tandem_pb2.TokenLogprob:
+    """A token's logprobs (NaN where none came: an output resumed from a failed rank)."""
+    if entry is None:
+        return tandem_pb2.TokenLogprob(token_id=token_id, logprob=float("nan"))
+    return tandem_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=entry.logprob,
+        top_token_ids=[t for t, _ in entry.top],
+        top_logprobs=[lp for _, lp in entry.top],
+    )
 
 
 def _name(rank: RankId | None) -> str:

@@ -33,7 +33,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from tandem.frontend.core import (
 )
 from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth
 from tandem.frontend.grpc_service import INLINE_TOKENIZE_CHARS
+from tandem.frontend.openai_logprobs import TokenNames, chat_logprobs, completion_logprobs
 from tandem.frontend.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -67,6 +68,7 @@ from tandem.frontend.openai_protocol import (
     usage,
 )
 from tandem.frontend.request_stream import StreamChunk
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import Bill
 from tandem.wire.request_params import FinishReason, InvalidRequestError
 from tandem.wire.stream_summary import StreamSummary
@@ -188,6 +190,7 @@ class _Edge:
         self.core = core
         self.auth = auth
         self.model = model
+        self.names = TokenNames(model.tokenizer)  # tokens as logprobs name them
 
     async def health(self) -> JSONResponse:
         ready = self.core.ready
@@ -302,12 +305,12 @@ class _Edge:
         items, first = await self._admitted(prepared)
         if prepared.stream:
             return _ClosingStreamingResponse(
-                _sse(self.core, prepared, shape, items, first),
+                _sse(self.core, prepared, shape, items, first, self.names),
                 items,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        whole = asyncio.ensure_future(_whole(self.core, prepared, shape, items, first))
+        whole = asyncio.ensure_future(_whole(self.core, prepared, shape, items, first, self.names))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -395,11 +398,17 @@ def _error_body(summary: StreamSummary) -> dict[str, Any]:
 
 
 async def _sse(
-    core: FrontendCore, prepared: Prepared, shape: ResponseShape, items: AsyncIterator[Any], first: Any
+    core: FrontendCore,
+    prepared: Prepared,
+    shape: ResponseShape,
+    items: AsyncIterator[Any],
+    first: Any,
+    names: TokenNames,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: a chunk per piece of text, the last with the finish
     reason, the usage when asked for, then ``[DONE]``. With ``continuous_usage_stats`` every
-    chunk carries the usage so far (the last one the bill's, as the usage chunk does)."""
+    chunk carries the usage so far (the last one the bill's, as the usage chunk does). An echoed
+    prompt is the first chunk (with its logprobs, when asked: they came with the first tokens)."""
     stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
 
@@ -418,13 +427,26 @@ async def _sse(
 
     if shape.chat:
         yield event(shape.chunk(shape.choice("", None, [] if ids else None, first=True)))
+    offset = 0  # text_offset of the next token (completions' logprobs)
+    if prepared.echo is not None:
+        prompt_entries = first.prompt_logprobs  # a chunk's or the summary's
+        body = _logprobs_body(names, prepared, False, [], [], prompt_entries, 0, with_prompt=True)
+        offset = sum(len(t) for t in body["tokens"]) if body else 0
+        yield event(shape.chunk(shape.choice(prepared.echo, None, [] if ids else None, logprobs=body)))
     item, summary = first, None
     while True:
-        if isinstance(item, StreamChunk):
+        if isinstance(item, StreamChunk) and prepared.prompt_only:
+            pass  # its one computed token is not the client's
+        elif isinstance(item, StreamChunk):
             completion_tokens += len(item.token_ids)
             text = stopper.feed(item.text)
-            if text or (ids and item.token_ids):
-                yield event(shape.chunk(shape.choice(text, None, item.token_ids if ids else None)))
+            entries = item.logprobs or [None] * len(item.token_ids)
+            body = _logprobs_body(names, prepared, shape.chat, item.token_ids, entries, text_offset=offset)
+            if body is not None and "tokens" in body:
+                offset += sum(len(t) for t in body["tokens"])
+            if text or (ids and item.token_ids) or (body is not None and item.token_ids):
+                token_ids = item.token_ids if ids else None
+                yield event(shape.chunk(shape.choice(text, None, token_ids, logprobs=body)))
             if stopper.stopped:
                 summary = await _stopped(core, prepared, items)
                 seed = summary.bill.seed if summary is not None else None
@@ -449,15 +471,23 @@ async def _sse(
 
 
 async def _whole(
-    core: FrontendCore, prepared: Prepared, shape: ResponseShape, items: AsyncIterator[Any], first: Any
+    core: FrontendCore,
+    prepared: Prepared,
+    shape: ResponseShape,
+    items: AsyncIterator[Any],
+    first: Any,
+    names: TokenNames,
 ) -> dict[str, Any]:
     """The whole response, once the request has ended."""
     stopper = StopMatcher(prepared.stop)
     text: list[str] = []
     token_ids: list[int] = []
+    entries: list[TokenLogprobs | None] = []
     item: Any = first
+    prompt_entries = item.prompt_logprobs if isinstance(item, StreamChunk) else ()
     while isinstance(item, StreamChunk):
         token_ids += item.token_ids
+        entries += item.logprobs or [None] * len(item.token_ids)
         text.append(stopper.feed(item.text))
         if stopper.stopped:
             break
@@ -475,9 +505,38 @@ async def _whole(
         text.append(stopper.flush())
         finish = finish_reason(summary.finish_reason, False)
     bill = summary.bill if summary is not None else Bill()
+    if summary is not None and not prompt_entries:
+        prompt_entries = summary.prompt_logprobs
+    if prepared.prompt_only:  # its one computed token is not the client's
+        text, token_ids, entries = [], [], []
+    logprobs = _logprobs_body(names, prepared, shape.chat, token_ids, entries, prompt_entries)
     used = usage(len(prepared.spec.prompt_token_ids), len(token_ids), bill)
     ids = token_ids if prepared.return_token_ids else None
-    return shape.response("".join(text), finish, ids, used, bill.seed)
+    return shape.response((prepared.echo or "") + "".join(text), finish, ids, used, bill.seed, logprobs)
+
+
+def _logprobs_body(
+    names: TokenNames,
+    prepared: Prepared,
+    chat: bool,
+    token_ids: list[int],
+    entries: list[TokenLogprobs | None],
+    prompt_entries: Sequence[TokenLogprobs | None] = (),
+    text_offset: int = 0,
+    with_prompt: bool = False,
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` for ``token_ids`` (``None`` when the request asked for none);
+    an echoed completion's begin with the prompt's (``with_prompt``: a stream's first event)."""
+    if not prepared.logprobs:
+        return None
+    if chat:
+        return chat_logprobs(names, token_ids, entries)
+    ids, all_entries = list(token_ids), list(entries)
+    if prepared.echo is not None and (with_prompt or not prepared.stream):
+        prompt = prepared.spec.prompt_token_ids
+        given = list(prompt_entries)[: len(prompt)]
+        ids, all_entries = prompt + ids, given + [None] * (len(prompt) - len(given)) + all_entries
+    return completion_logprobs(names, ids, all_entries, text_offset)
 
 
 # ---- the server -----------------------------------------------------------------------------

@@ -9,18 +9,22 @@ Fields this server implements: ``model``, ``prompt`` (one string or one list of 
 here on the detokenised text: :class:`StopMatcher`), ``stream``, ``stream_options.include_usage``
 and vLLM's ``stream_options.continuous_usage_stats`` (the usage so far on every chunk), and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos`` and ``return_token_ids``. OpenAI's fields that do not change the output are
-checked and otherwise ignored: ``user``, ``store`` (nothing is stored), ``metadata`` (at most 16 string
-pairs), ``service_tier`` (one tier) and ``parallel_tool_calls`` (no tools). A field OpenAI defines
-that would change the output but is not implemented (``logprobs``, ``best_of``, ``tools``, ...)
-is refused when set, and so is any field OpenAI does not define: :class:`OpenAIError` 400 naming
-it in ``param`` (a nested one by its path: ``stream_options.made_up``, ``messages.0.made_up``).
-Responses' ``usage`` carries one field OpenAI does not define,
-``prompt_tokens_details.cached_tokens_by_tier`` (:func:`usage`).
+``ignore_eos`` and ``return_token_ids``. Logprobs (``openai_logprobs``): completions'
+``logprobs: k`` and ``echo`` (the prompt's text and, with ``logprobs``, its tokens' logprobs;
+``max_tokens: 0`` with ``echo`` returns the prompt alone), chat's ``logprobs`` and
+``top_logprobs``; ``k`` is at most ``MAX_LOGPROBS`` (20, vLLM's default bound). OpenAI's
+fields that do not change the output are checked and otherwise ignored: ``user``, ``store``
+(nothing is stored), ``metadata`` (at most 16 string pairs), ``service_tier`` (one tier) and
+``parallel_tool_calls`` (no tools). A field OpenAI defines that would change the output but is
+not implemented (``best_of``, ``tools``, ...) is refused when set, and so is any field OpenAI
+does not define: :class:`OpenAIError` 400 naming it in ``param`` (a nested one by its path:
+``stream_options.made_up``, ``messages.0.made_up``). Responses' ``usage`` carries one field
+OpenAI does not define, ``prompt_tokens_details.cached_tokens_by_tier`` (:func:`usage`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.messages import Bill, CachedByTier
 from tandem.wire.request_params import (
+    MAX_LOGPROBS,
     FinishReason,
     InvalidRequestError,
     SamplingParams,
@@ -48,10 +53,7 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 5
 # OpenAI's fields that change what the client gets and are not implemented here: refused when
 # set to anything but the value that means "off"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
     "tools": (None, []),
@@ -140,10 +142,7 @@ class _GenerateRequest(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
     logit_bias: Any = None
     tools: Any = None
@@ -160,6 +159,8 @@ class _GenerateRequest(_Strict):
 
 class CompletionRequest(_GenerateRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # each token's and its k likeliest (legacy shape)
+    echo: bool | None = None  # the prompt before the completion, in the text and the logprobs
 
 
 class TextPart(_Strict):
@@ -182,6 +183,9 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_GenerateRequest):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # with logprobs: the k likeliest of each output token
+    echo: Any = None  # vLLM's (the last message echoed): not implemented
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatRequest)
@@ -251,6 +255,9 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     continuous_usage: bool = False  # the usage so far on every streamed chunk
+    logprobs: bool = False  # each output token's logprobs in the response
+    echo: str | None = None  # the prompt's text, returned before the completion's
+    prompt_only: bool = False  # max_tokens 0 with echo: one token is computed, none returned
 
 
 def prepare_completion(
@@ -277,8 +284,15 @@ def prepare_completion(
     else:
         _edge(check_ids_fit, "prompt", len(prompt), model.context_tokens)
         token_ids = list(prompt)  # type: ignore[arg-type]  # one prompt of token ids, by now
+    k = _logprobs_count("logprobs", request.logprobs)
+    echo = None
+    if request.echo:
+        echo = prompt if isinstance(prompt, str) else model.tokenizer.decode(token_ids)
+    # lm-eval's loglikelihood shape: the prompt's logprobs with no output (max_tokens 0)
+    prompt_only = bool(request.echo) and request.max_tokens == 0 and not request.max_completion_tokens
+    logprobs = _Logprobs(k, k if request.echo else None, echo, prompt_only)
     return _prepared(
-        request, model, token_ids, "prompt", COMPLETION_MAX_TOKENS, request_id, client, arrival_s
+        request, model, token_ids, "prompt", COMPLETION_MAX_TOKENS, request_id, client, arrival_s, logprobs
     )
 
 
@@ -313,7 +327,30 @@ def prepare_chat(
         raise OpenAIError.from_invalid(exc) from None
     room = min(model.context_tokens, room_tokens or model.context_tokens)
     default = max(1, room - len(token_ids))
-    return _prepared(request, model, token_ids, "messages", default, request_id, client, arrival_s)
+    if request.echo not in (None, False):
+        raise OpenAIError.invalid("echo", "is not supported on chat completions; leave it out")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError.invalid("top_logprobs", "needs logprobs: true")
+    k = _logprobs_count("top_logprobs", request.top_logprobs or 0) if request.logprobs else None
+    logprobs = _Logprobs(k, None, None, False)
+    return _prepared(request, model, token_ids, "messages", default, request_id, client, arrival_s, logprobs)
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    """What a request asks of logprobs: the alternatives for each output token and each prompt
+    token (``None``: none), the echoed prompt's text, and whether only the prompt is returned."""
+
+    output: int | None
+    prompt: int | None
+    echo: str | None
+    prompt_only: bool
+
+
+def _logprobs_count(field: str, value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError.invalid(field, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
@@ -355,9 +392,13 @@ def _prepared(
     request_id: str,
     client: str,
     arrival_s: float | None,
+    logprobs: _Logprobs,
 ) -> Prepared:
     max_tokens, max_field = _max_tokens(request, default_max_tokens)
+    if logprobs.prompt_only:
+        max_tokens = 1  # the first token is computed with the prompt's logits; none is returned
     sampling = _sampling(request, model.vocab_size, max_tokens, max_field)
+    sampling = dataclasses.replace(sampling, logprobs=logprobs.output, prompt_logprobs=logprobs.prompt)
     context = model.context_tokens
     if not token_ids:
         raise OpenAIError.invalid(prompt_field, "is empty")
@@ -382,6 +423,9 @@ def _prepared(
         options is not None and options.include_usage,
         request.return_token_ids,
         options is not None and options.continuous_usage_stats,
+        logprobs.output is not None,
+        logprobs.echo,
+        logprobs.prompt_only,
     )
 
 
@@ -537,14 +581,24 @@ class ResponseShape:
         }
 
     def choice(
-        self, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False
+        self,
+        text: str,
+        finish: str | None,
+        token_ids: list[int] | None,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A streamed choice (a chunk); ``first`` carries the assistant's role on chat."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return choice
@@ -566,16 +620,17 @@ class ResponseShape:
         token_ids: list[int] | None,
         used: dict[str, Any],
         seed: int | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._envelope(False, [choice]), "usage": used}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from tandem.frontend.detokenizer import PairCache, StreamDetokenizer
 from tandem.model.tokenizer import Tokenizer
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import Bill, RankId, RequestResult, TokenDelta
 from tandem.wire.request_params import FinishReason
 from tandem.wire.stream_summary import Route, StreamSummary
@@ -55,6 +56,10 @@ class StreamChunk:
     first_index: int = 0
     server_times_s: list[float] = field(default_factory=list)  # Unix seconds, the decode rank's
     gaps_s: list[float] = field(default_factory=list)  # since the previous token on the rank
+    # set as the chunk leaves its stream, when the request asked: one a token, and on the first
+    # chunk the prompt's (``RequestStream.logprobs``)
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
     @property
     def timings(self) -> list[TokenTiming]:
@@ -196,6 +201,10 @@ class RequestStream:
     _last_rank_s: float | None = None  # the decode rank's reading for the previous token
     _gaps: list[float] = field(default_factory=list)
     _ttft_s: float | None = None
+    # when the request asked for them: output index -> its logprobs (as deltas bring them, read
+    # as chunks go out: ``logprobs_of``), and its prompt's (with its first tokens)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     migrations: int = 0  # decode ranks this stream moved away from (theirs failed)
     seed: int | None = None  # the request's seed, as its bill reports it
     # texts of token pairs, shared by the streams of one tokenizer (``detokenizer``)
@@ -253,6 +262,17 @@ class RequestStream:
                 self._pending.setdefault(index, (token, times_s[offset], times_unix_s[offset]))
         return self._drain()
 
+    def add_logprobs(self, start_index: int, entries: Sequence[TokenLogprobs | None]) -> None:
+        """The logprobs of output tokens ``start_index`` onwards (before the tokens themselves);
+        the first to come for an index stays (a repeated delta brings the same)."""
+        for offset, entry in enumerate(entries):
+            if entry is not None:
+                self.logprobs.setdefault(start_index + offset, entry)
+
+    def logprobs_of(self, first_index: int, count: int) -> list[TokenLogprobs | None]:
+        """The logprobs of output tokens ``first_index .. first_index + count - 1``."""
+        return [self.logprobs.get(i) for i in range(first_index, first_index + count)]
+
     @property
     def tokens(self) -> list[int]:
         """The output tokens streamed so far, in order."""
@@ -269,6 +289,9 @@ class RequestStream:
     def on_result(self, result: RequestResult) -> StreamSummary:
         """End the stream with ``result``: any tokens not streamed yet, then the summary."""
         bill = result.bill
+        self.add_logprobs(0, result.logprobs)
+        if result.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = result.prompt_logprobs
         if bill.prompt_tokens == 0:  # ended before its rank counted it (a failed group)
             bill = replace(bill, prompt_tokens=self.prompt_tokens)
         if self.migrations or bill.seed != self.seed:
@@ -292,6 +315,8 @@ class RequestStream:
             ttft_s=self._ttft_s or 0.0,
             e2e_s=self.clock() - self.arrival_s,
             token_gaps_s=tuple(self._gaps),
+            logprobs=tuple(self.logprobs_of(0, len(self._tokens))) if self.logprobs else (),
+            prompt_logprobs=self.prompt_logprobs,
         )
         self.finished = True
         self.buffer.put(summary)

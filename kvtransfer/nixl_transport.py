@@ -547,7 +547,12 @@ def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None
         if host + store > cached:
             return None
         state = base64.b64decode(msg.get("draft_state") or "", validate=True)
-        return KVNotification(request_id, first_token, cached, timings, kv_bytes, state, host, store)
+        logprobs = msg.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, dict):
+            return None
+        return KVNotification(
+            request_id, first_token, cached, timings, kv_bytes, state, host, store, logprobs
+        )
     except (KeyError, TypeError, ValueError, binascii.Error):
         return None
 

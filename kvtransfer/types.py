@@ -122,6 +122,9 @@ class KVNotification:
     draft_state: bytes = b""
     cached_host_tokens: int = 0
     cached_store_tokens: int = 0
+    # when the request asked for them, its logprobs as the sender's engine encoded them (JSON
+    # values: the first output's and the prompt's); the transport carries them unread
+    logprobs: dict[str, Any] | None = None
 
     @property
     def cached_device_tokens(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import SamplingParams
 
 # a sampled row's tokens so far: (prompt token ids, output token ids before the one drawn)
@@ -147,3 +148,24 @@ def sample(
         gumbel = -torch.log(-torch.log(u))
         tokens[index] = torch.argmax(filtered.double() + gumbel, dim=-1)
     return tokens.tolist()
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row ``i`` of ``logits [N, vocab]``: the log-softmax (float32) of the raw row at
+    ``token_ids[i]``, and its ``top[i]`` likeliest entries, likeliest first. Raw: before any
+    penalty, temperature or filter (``wire/logprobs``)."""
+    if not len(token_ids):
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    k = min(max(top), logits.shape[-1])
+    values: list[list[float]] = [[] for _ in token_ids]
+    indices: list[list[int]] = [[] for _ in token_ids]
+    if k:
+        found = torch.topk(logprobs, k, dim=-1)
+        values, indices = found.values.tolist(), found.indices.tolist()
+    return [
+        TokenLogprobs(token, lp, tuple(zip(indices[i][: top[i]], values[i][: top[i]], strict=True)))
+        for i, (token, lp) in enumerate(zip(token_ids, chosen, strict=True))
+    ]

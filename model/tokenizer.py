@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level token's own (perhaps part of a UTF-8
+        character), else its text (a special token's included)."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        byte_of = _byte_of_char()
+        if all(c in byte_of for c in piece):
+            return bytes(byte_of[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
 
 class IncrementalDetokenizer:
@@ -133,6 +145,11 @@ def _resolve(backend: HFTokenizer, model_dir: Path, token: Any, fallback_id: Any
     if isinstance(fallback_id, list):
         fallback_id = fallback_id[0] if fallback_id else None
     return None if fallback_id is None else int(fallback_id)
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    return {c: b for b, c in enumerate(byte_level_alphabet())}
 
 
 def byte_level_alphabet() -> list[str]:

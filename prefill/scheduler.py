@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import LowerTiers, PrefixCache, block_hashes
+from tandem.engine.prefix_cache import LowerTiers, PrefixCache, PrefixMatch, block_hashes
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
 from tandem.wire.kv_events import KVEvent
@@ -331,12 +331,15 @@ class PrefillScheduler:
     def _admit(self, state: _JobState, budget: int, now: float) -> ScheduledChunk | None:
         """Match the cached prefix and plan the first chunk; all or nothing."""
         prompt = state.job.prompt_token_ids
-        found = self.kv_cache.match(prompt)
+        # a prompt's logprobs need every position's logits, which its cached pages do not keep
+        uncached = _wants_prompt_logprobs(state.job)
+        found = PrefixMatch() if uncached else self.kv_cache.match(prompt)
         page_ids, num_cached = found.page_ids, found.num_tokens
         state.page_ids, state.num_computed_tokens, state.scheduled_end = page_ids, num_cached, num_cached
         chunk = self._next_chunk(state, budget)
         if chunk is None:
-            self.kv_cache.undo_match(page_ids, len(prompt))
+            if not uncached:
+                self.kv_cache.undo_match(page_ids, len(prompt))
             state.page_ids, state.num_computed_tokens, state.scheduled_end = [], 0, 0
             return None
         del self._queued[state.job.request_id]
@@ -369,6 +372,9 @@ class PrefillScheduler:
             output_index=job.output_index,
             next_token_id=job.prompt_token_ids[end] if end < job.num_prompt_tokens else None,
             history=_history(job) if end == job.num_prompt_tokens and job.sampling.penalized else None,
+            prompt_logprob_targets=job.prompt_token_ids[start + 1 : end + 1]
+            if _wants_prompt_logprobs(job)
+            else (),
         )
 
     def _find(self, request_id: str) -> _JobState | None:
@@ -441,3 +447,8 @@ def _history(job: PrefillJob) -> tuple[tuple[int, ...], tuple[int, ...]]:
     so the split only has to be deterministic there."""
     split = len(job.prompt_token_ids) - job.output_index
     return tuple(job.prompt_token_ids[:split]), tuple(job.prompt_token_ids[split:])
+
+
+def _wants_prompt_logprobs(job: PrefillJob) -> bool:
+    """A first prefill that returns its prompt's logprobs (a re-prefill's prompt has them already)."""
+    return job.sampling.prompt_logprobs is not None and job.output_index == 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.rank_loop import RankWorker
@@ -38,6 +38,7 @@ from tandem.kvtransfer.types import (
 )
 from tandem.prefill.scheduler import AbortAction, PrefillScheduler
 from tandem.wire.kv_events import KVEventBatch
+from tandem.wire.logprobs import TokenLogprobs, encode_all
 from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role, TierStats
 from tandem.wire.prefill_job import PrefillJob
 from tandem.wire.request_params import InvalidRequestError
@@ -78,6 +79,8 @@ class PrefillWorker(RankWorker):
         self.cancelled_jobs = 0  # jobs dropped uncomputed because their decode rank gave up
         self._jobs: dict[str, PrefillJob] = {}
         self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
+        # job -> its prompt positions' logprobs so far, chunk by chunk (a job that asked for them)
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.sent: list[TransferStats] = []
         self.failures: list[TransferFailure] = []
         self.failure_counts = FailureCounts()
@@ -137,6 +140,20 @@ class PrefillWorker(RankWorker):
     def _forget(self, request_id: str) -> None:
         self._jobs.pop(request_id, None)
         self._pickup_s.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+
+    def _logprobs_of(self, request_id: str) -> dict[str, Any] | None:
+        """A finished job's logprobs for its notification (``wire/logprobs``): its first output's
+        and its prompt's, where it asked (a one-token prompt's are ``[None]``)."""
+        job = self._jobs.get(request_id)
+        if job is None or (job.sampling.logprobs is None and job.sampling.prompt_logprobs is None):
+            return None
+        prompt = self._prompt_logprobs.pop(request_id, [None])
+        wanted = job.sampling.prompt_logprobs is not None and not job.output_index
+        return {
+            "output": encode_all(self.runner.logprobs.get(request_id, ())),
+            "prompt": encode_all(prompt) if wanted else None,
+        }
 
     def pending(self) -> int:
         """Jobs this rank still holds (queued, computing or transferring)."""
@@ -279,6 +296,8 @@ class PrefillWorker(RankWorker):
         forward_start = time.monotonic()
         sampled = self.runner.run(plan, layer_kv if finishing else None)
         compute_done = kv_done[0] if kv_done else time.monotonic()
+        for request_id, (_, entries) in self.runner.prompt_logprobs.items():  # chunks in order
+            self._prompt_logprobs.setdefault(request_id, [None]).extend(entries)
         if copier is not None and plan.num_batched_tokens:
             copier.tiers.prices.observe("prefill", plan.num_batched_tokens, compute_done - forward_start)
         for done in self.scheduler.update(plan, sampled, compute_done):
@@ -299,6 +318,7 @@ class PrefillWorker(RankWorker):
                 draft_state=self.runner.hidden_state(done.request_id) if self.runner.mtp_prefill else b"",
                 cached_host_tokens=done.cached_host_tokens,
                 cached_store_tokens=done.cached_store_tokens,
+                logprobs=self._logprobs_of(done.request_id),
             )
             self.transport.finish_send(
                 done.request_id, notification, compute_done, last_ready[0] if last_ready else READY

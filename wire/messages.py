@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, SamplingParams
 
 
@@ -250,6 +251,10 @@ class RequestResult:
     # set when the rank failed, not the request (its loop raised, a collective of its group broke,
     # the group is going down): the frontend moves the request to another rank instead of ending it
     rank_failure: str | None = None
+    # when asked for: each output token's (``None`` where none came: outputs resumed from another
+    # rank), and each prompt position's (``None`` first)
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,7 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     times_s: tuple[float, ...]
     times_unix_s: tuple[float, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # one a token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -273,7 +279,9 @@ class StreamBatch:
     Delta ``i`` is request ``request_ids[i]``'s tokens from output index ``start_indices[i]``:
     ``token_ids[ends[i - 1]:ends[i]]`` (from 0 for the first), with ``times_s`` and
     ``times_unix_s`` of the same slice (as in :class:`TokenDelta`). A push of a large batch is a
-    few flat tuples, not an object per token, on both sides of the wire."""
+    few flat tuples, not an object per token, on both sides of the wire. ``logprobs``, when a
+    request of the batch asked for them, is a column of the same length (``None`` for the
+    tokens of the others); else empty."""
 
     decode_rank: RankId
     request_ids: tuple[str, ...] = ()
@@ -283,6 +291,9 @@ class StreamBatch:
     times_s: tuple[float, ...] = ()
     times_unix_s: tuple[float, ...] = ()
     finished: tuple[RequestResult, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # (request id, its prompt's logprobs), sent once, with the request's first tokens
+    prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs | None, ...]], ...] = ()
 
     @classmethod
     def of(
@@ -293,7 +304,7 @@ class StreamBatch:
     ) -> StreamBatch:
         columns = StreamColumns()
         for d in deltas:
-            columns.add(d.request_id, d.start_index, d.token_ids, d.times_s, d.times_unix_s)
+            columns.add(d.request_id, d.start_index, d.token_ids, d.times_s, d.times_unix_s, d.logprobs)
         return columns.batch(decode_rank, finished)
 
     @property
@@ -308,6 +319,7 @@ class StreamBatch:
                     self.token_ids[begin:end],
                     self.times_s[begin:end],
                     self.times_unix_s[begin:end],
+                    self.logprobs[begin:end] if any(e is not None for e in self.logprobs[begin:end]) else (),
                 )
             )
             begin = end
@@ -317,7 +329,16 @@ class StreamBatch:
 class StreamColumns:
     """A :class:`StreamBatch`'s deltas as a decode rank collects them over a loop iteration."""
 
-    __slots__ = ("ends", "request_ids", "start_indices", "times_s", "times_unix_s", "token_ids")
+    __slots__ = (
+        "ends",
+        "logprobs",
+        "prompt_logprobs",
+        "request_ids",
+        "start_indices",
+        "times_s",
+        "times_unix_s",
+        "token_ids",
+    )
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
@@ -326,6 +347,8 @@ class StreamColumns:
         self.token_ids: list[int] = []
         self.times_s: list[float] = []
         self.times_unix_s: list[float] = []
+        self.logprobs: list[TokenLogprobs | None] | None = None  # once a request brings them
+        self.prompt_logprobs: list[tuple[str, tuple[TokenLogprobs | None, ...]]] = []
 
     def add(
         self,
@@ -334,7 +357,15 @@ class StreamColumns:
         token_ids: Sequence[int],
         times_s: Sequence[float],
         times_unix_s: Sequence[float],
+        logprobs: Sequence[TokenLogprobs | None] = (),
     ) -> None:
+        """``logprobs``: one a token, or none (the request did not ask)."""
+        if logprobs and len(logprobs) != len(token_ids):
+            raise ValueError(f"request {request_id}: {len(token_ids)} tokens with {len(logprobs)} logprobs")
+        if logprobs and self.logprobs is None:
+            self.logprobs = [None] * len(self.token_ids)
+        if self.logprobs is not None:
+            self.logprobs += logprobs or [None] * len(token_ids)
         if not len(token_ids) == len(times_s) == len(times_unix_s):
             raise ValueError(
                 f"request {request_id}: {len(token_ids)} tokens with {len(times_s)} and "
@@ -357,6 +388,8 @@ class StreamColumns:
             tuple(self.times_s),
             tuple(self.times_unix_s),
             finished,
+            tuple(self.logprobs) if self.logprobs is not None else (),
+            tuple(self.prompt_logprobs),
         )
 
 

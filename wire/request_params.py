@@ -66,6 +66,8 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+MAX_LOGPROBS = 20  # likeliest alternatives a position may ask for (OpenAI's bound)
+
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty, either sign
 
 
@@ -83,6 +85,12 @@ class SamplingParams:
 
     With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
     random draw for output token ``i`` is keyed by ``(seed, i)``.
+
+    ``logprobs``: each output token's log-probability and that many likeliest alternatives (0 to
+    ``MAX_LOGPROBS``; ``None``: none); ``prompt_logprobs`` the same for each prompt token after
+    the first. Both are the model's log-softmax before any adjustment above (``wire/logprobs``).
+    A prompt's logprobs need the logits of every prompt position, which a cached prefix does not
+    keep: such a request computes its whole prompt (its bill shows no cached tokens).
     """
 
     max_tokens: int = 16
@@ -96,6 +104,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -120,6 +130,14 @@ class SamplingParams:
             )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables), got {self.min_p!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise InvalidRequestError(
+                    name, f"must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:

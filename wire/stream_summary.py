@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import Bill, RankId
 from tandem.wire.request_params import FinishReason
 
@@ -35,6 +36,10 @@ class StreamSummary:
     ttft_s: float  # arrival -> first token, at the frontend (0 without tokens)
     e2e_s: float  # arrival -> the result, at the frontend
     token_gaps_s: tuple[float, ...] = ()  # tokens 1.. : each one's gap on the decode rank
+    # when asked for (``wire/logprobs``): each output token's (``None`` where none came), and each
+    # prompt position's (``None`` first)
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
     def latency_parts(self) -> dict[str, float]:
         """The end-to-end composition: frontend queue and routing, then the decode rank's

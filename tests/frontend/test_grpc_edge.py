@@ -100,7 +100,7 @@ def test_a_request_at_every_cap_passes_the_edge(tiny_dir: Path) -> None:
 
 def test_unknown_fields_and_unparsable_bytes_are_invalid_argument(tiny_dir: Path) -> None:
     known = _message().SerializeToString()
-    sampling = tandem_pb2.SamplingParams(max_tokens=4).SerializeToString() + bytes([12 << 3, 1])
+    sampling = tandem_pb2.SamplingParams(max_tokens=4).SerializeToString() + bytes([15 << 3, 1])
     nested = tandem_pb2.GenerateRequest(text="hi").SerializeToString() + bytes([5 << 3 | 2, len(sampling)])
     abort = tandem_pb2.AbortRequest(request_id="r").SerializeToString() + bytes([7 << 3 | 2, 1, 0x41])
 
@@ -121,7 +121,7 @@ def test_unknown_fields_and_unparsable_bytes_are_invalid_argument(tiny_dir: Path
         assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
         assert error.details().startswith("request:"), error.details()
     assert "unknown fields #9" in top.details()
-    assert "unknown fields sampling.#12" in inner.details()
+    assert "unknown fields sampling.#15" in inner.details()
     assert "UTF-8" in garbled.details()
     assert "unknown fields #7" in aborted.details()
 

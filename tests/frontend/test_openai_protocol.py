@@ -104,9 +104,11 @@ def test_openai_defaults_token_id_prompts_and_one_prompt_in_a_list(model: Served
         ({"temperature": -1}, "temperature", 400),
         ({"top_p": 0}, "top_p", 400),
         ({"seed": -1}, "seed", 400),
-        ({"logprobs": 2}, "logprobs", 400),
+        ({"logprobs": 21}, "logprobs", 400),
+        ({"logprobs": True}, "logprobs", 400),
+        ({"logprobs": -1}, "logprobs", 400),
         ({"best_of": 3}, "best_of", 400),
-        ({"echo": True}, "echo", 400),
+        ({"echo": "yes"}, "echo", 400),
         ({"logit_bias": {"5": 10}}, "logit_bias", 400),
         ({"frequency_penalty": 2.5}, "frequency_penalty", 400),
         ({"presence_penalty": "1"}, "presence_penalty", 400),
@@ -170,6 +172,60 @@ def test_fields_that_do_not_change_the_output_are_accepted_and_change_nothing(mo
     )
     assert streamed.include_usage and streamed.continuous_usage
     assert not _completion(model, stream=True, stream_options={"include_usage": True}).continuous_usage
+
+
+def test_logprobs_and_echo_become_the_specs_sampling(model: ServedModel) -> None:
+    """Completions' ``logprobs: k`` asks for k alternatives of each output token, and with
+    ``echo`` of each prompt token; ``max_tokens: 0`` with ``echo`` computes one token and returns
+    none. Chat's ``logprobs: true`` with ``top_logprobs: k``; ``top_logprobs`` alone is refused."""
+    assert _completion(model).spec.sampling.logprobs is None  # nothing asked: nothing computed
+    plain = _completion(model, logprobs=2)
+    assert (plain.spec.sampling.logprobs, plain.spec.sampling.prompt_logprobs, plain.echo) == (2, None, None)
+    echoed = _completion(model, prompt=[5, 6, 7], logprobs=1, echo=True, max_tokens=0)
+    assert echoed.spec.sampling.prompt_logprobs == 1 and echoed.prompt_only
+    assert echoed.spec.sampling.max_tokens == 1 and echoed.echo == model.tokenizer.decode([5, 6, 7])
+    text = _completion(model, prompt="Hello", echo=True)
+    assert text.echo == "Hello" and text.spec.sampling.prompt_logprobs is None and not text.prompt_only
+
+    def chat(**fields: Any) -> Any:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **fields}
+        return prepare_chat(parse_request(ChatRequest, body), model, "chat-1", room_tokens=100)
+
+    assert chat(logprobs=True, top_logprobs=3).spec.sampling.logprobs == 3
+    assert chat(logprobs=True).spec.sampling.logprobs == 0
+    assert chat(logprobs=False).spec.sampling.logprobs is None
+    assert _refused(lambda: chat(top_logprobs=2)).param == "top_logprobs"
+    assert _refused(lambda: chat(logprobs=True, top_logprobs=21)).param == "top_logprobs"
+    assert _refused(lambda: chat(echo=True)).param == "echo"
+
+
+def test_logprobs_in_openais_two_shapes() -> None:
+    """Completions: the token's own entry joins its k likeliest, an echoed prompt's first token
+    has none, offsets count the token names; chat: the k likeliest. A token that is part of a
+    UTF-8 character is named by its bytes."""
+    from tandem.frontend.openai_logprobs import TokenNames, chat_logprobs, completion_logprobs
+    from tandem.wire.logprobs import TokenLogprobs
+
+    class Bytes:
+        def token_bytes(self, token: int) -> bytes:
+            return bytes([token])
+
+    names = TokenNames(Bytes())  # type: ignore[arg-type]
+    a, b = TokenLogprobs(ord("b"), -0.5, ((ord("c"), -0.25),)), TokenLogprobs(0xE4, -2.0, ())
+    body = completion_logprobs(names, [ord("a"), ord("b"), 0xE4], [None, a, b], 3)
+    assert body == {
+        "tokens": ["a", "b", "bytes:\\xe4"],
+        "token_logprobs": [None, -0.5, -2.0],
+        "top_logprobs": [None, {"c": -0.25, "b": -0.5}, {"bytes:\\xe4": -2.0}],
+        "text_offset": [3, 4, 5],
+    }
+    (entry,) = chat_logprobs(names, [ord("b")], [a])["content"]
+    assert entry == {
+        "token": "b",
+        "logprob": -0.5,
+        "bytes": [ord("b")],
+        "top_logprobs": [{"token": "c", "logprob": -0.25, "bytes": [ord("c")]}],
+    }
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:

@@ -6,6 +6,7 @@ completion shows up in them, and layer-wise writes hide behind a known compute t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -107,7 +108,8 @@ class _FaultyAgent:
     ``completion`` (NIXL reports the write failed), ``state-raises`` (asking NIXL about the write
     raises), ``notify`` (the DONE notification cannot be sent), ``corrupt`` (the DONE
     notification arrives with a field of the wrong type), ``corrupt-count`` (it claims more
-    cached tokens than the pages hold), ``drop`` (it is lost on the way, silently),
+    cached tokens than the pages hold), ``corrupt-logprobs`` (its prompt logprobs hold a positive
+    one), ``drop`` (it is lost on the way, silently),
     ``unreachable`` (the receiver's agent cannot be added).
     Everything else is the real agent."""
 
@@ -130,7 +132,7 @@ class _FaultyAgent:
         return state
 
     def send_notif(self, agent_name: str, message: bytes) -> None:
-        corrupting = self.fault in ("notify", "corrupt", "corrupt-count", "drop")
+        corrupting = self.fault in ("notify", "corrupt", "corrupt-count", "corrupt-logprobs", "drop")
         if corrupting and b'"kind": "done"' in message and self.left > 0:
             self.left -= 1
             if self.fault == "notify":
@@ -139,6 +141,8 @@ class _FaultyAgent:
                 return
             if self.fault == "corrupt":
                 message = message.replace(b'"first_token": ', b'"first_token": "x", "was": ')
+            elif self.fault == "corrupt-logprobs":
+                message = message.replace(b'"prompt": [null', b'"prompt": [[5, 0.5, []], null')
             else:
                 message = message.replace(b'"cached_tokens": ', b'"cached_tokens": 1000000, "was": ')
         self._agent.send_notif(agent_name, message)
@@ -442,7 +446,17 @@ def test_a_refused_write_fails_that_attempt_alone_and_the_retry_delivers(tiny: P
 
 
 @pytest.mark.parametrize(
-    "fault", ["completion", "state-raises", "notify", "corrupt", "corrupt-count", "drop", "unreachable"]
+    "fault",
+    [
+        "completion",
+        "state-raises",
+        "notify",
+        "corrupt",
+        "corrupt-count",
+        "corrupt-logprobs",
+        "drop",
+        "unreachable",
+    ],
 )
 def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: Path, fault: str) -> None:
     """Each way a transfer can fail on the wire fails that request's attempt only: neither rank's
@@ -454,9 +468,12 @@ def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: 
     rng = random.Random(fault)
     prompt = [rng.randrange(256) for _ in range(30)]
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    if fault == "corrupt-logprobs":
+        sampling = dataclasses.replace(sampling, logprobs=2, prompt_logprobs=1)
     result = _run(prefill, decode, _requests([prompt], [sampling], fault))[f"{fault}0"]
     engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
-    assert list(result.token_ids) == engine.generate([prompt], [sampling])[0].token_ids
+    (reference,) = engine.generate([prompt], [sampling])
+    assert list(result.token_ids) == reference.token_ids, (result.error, result.bill.attempts)
     agent = prefill.transport.agent  # type: ignore[attr-defined]
     assert isinstance(agent, _FaultyAgent) and agent.left == 0  # the fault happened
     failed, delivered = result.bill.attempts
@@ -465,6 +482,18 @@ def test_a_transfer_fault_fails_that_attempt_alone_and_the_retry_delivers(tiny: 
         assert "malformed notification" in failed.error
     if fault == "corrupt-count":
         assert "cached_tokens" in failed.error
+    if fault == "corrupt-logprobs":  # the retry's are the colocated engine's
+        assert "logprobs.prompt" in failed.error
+        assert len(result.logprobs) == 4 and len(result.prompt_logprobs) == len(prompt)
+        assert result.prompt_logprobs[0] is None and reference.prompt_logprobs[0] is None
+        pairs = [
+            *zip(result.logprobs, reference.logprobs, strict=True),
+            *zip(result.prompt_logprobs[1:], reference.prompt_logprobs[1:], strict=True),
+        ]
+        for got, expected in pairs:
+            assert got is not None and expected is not None and got.token_id == expected.token_id
+            assert abs(got.logprob - expected.logprob) < 1e-6
+            assert [t for t, _ in got.top] == [t for t, _ in expected.top]
     decode.scheduler.check_integrity()
     prefill.scheduler.check_integrity()
     assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64

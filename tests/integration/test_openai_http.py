@@ -531,3 +531,132 @@ def test_fuzzed_http_requests_get_a_4xx_or_a_response_and_the_server_keeps_servi
     assert outcomes.get(200, 0) > 0 and outcomes.get(400, 0) > 0 and outcomes.get(415, 0) > 0, outcomes
     _wait_all_pages_free(served)
     assert client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text == before
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(tiny_dir: Path) -> Any:
+    """``transformers``' log-softmax (float64) of every position of a sequence."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    hf = DeepseekV3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float64)
+    hf.config._attn_implementation = "sdpa"
+    hf.config._experts_implementation = "eager"
+
+    def of(tokens: list[int]) -> Any:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([tokens])).logits[0], dim=-1)
+
+    return of
+
+
+def test_logprobs_over_http_and_grpc_are_the_references_log_softmax(
+    served: Served, reference_logprobs: Any
+) -> None:
+    """Output logprobs (sampled at temperature 1: the values are the model's, before sampling
+    adjustments) and an echoed prompt's, through prefill and decode ranks, equal ``transformers``'
+    log-softmax within 1e-4, for a prompt whose prefix the prefill rank had cached (recomputed:
+    its usage shows no cached tokens). The completion's ``top_logprobs`` hold the token and its
+    k likeliest; chat's ``top_logprobs`` the k likeliest; gRPC's the same values."""
+    model, client = served.server.model_name, served.client()
+    prefix = [7 + (i * 37) % 200 for i in range(3 * PAGE)]
+    prompt = [*prefix, 11, 22, 33]
+    warm = client.completions.create(model=model, prompt=[*prefix, 44], max_tokens=2)
+    assert warm.usage is not None
+    again = client.completions.create(model=model, prompt=[*prefix, 55], max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= 2 * PAGE  # the prefix is cached
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=3, logprobs=3, echo=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    outputs = choice.model_extra["token_ids"]  # type: ignore[index]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    ref = reference_logprobs(prompt + outputs)
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == len(prompt) + len(outputs) and lp.token_logprobs[0] is None
+    tokens = prompt + outputs
+    for i in range(1, len(tokens)):
+        expected = ref[i - 1]
+        assert abs(lp.token_logprobs[i] - expected[tokens[i]].item()) < 1e-4, i
+        top = lp.top_logprobs[i]
+        values = sorted(top.values(), reverse=True)
+        best = expected.topk(3).values.tolist()
+        assert abs(max(values) - best[0]) < 1e-4 and len(top) in (3, 4), i
+        assert min(abs(lp.token_logprobs[i] - v) for v in values) < 1e-12  # its own entry is there
+    # chat: the output's logprobs and the k likeliest of each
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "logprobs please"}], max_tokens=5,
+        temperature=1.0, seed=4, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None and len(content.content) == 5
+    assert all(len(entry.top_logprobs) == 2 for entry in content.content)
+    # gRPC: the chunks' output logprobs and the summary's prompt logprobs, the same values
+    sampling = SamplingParams(
+        max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    options = ClientOptions(served.grpc_addr, TOKEN, timeout_s=120)
+    (outcome,) = asyncio.run(generate_all(options, [PromptSpec(None, prompt, sampling)], 1))
+    assert outcome.summary is not None and list(outcome.summary.token_ids) == outputs
+    entries = [e for chunk in outcome.chunks for e in chunk.logprobs]
+    assert [e.token_id for e in entries] == outputs
+    for j, entry in enumerate(entries):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(entry.logprob - row[outputs[j]].item()) < 1e-4
+        assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
+        assert abs(entry.logprob - lp.token_logprobs[len(prompt) + j]) < 1e-12  # HTTP's, exactly
+    prompt_entries = outcome.summary.prompt_logprobs
+    assert [e.token_id for e in prompt_entries] == prompt[1:]
+    for i, entry in enumerate(prompt_entries, start=1):
+        assert abs(entry.logprob - ref[i - 1][prompt[i]].item()) < 1e-4
+        assert len(entry.top_token_ids) == 2
+    _wait_all_pages_free(served)
+
+
+def test_lm_evals_loglikelihood_shapes_are_served(served: Served) -> None:
+    """What lm-eval's ``local-completions`` sends for a loglikelihood request: token ids in a
+    list, ``max_tokens: 1``, ``logprobs: 1``, ``echo``, temperature 0; every prompt token's
+    logprob then the generated one's, each ``top_logprobs`` map holding the token itself (so
+    lm-eval's greedy check compares equal values). ``max_tokens: 0`` gives the prompt alone;
+    streamed, the same values come in the chunks."""
+    model = served.server.model_name
+    prompt = [256, *range(40, 60)]
+    body = {"model": model, "prompt": [prompt], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=served.base_url, headers=headers, timeout=120) as http:
+        reply = http.post("/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        (choice,) = reply.json()["choices"]
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+            assert value in top.values() and 1 <= len(top) <= 2
+        greedy = lp["token_logprobs"][-1]  # temperature 0: the generated token is the likeliest
+        assert greedy == max(lp["top_logprobs"][-1].values())
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+        only = http.post("/completions", json={**body, "max_tokens": 0}).json()
+        assert only["usage"]["completion_tokens"] == 0
+        assert only["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+        streamed: list[Any] = []
+        with http.stream("POST", "/completions", json={**body, "stream": True}) as events:
+            for line in events.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        if c["logprobs"] is not None:
+                            streamed += c["logprobs"]["token_logprobs"]
+        assert streamed == lp["token_logprobs"]
+        bad = http.post("/completions", json={**body, "logprobs": 21})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+        chat_bad = http.post(
+            "/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        )
+        assert chat_bad.status_code == 400 and chat_bad.json()["error"]["param"] == "top_logprobs"
+    _wait_all_pages_free(served)

@@ -186,6 +186,9 @@ def test_the_autoscaler_reads_its_signals_from_prometheus(deployment: Deployment
     # a scrape after the requests above ended (the last one may have seen them running)
     deployment.prometheus.wait_for('sum(tandem_num_requests_running{role="decode"})', 0)
     deployment.prometheus.wait_for('max(tandem_kv_cache_usage_ratio{role="decode"})', 0)
+    # each target is scraped on its own phase: the prefill rank's last scrape may predate the end
+    for role in ("prefill", "decode"):
+        deployment.prometheus.wait_for(f'sum(tandem_num_requests_waiting{{role="{role}"}})', 0)
     signals = source.read()
     prefill, decode = signals[Role.PREFILL], signals[Role.DECODE]
     assert (prefill.ready_groups, prefill.pending_groups) == (1, 0)

@@ -194,3 +194,42 @@ def test_bfloat16_prefill_logits_match(checkpoint: tuple[Path, Any]) -> None:
     ours = model.compute_logits(model.forward(ids, torch.arange(40), meta, pool)).double()
     per_position = (ours - ref).abs().amax(-1) / ref.abs().amax(-1)
     assert (per_position < 5e-2).float().mean() >= 0.9
+
+
+def _check_logprobs(entries: list[Any], tokens: list[int], ref: torch.Tensor, k: int) -> None:
+    """Entry ``i`` is token ``tokens[i]`` drawn from ``ref[i]`` (log-softmax rows): its logprob
+    and its ``k`` likeliest within 1e-4, in order."""
+    assert len(entries) == len(tokens)
+    for entry, token, row in zip(entries, tokens, ref, strict=True):
+        assert entry.token_id == token
+        assert abs(entry.logprob - row[token].item()) < 1e-4
+        assert len(entry.top) == k
+        for (top_id, top_lp), (ref_lp, ref_id) in zip(entry.top, zip(*row.topk(k), strict=True), strict=True):
+            assert abs(top_lp - ref_lp.item()) < 1e-4
+            assert top_id == ref_id.item() or abs(row[top_id].item() - ref_lp.item()) < 1e-4  # a tie
+
+
+def test_output_and_prompt_logprobs_equal_the_log_softmax_of_the_reference(checkpoint: Any) -> None:
+    """Output logprobs (sampled at temperature 1 with top-k 5: the values are the model's, before
+    any sampling adjustment) and prompt logprobs equal ``transformers``' float32 log-softmax
+    within 1e-4, for a prompt computed whole and for one whose prefix the cache holds (it is
+    computed again: the cache keeps no logits)."""
+    path, hf = checkpoint
+    engine = ColocatedEngine(_load(path, torch.float32), EngineConfig(page_size=4, num_pages=64))
+    rng = random.Random(11)
+    prefix = [rng.randrange(2, hf.config.vocab_size) for _ in range(12)]
+    first = prefix + [rng.randrange(2, hf.config.vocab_size) for _ in range(5)]
+    second = prefix + [rng.randrange(2, hf.config.vocab_size) for _ in range(3)]
+    engine.generate([first], SamplingParams(max_tokens=2))  # the prefix is now cached
+    sampling = SamplingParams(max_tokens=6, temperature=1.0, top_k=5, seed=5, logprobs=3, prompt_logprobs=2)
+    for prompt in (first, second):
+        out = engine.generate([prompt], sampling)[0]
+        assert out.cached_tokens == 0
+        full = torch.tensor(prompt + out.token_ids)
+        ref = torch.log_softmax(hf(full[None]).logits[0].detach().float(), dim=-1)
+        assert out.prompt_logprobs[0] is None
+        _check_logprobs(out.prompt_logprobs[1:], prompt[1:], ref[: len(prompt) - 1], 2)
+        _check_logprobs(out.logprobs, out.token_ids, ref[len(prompt) - 1 : -1], 3)
+    cached = engine.generate([second], SamplingParams(max_tokens=2))[0]
+    assert cached.cached_tokens == 12  # without prompt logprobs the prefix is the cache's
+    _check_all_pages_free(engine)
