@@ -77,6 +77,7 @@ def request_message(spec: PromptSpec, request_id: str = "", model: str = "") -> 
         sampling.seed = s.seed
     if s.repetition_penalty != 1.0:
         sampling.repetition_penalty = s.repetition_penalty
+    sampling.logit_bias.update(dict(s.logit_bias))
     if s.logprobs is not None:
         sampling.logprobs = s.logprobs
     if s.prompt_logprobs is not None:

@@ -193,7 +193,7 @@ class DecodeWorker(RankWorker):
         received = time.monotonic()
         admitted = []
         for r in items:
-            r.sampling.validate()
+            r.sampling.validate(cfg.vocab_size)
             prompt = list(r.prompt_token_ids)
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
             # the frontend seeds every request; one submitted without gets its own seed here

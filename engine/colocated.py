@@ -108,7 +108,7 @@ class ColocatedEngine:
     def add_request(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> str:
-        sampling.validate()
+        sampling.validate(self.model_config.vocab_size)
         self.validate_prompt(prompt_token_ids)
         sampling = sampling.seeded()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -142,7 +142,7 @@ class ColocatedEngine:
         """Run all prompts concurrently to completion; outputs in input order."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         for prompt, p in zip(prompts, params, strict=True):  # reject bad input before anything runs
-            p.validate()
+            p.validate(self.model_config.vocab_size)
             self.validate_prompt(prompt)
         ids = [self.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
         done: dict[str, Request] = {}

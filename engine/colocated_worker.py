@@ -86,7 +86,7 @@ class ColocatedWorker(RankWorker):
         received = time.monotonic()
         admitted = []
         for r in items:
-            r.sampling.validate()
+            r.sampling.validate(cfg.vocab_size)
             prompt = list(r.prompt_token_ids)
             engine.validate_prompt(prompt, "prompt")
             request = Request(r.request_id, prompt, r.sampling.seeded(), eos, engine.max_model_len)

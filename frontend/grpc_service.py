@@ -300,8 +300,9 @@ def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: i
         min_p=float(message.min_p),
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
-    return checked_sampling(sampling, "sampling.")
+    return checked_sampling(sampling, "sampling.", vocab_size)
 
 
 # ---- protobuf out ---------------------------------------------------------------------------

@@ -12,7 +12,8 @@ vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids
 ``ignore_eos`` and ``return_token_ids``. Logprobs (``openai_logprobs``): completions'
 ``logprobs: k`` and ``echo`` (the prompt's text and, with ``logprobs``, its tokens' logprobs;
 ``max_tokens: 0`` with ``echo`` returns the prompt alone), chat's ``logprobs`` and
-``top_logprobs``; ``k`` is at most ``MAX_LOGPROBS`` (20, vLLM's default bound). OpenAI's
+``top_logprobs``; ``k`` is at most ``MAX_LOGPROBS`` (20, vLLM's default bound); ``logit_bias``
+(token ids in the vocabulary, biases in [-100, 100], added before the penalties). OpenAI's
 fields that do not change the output are checked and otherwise ignored: ``user``, ``store``
 (nothing is stored), ``metadata`` (at most 16 string pairs), ``service_tier`` (one tier) and
 ``parallel_tool_calls`` (no tools). A field OpenAI defines that would change the output but is
@@ -55,7 +56,6 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 5
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None,),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -144,7 +144,7 @@ class _GenerateRequest(_Strict):
     parallel_tool_calls: bool | None = None
     best_of: Any = None
     suffix: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -456,11 +456,23 @@ def _sampling(request: _GenerateRequest, vocab_size: int, max_tokens: int, max_f
         frequency_penalty=float(request.frequency_penalty or 0.0),
         repetition_penalty=1.0 if request.repetition_penalty is None else float(request.repetition_penalty),
         min_p=float(request.min_p or 0.0),
+        logit_bias=_logit_bias(request.logit_bias),
     )
     try:
-        return checked_sampling(sampling)
+        return checked_sampling(sampling, vocab_size=vocab_size)
     except InvalidRequestError as exc:
         raise OpenAIError.from_invalid(exc, {"max_tokens": max_field}) from None
+
+
+def _logit_bias(given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to biases, as sorted pairs (checked further by
+    ``SamplingParams.validate``)."""
+    pairs = []
+    for key, value in (given or {}).items():
+        if not key.isdigit() or not key.isascii():
+            raise OpenAIError.invalid("logit_bias", f"a key is a token id (digits), got {key[:32]!r}")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

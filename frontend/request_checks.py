@@ -43,12 +43,15 @@ def stop_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> tuple[int
     return stops
 
 
-def checked_sampling(sampling: SamplingParams, prefix: str = "") -> SamplingParams:
-    """``sampling`` validated (a bad field named ``prefix + field``), a greedy temperature as 0."""
+def checked_sampling(
+    sampling: SamplingParams, prefix: str = "", vocab_size: int | None = None
+) -> SamplingParams:
+    """``sampling`` validated (a bad field named ``prefix + field``; with ``vocab_size``, a token
+    id outside the vocabulary too), a greedy temperature as 0."""
     if not math.isfinite(sampling.temperature):
         raise InvalidRequestError(f"{prefix}temperature", f"must be finite, got {sampling.temperature}")
     try:
-        sampling.validate()
+        sampling.validate(vocab_size)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{prefix}{exc.field}", exc.message) from None
     return sampling.canonical()

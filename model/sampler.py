@@ -1,5 +1,5 @@
-"""Token sampling from logits: penalties, greedy, temperature, top-k, top-p, min-p, per-request
-seeds.
+"""Token sampling from logits: logit bias, penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds.
 
 Sampled rows are processed together with row-local operations only, and the randomness is
 counter-based: the Gumbel noise for vocabulary entry ``v`` of output token ``i`` of a request is a
@@ -90,6 +90,17 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits [N, vocab]`` (float32) with each row's ``logit_bias`` added at its token ids."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then min-p, row by row of ``logits [N, vocab]``
     (float32). Min-p's threshold is relative to the likeliest token, which every filter keeps, so
@@ -131,6 +142,8 @@ def sample(
     """One token per row of ``logits [N, vocab]``; ``histories`` (each penalized row's tokens so
     far) is needed only where a row's request has a penalty."""
     logits = logits.float()
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, params)
     if any(p.penalized for p in params):
         logits = apply_penalties(logits, params, histories or [None] * len(params))
     tokens = torch.argmax(logits, dim=-1)

@@ -66,7 +66,7 @@ class PrefillJob:
             raise InvalidRequestError(
                 "sampling", f"must be SamplingParams, got {type(self.sampling).__name__}"
             )
-        self.sampling.validate()
+        self.sampling.validate(vocab_size)
         if self.sampling.seed is None and not self.sampling.greedy:
             # the first token is drawn here: without the request's seed it would share every
             # other unseeded job's draw (a decode rank seeds every request it is given)

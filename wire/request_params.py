@@ -68,6 +68,8 @@ def draw_seed() -> int:
 
 MAX_LOGPROBS = 20  # likeliest alternatives a position may ask for (OpenAI's bound)
 
+MAX_LOGIT_BIAS, MAX_BIAS = 1024, 100.0  # entries of logit_bias, and OpenAI's bound on each
+
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty, either sign
 
 
@@ -85,6 +87,10 @@ class SamplingParams:
 
     With a ``seed`` the tokens depend only on the seed and the logits, never on the batch: the
     random draw for output token ``i`` is keyed by ``(seed, i)``.
+
+    ``logit_bias``: (token id, bias) pairs added to those tokens' logits before anything else
+    (the penalties included, as vLLM does), each bias in [-100, 100]: -100 all but bans a token,
+    100 all but forces it.
 
     ``logprobs``: each output token's log-probability and that many likeliest alternatives (0 to
     ``MAX_LOGPROBS``; ``None``: none); ``prompt_logprobs`` the same for each prompt token after
@@ -106,8 +112,11 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``InvalidRequestError`` naming the first field that is wrong; with
+        ``vocab_size``, a token id outside the vocabulary too."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -130,6 +139,7 @@ class SamplingParams:
             )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables), got {self.min_p!r}")
+        self._validate_logit_bias(vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -137,6 +147,30 @@ class SamplingParams:
             ):
                 raise InvalidRequestError(
                     name, f"must be an integer in [0, {MAX_LOGPROBS}] (or unset), got {value!r}"
+                )
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            count = len(bias) if isinstance(bias, tuple) else type(bias).__name__
+            raise InvalidRequestError(
+                "logit_bias", f"{count} entries; at most {MAX_LOGIT_BIAS} (token id, bias) pairs"
+            )
+        seen: set[int] = set()
+        for pair in bias:
+            token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidRequestError("logit_bias", f"a token id is an integer >= 0, got {token!r}")
+            if vocab_size is not None and token >= vocab_size:
+                raise InvalidRequestError(
+                    "logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})"
+                )
+            if token in seen:
+                raise InvalidRequestError("logit_bias", f"token id {token} is given twice")
+            seen.add(token)
+            if not isinstance(value, int | float) or not math.isfinite(value) or abs(value) > MAX_BIAS:
+                raise InvalidRequestError(
+                    "logit_bias", f"token {token}: a bias is in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}"
                 )
 
     @property

@@ -660,3 +660,31 @@ def test_lm_evals_loglikelihood_shapes_are_served(served: Served) -> None:
         )
         assert chat_bad.status_code == 400 and chat_bad.json()["error"]["param"] == "top_logprobs"
     _wait_all_pages_free(served)
+
+
+def test_logit_bias_forces_and_bans_tokens_on_both_edges(served: Served) -> None:
+    """A +100 bias makes every greedy output that token (the prefill rank's first and the decode
+    rank's rest); -100 on the token a request gives unbiased keeps it out; gRPC's map gives the
+    same tokens; an id outside the vocabulary is a 400 naming logit_bias."""
+    model, client = served.server.model_name, served.client()
+    prompt = [5, 9, 17, 33, 40, 41, 42, 12]
+
+    def tokens(bias: dict[str, float]) -> list[int]:
+        reply = client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0, logit_bias=bias,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        return list(reply.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+    assert tokens({"77": 100}) == [77] * 6
+    plain = tokens({})
+    banned = tokens({str(t): -100 for t in set(plain)})
+    assert not set(banned) & set(plain)
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((77, 100.0),))
+    options = ClientOptions(served.grpc_addr, TOKEN, timeout_s=120)
+    (outcome,) = asyncio.run(generate_all(options, [PromptSpec(None, prompt, sampling)], 1))
+    assert outcome.summary is not None and list(outcome.summary.token_ids) == [77] * 6
+    with pytest.raises(openai.BadRequestError) as refused:
+        tokens({"100000": 5})
+    assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]
+    _wait_all_pages_free(served)

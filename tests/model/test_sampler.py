@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem.model.sampler import apply_penalties, filter_logits, sample
-from tandem.wire.request_params import SamplingParams
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 
 def _logits(n: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -121,3 +121,29 @@ def test_a_seeded_penalized_draw_depends_on_its_history_not_its_batch() -> None:
     others = [SamplingParams(), p, SamplingParams(temperature=0.8, seed=1), p]
     histories = [None, history, None, ((1,), ())]
     assert sample(logits, others, [0, 7, 1, 7], [0, 20, 3, 20], histories)[1] == alone[0]
+
+
+def test_logit_bias_is_added_before_the_penalties_and_bans_or_forces_tokens() -> None:
+    """-100 on the likeliest token moves a greedy draw off it, +100 on another forces it (a
+    sampled row too); the bias comes before the repetition penalty, which then divides the
+    biased logit; rows without a bias are left alone; the logprobs stay the model's."""
+    from tandem.model.sampler import apply_logit_bias, logprobs_of
+
+    logits = _logits(2)
+    top, other = int(logits[0].argmax()), int(logits[0].argmin())
+    banned = SamplingParams(logit_bias=((top, -100.0),))
+    assert sample(logits[:1], [banned], [0], [0]) != [top]
+    forced = SamplingParams(temperature=1.0, seed=3, logit_bias=((other, 100.0),))
+    assert sample(logits, [forced, SamplingParams()], [3, 0], [0, 0]) == [other, int(logits[1].argmax())]
+    row = torch.tensor([[2.5, 1.0]])
+    both = SamplingParams(logit_bias=((1, 3.0),), repetition_penalty=2.0)
+    biased = apply_logit_bias(row, [both])
+    assert biased.tolist() == [[2.5, 4.0]] and row.tolist() == [[2.5, 1.0]]
+    # (1 + 3) / 2 = 2 < 2.5: the bias before the penalty (after it, 1 / 2 + 3 = 3.5 would win)
+    assert sample(row, [both], [0], [0], [((1,), ())]) == [0]
+    (entry,) = logprobs_of(logits[:1], [other], [0])
+    assert abs(entry.logprob - torch.log_softmax(logits[0], -1)[other].item()) < 1e-6
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias=((50, 1.0),)).validate(vocab_size=50)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 1.0), (5, 2.0))).validate()
