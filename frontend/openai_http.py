@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import socket
@@ -302,6 +304,8 @@ class _Edge:
         return items, first
 
     async def _run(self, request: Request, prepared: Prepared, shape: ResponseShape) -> Response:
+        if prepared.best_of > 1:
+            return await self._run_choices(request, prepared, shape)
         items, first = await self._admitted(prepared)
         if prepared.stream:
             return _ClosingStreamingResponse(
@@ -324,6 +328,125 @@ class _Edge:
         if whole.cancelled():  # nobody is there to read a response
             return Response(status_code=499)
         return JSONResponse(whole.result())
+
+    async def _run_choices(self, request: Request, prepared: Prepared, shape: ResponseShape) -> Response:
+        """A request for several choices (``n``, ``best_of``): one request a choice, with its own
+        seed (``Prepared.choice``). The first goes alone; the rest once its first token came,
+        when its prompt's pages are in its prefill rank's cache, where the router sends them."""
+        choices = [prepared.choice(i) for i in range(prepared.best_of)]
+        admitted = [await self._admitted(choices[0])]
+        try:
+            rest = await asyncio.gather(*(self._admitted(c) for c in choices[1:]), return_exceptions=True)
+            failed = next((r for r in rest if isinstance(r, BaseException)), None)
+            admitted += [r for r in rest if not isinstance(r, BaseException)]
+            if failed is not None:
+                raise failed
+        except BaseException:
+            for items, _ in admitted:
+                await items.aclose()
+            raise
+        shapes = [dataclasses.replace(shape, index=i) for i in range(len(choices))]
+        if prepared.stream:
+            events = _merged(
+                [
+                    functools.partial(_sse, self.core, c, s, it, f, self.names)
+                    for c, s, (it, f) in zip(choices, shapes, admitted, strict=True)
+                ],
+                prepared,
+                shape,
+            )
+            return _ClosingStreamingResponse(
+                events,
+                [items for items, _ in admitted],
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        wholes = asyncio.ensure_future(
+            asyncio.gather(
+                *(
+                    _scored(self.core, c, s, it, f, self.names)
+                    for c, s, (it, f) in zip(choices, shapes, admitted, strict=True)
+                )
+            )
+        )
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({wholes, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not wholes.done():
+                wholes.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await wholes
+            for items, _ in admitted:
+                await items.aclose()
+        if wholes.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(_best(prepared, wholes.result()))
+
+
+def _best(prepared: Prepared, scored: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
+    """One response of the choices' (``best_of`` > ``n``: the ``n`` of highest cumulative
+    logprob, in that order): the prompt counted once, the completion tokens of every request
+    run (OpenAI bills ``best_of``'s candidates too)."""
+    order = list(range(len(scored)))
+    if prepared.best_of > prepared.n:
+        order = sorted(order, key=lambda i: -scored[i][1])[: prepared.n]
+    choices = []
+    for index, i in enumerate(order):
+        choice = {**scored[i][0]["choices"][0], "index": index}
+        if not prepared.logprobs:
+            choice["logprobs"] = None  # computed to score the candidates, not asked for
+        choices.append(choice)
+    first = scored[0][0]
+    return {**first, "choices": choices, "usage": _usage_of_choices([body["usage"] for body, _ in scored])}
+
+
+def _usage_of_choices(used: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of a request for several choices: its prompt once (the first choice's, whose
+    prompt was computed first), every choice's completion tokens."""
+    total = dict(used[0])
+    completion = sum(u["completion_tokens"] for u in used)
+    details = [u["completion_tokens_details"] for u in used]
+    total["completion_tokens"] = completion
+    total["total_tokens"] = total["prompt_tokens"] + completion
+    total["completion_tokens_details"] = {k: sum(d[k] for d in details) for k in details[0]}
+    return total
+
+
+async def _merged(
+    streams: list[Callable[[list[dict[str, Any]]], AsyncIterator[bytes]]],
+    prepared: Prepared,
+    shape: ResponseShape,
+) -> AsyncIterator[bytes]:
+    """The choices' events as each comes, then the usage of all (when asked) and ``[DONE]``."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    tails: list[dict[str, Any]] = []
+
+    async def pump(events: AsyncIterator[bytes]) -> None:
+        try:
+            async for event in events:
+                await queue.put(event)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream(tails))) for stream in streams]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            event = await queue.get()
+            if event is None:
+                ended += 1
+            else:
+                yield event
+        for task in tasks:
+            task.result()  # a choice's stream that raised fails the response
+    finally:
+        for task in tasks:
+            task.cancel()
+    if prepared.include_usage and tails:
+        yield _event(shape.usage_chunk(_usage_of_choices(tails)))
+    yield b"data: [DONE]\n\n"
 
 
 def _is_json(content_type: str) -> bool:
@@ -351,10 +474,13 @@ class _ClosingStreamingResponse(StreamingResponse):
     away cancels the response before its body iterator may have run)."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], items: AsyncGenerator[Any, None], **kwargs: Any
+        self,
+        content: AsyncIterator[bytes],
+        items: AsyncGenerator[Any, None] | list[AsyncGenerator[Any, None]],
+        **kwargs: Any,
     ) -> None:
         super().__init__(content, **kwargs)
-        self._items = items
+        self._items = items if isinstance(items, list) else [items]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -362,7 +488,8 @@ class _ClosingStreamingResponse(StreamingResponse):
         finally:
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._items.aclose()
+            for items in self._items:
+                await items.aclose()
 
 
 async def _disconnected(request: Request) -> None:
@@ -404,11 +531,14 @@ async def _sse(
     items: AsyncIterator[Any],
     first: Any,
     names: TokenNames,
+    tail: list[dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: a chunk per piece of text, the last with the finish
     reason, the usage when asked for, then ``[DONE]``. With ``continuous_usage_stats`` every
     chunk carries the usage so far (the last one the bill's, as the usage chunk does). An echoed
-    prompt is the first chunk (with its logprobs, when asked: they came with the first tokens)."""
+    prompt is the first chunk (with its logprobs, when asked: they came with the first tokens).
+    With ``tail`` (one choice of several), the usage is put there instead of sent, and no
+    ``[DONE]`` ends the events: the choices' merged stream sends them."""
     stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
 
@@ -457,15 +587,19 @@ async def _sse(
             summary = item
             if summary.finish_reason == FinishReason.ERROR:
                 yield _event(_error_body(summary))
-                yield b"data: [DONE]\n\n"
+                if tail is None:
+                    yield b"data: [DONE]\n\n"
                 return
             finish = finish_reason(summary.finish_reason, False)
             choice = shape.choice(stopper.flush(), finish, [] if ids else None)
             yield event(shape.chunk(choice, summary.bill.seed), summary.bill)
             break
         item = await anext(items)
+    bill = summary.bill if summary is not None else Bill()
+    if tail is not None:
+        tail.append(usage(prompt_tokens, completion_tokens, bill))
+        return
     if prepared.include_usage:
-        bill = summary.bill if summary is not None else Bill()
         yield _event(shape.usage_chunk(usage(prompt_tokens, completion_tokens, bill)))
     yield b"data: [DONE]\n\n"
 
@@ -479,6 +613,18 @@ async def _whole(
     names: TokenNames,
 ) -> dict[str, Any]:
     """The whole response, once the request has ended."""
+    return (await _scored(core, prepared, shape, items, first, names))[0]
+
+
+async def _scored(
+    core: FrontendCore,
+    prepared: Prepared,
+    shape: ResponseShape,
+    items: AsyncIterator[Any],
+    first: Any,
+    names: TokenNames,
+) -> tuple[dict[str, Any], float]:
+    """The whole response, and its tokens' cumulative logprob (0 when none were computed)."""
     stopper = StopMatcher(prepared.stop)
     text: list[str] = []
     token_ids: list[int] = []
@@ -512,7 +658,8 @@ async def _whole(
     logprobs = _logprobs_body(names, prepared, shape.chat, token_ids, entries, prompt_entries)
     used = usage(len(prepared.spec.prompt_token_ids), len(token_ids), bill)
     ids = token_ids if prepared.return_token_ids else None
-    return shape.response((prepared.echo or "") + "".join(text), finish, ids, used, bill.seed, logprobs)
+    body = shape.response((prepared.echo or "") + "".join(text), finish, ids, used, bill.seed, logprobs)
+    return body, sum(e.logprob for e in entries if e is not None)
 
 
 def _logprobs_body(

@@ -41,12 +41,14 @@ from tandem.model.tokenizer import Tokenizer
 from tandem.wire.messages import Bill, CachedByTier
 from tandem.wire.request_params import (
     MAX_LOGPROBS,
+    MAX_SEED,
     FinishReason,
     InvalidRequestError,
     SamplingParams,
     check_prompt,
 )
 
+MAX_CHOICES = 16  # n and best_of at most
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the room left
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -54,7 +56,6 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 5
 # OpenAI's fields that change what the client gets and are not implemented here: refused when
 # set to anything but the value that means "off"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
     "suffix": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -142,7 +143,6 @@ class _GenerateRequest(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     parallel_tool_calls: bool | None = None
-    best_of: Any = None
     suffix: Any = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     tools: Any = None
@@ -161,6 +161,7 @@ class CompletionRequest(_GenerateRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # each token's and its k likeliest (legacy shape)
     echo: bool | None = None  # the prompt before the completion, in the text and the logprobs
+    best_of: int | None = None  # candidates drawn; the n of highest cumulative logprob returned
 
 
 class TextPart(_Strict):
@@ -258,6 +259,25 @@ class Prepared:
     logprobs: bool = False  # each output token's logprobs in the response
     echo: str | None = None  # the prompt's text, returned before the completion's
     prompt_only: bool = False  # max_tokens 0 with echo: one token is computed, none returned
+    n: int = 1  # choices returned
+    best_of: int = 1  # requests run (>= n): the n of highest cumulative logprob are returned
+
+    def choice(self, index: int) -> Prepared:
+        """Choice ``index``'s request of a request for several: its own id and its seed, the
+        request's plus ``index`` (``choice_seed``)."""
+        spec, sampling = self.spec, self.spec.sampling
+        assert sampling.seed is not None  # the request's, or drawn for it (``_prepared``)
+        child = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
+        return dataclasses.replace(
+            self, spec=dataclasses.replace(spec, request_id=f"{spec.request_id}-{index}", sampling=child)
+        )
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed``: ``seed + index`` (wrapping at
+    ``MAX_SEED``), so choice 0 is the request sent alone and choice ``i`` the request sent with
+    that seed."""
+    return (seed + index) % (MAX_SEED + 1)
 
 
 def prepare_completion(
@@ -291,9 +311,19 @@ def prepare_completion(
     # lm-eval's loglikelihood shape: the prompt's logprobs with no output (max_tokens 0)
     prompt_only = bool(request.echo) and request.max_tokens == 0 and not request.max_completion_tokens
     logprobs = _Logprobs(k, k if request.echo else None, echo, prompt_only)
-    return _prepared(
+    n = request.n or 1
+    best_of = n if request.best_of is None else request.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise OpenAIError.invalid("best_of", f"must be in [n = {n}, {MAX_CHOICES}], got {best_of}")
+    if best_of > n and request.stream:
+        raise OpenAIError.invalid("best_of", "cannot be streamed (the best are known at the end)")
+    prepared = _prepared(
         request, model, token_ids, "prompt", COMPLETION_MAX_TOKENS, request_id, client, arrival_s, logprobs
     )
+    if best_of > n and prepared.spec.sampling.logprobs is None:  # scored by their logprobs
+        sampling = dataclasses.replace(prepared.spec.sampling, logprobs=0)
+        prepared = dataclasses.replace(prepared, spec=dataclasses.replace(prepared.spec, sampling=sampling))
+    return dataclasses.replace(prepared, best_of=best_of)
 
 
 def prepare_chat(
@@ -360,8 +390,8 @@ def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
         value = getattr(request, name)
         if not any(value == o and type(value) is type(o) for o in off):
             raise OpenAIError.invalid(name, "is not supported by this server; leave it out")
-    if request.n is not None and request.n != 1:
-        raise OpenAIError.invalid("n", f"must be 1 (one choice a request), got {request.n}")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise OpenAIError.invalid("n", f"must be in [1, {MAX_CHOICES}], got {request.n}")
     if request.stream_options is not None and not request.stream:
         raise OpenAIError.invalid("stream_options", "only applies with stream: true")
     _check_metadata(request.metadata)
@@ -412,6 +442,8 @@ def _prepared(
             f"{sampling.max_tokens} with a prompt of {len(token_ids)} tokens passes the context of "
             f"{context} tokens: at most {context - len(token_ids)}",
         )
+    if (request.n or 1) > 1 or getattr(request, "best_of", None):
+        sampling = sampling.seeded()  # its choices' seeds follow from it
     spec = GenerateSpec(request_id, token_ids, sampling, client=client)
     if arrival_s is not None:
         spec = GenerateSpec(request_id, token_ids, sampling, arrival_s, client)
@@ -426,6 +458,8 @@ def _prepared(
         logprobs.output is not None,
         logprobs.echo,
         logprobs.prompt_only,
+        request.n or 1,
+        request.n or 1,
     )
 
 
@@ -577,6 +611,7 @@ class ResponseShape:
     id: str
     model: str
     created: int
+    index: int = 0  # the choice's (``n`` > 1: each choice's stream has its own)
 
     @staticmethod
     def of(chat: bool, request_id: str, model: str) -> ResponseShape:
@@ -604,13 +639,13 @@ class ResponseShape:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return choice
@@ -636,13 +671,13 @@ class ResponseShape:
     ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._envelope(False, [choice]), "usage": used}

@@ -94,7 +94,10 @@ def test_openai_defaults_token_id_prompts_and_one_prompt_in_a_list(model: Served
 @pytest.mark.parametrize(
     ("body", "param", "status"),
     [
-        ({"n": 2}, "n", 400),
+        ({"n": 17}, "n", 400),
+        ({"n": 0}, "n", 400),
+        ({"n": 2, "best_of": 1}, "best_of", 400),
+        ({"best_of": 2, "stream": True}, "best_of", 400),
         ({"model": "gpt-4"}, "model", 404),
         ({"max_tokens": 0}, "max_tokens", 400),
         ({"max_tokens": "5"}, "max_tokens", 400),
@@ -107,7 +110,7 @@ def test_openai_defaults_token_id_prompts_and_one_prompt_in_a_list(model: Served
         ({"logprobs": 21}, "logprobs", 400),
         ({"logprobs": True}, "logprobs", 400),
         ({"logprobs": -1}, "logprobs", 400),
-        ({"best_of": 3}, "best_of", 400),
+        ({"best_of": 17}, "best_of", 400),
         ({"echo": "yes"}, "echo", 400),
         ({"logit_bias": {"300": 10}}, "logit_bias", 400),
         ({"logit_bias": {"5": 101}}, "logit_bias", 400),

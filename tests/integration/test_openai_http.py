@@ -275,7 +275,7 @@ def test_usage_counts_under_the_client_whose_token_was_used(served: Served) -> N
 def test_errors_in_openais_shape(served: Served) -> None:
     client, model = served.client(), served.server.model_name
     with pytest.raises(openai.BadRequestError) as bad_n:
-        client.completions.create(model=model, prompt="x", n=2)
+        client.completions.create(model=model, prompt="x", n=17)
     assert bad_n.value.status_code == 400 and bad_n.value.param == "n"
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="gpt-4", prompt="x")
@@ -284,7 +284,7 @@ def test_errors_in_openais_shape(served: Served) -> None:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert bad_max.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.completions.create(model=model, prompt="x", logprobs=2)
+        client.completions.create(model=model, prompt="x", logprobs=21)
     assert unsupported.value.param == "logprobs"
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     not_json = httpx.post(f"{served.base_url}/completions", content=b"{oops", headers=headers, timeout=30)
@@ -687,4 +687,52 @@ def test_logit_bias_forces_and_bans_tokens_on_both_edges(served: Served) -> None
     with pytest.raises(openai.BadRequestError) as refused:
         tokens({"100000": 5})
     assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]
+    _wait_all_pages_free(served)
+
+
+def test_n_choices_are_the_requests_sent_one_by_one_with_their_seeds(served: Served) -> None:
+    """``n=3`` with a seed: three choices, each the request sent alone with the seed plus its
+    index; the prompt counted once in the usage, every choice's tokens counted; the later
+    choices find the prompt in the prefill rank's cache. ``best_of=3, n=1`` returns the one of
+    highest cumulative logprob; streamed, each choice's chunks carry its index and one usage
+    ends the stream."""
+    model, client = served.server.model_name, served.client()
+    prompt = [5 + (i * 13) % 150 for i in range(3 * PAGE + 3)]
+    fields = {
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    cached_before = _counted(served, "tandem_cached_prompt_tokens_total")
+    reply = client.completions.create(model=model, prompt=prompt, n=3, seed=41, **fields)  # type: ignore[call-overload]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and reply.usage is not None
+    # choices 1 and 2 went once choice 0's prompt was computed: its 3 full pages were cached
+    assert _counted(served, "tandem_cached_prompt_tokens_total") - cached_before >= 2 * 3 * PAGE
+    together = [c.model_extra["token_ids"] for c in reply.choices]  # type: ignore[index]
+    alone = []
+    for i in range(3):
+        one = client.completions.create(model=model, prompt=prompt, seed=41 + i, **fields)  # type: ignore[call-overload]
+        alone.append(one.choices[0].model_extra["token_ids"])  # type: ignore[index]
+    assert together == alone and len({tuple(t) for t in together}) > 1
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 18
+    # the best of three by cumulative logprob, scored with the logprobs it did not ask for
+    best = client.completions.create(model=model, prompt=prompt, n=1, best_of=3, seed=41, **fields)  # type: ignore[call-overload]
+    (choice,) = best.choices
+    assert choice.logprobs is None and best.usage is not None and best.usage.completion_tokens == 18
+    scored = client.completions.create(model=model, prompt=prompt, n=3, seed=41, logprobs=0, **fields)  # type: ignore[call-overload]
+    sums = [sum(c.logprobs.token_logprobs) for c in scored.choices]  # type: ignore[union-attr, arg-type]
+    assert choice.model_extra["token_ids"] == together[sums.index(max(sums))]  # type: ignore[index]
+    # streamed chat: each choice's deltas by index, then one usage for all
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "two ways"}], n=2, seed=7, max_tokens=4,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    finished, usages = set(), []
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.finish_reason is not None:
+                finished.add(c.index)
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+    assert finished == {0, 1} and len(usages) == 1 and usages[0].completion_tokens == 8
     _wait_all_pages_free(served)
