@@ -314,7 +314,7 @@ class _Edge:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        whole = asyncio.ensure_future(_whole(self.core, prepared, shape, items, first, self.names))
+        whole = asyncio.ensure_future(_scored(self.core, prepared, shape, items, first, self.names))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -327,7 +327,7 @@ class _Edge:
             await items.aclose()
         if whole.cancelled():  # nobody is there to read a response
             return Response(status_code=499)
-        return JSONResponse(whole.result())
+        return JSONResponse(whole.result()[0])
 
     async def _run_choices(self, request: Request, prepared: Prepared, shape: ResponseShape) -> Response:
         """A request for several choices (``n``, ``best_of``): one request a choice, with its own
@@ -604,18 +604,6 @@ async def _sse(
     yield b"data: [DONE]\n\n"
 
 
-async def _whole(
-    core: FrontendCore,
-    prepared: Prepared,
-    shape: ResponseShape,
-    items: AsyncIterator[Any],
-    first: Any,
-    names: TokenNames,
-) -> dict[str, Any]:
-    """The whole response, once the request has ended."""
-    return (await _scored(core, prepared, shape, items, first, names))[0]
-
-
 async def _scored(
     core: FrontendCore,
     prepared: Prepared,
@@ -624,7 +612,8 @@ async def _scored(
     first: Any,
     names: TokenNames,
 ) -> tuple[dict[str, Any], float]:
-    """The whole response, and its tokens' cumulative logprob (0 when none were computed)."""
+    """The whole response, once the request has ended, and its tokens' cumulative logprob (0
+    when none were computed)."""
     stopper = StopMatcher(prepared.stop)
     text: list[str] = []
     token_ids: list[int] = []
