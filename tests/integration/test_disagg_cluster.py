@@ -182,8 +182,8 @@ def test_a_prefill_rank_killed_mid_flight_is_fenced_and_its_requests_complete_el
     t = _topology("local")
     t = t.model_copy(
         update={
-            "prefill": PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=96),
-            "decode": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=96),
+            "prefill": PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=160),
+            "decode": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=160),
         }
     )
     cluster = Cluster(t, str(tiny), "float64")
@@ -192,7 +192,8 @@ def test_a_prefill_rank_killed_mid_flight_is_fenced_and_its_requests_complete_el
     victim = RankId("prefill0", 0)
     rng = random.Random(5)
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
-    requests = [([rng.randrange(256) for _ in range(rng.randrange(20, 60))], greedy) for _ in range(6)]
+    # prompts long enough that the victim is still computing some of them when it is killed
+    requests = [([rng.randrange(256) for _ in range(rng.randrange(120, 180))], greedy) for _ in range(6)]
     try:
         for i, (prompt, sampling) in enumerate(requests):
             decode.submit(0, [RankRequest(f"k{i}", tuple(prompt), sampling, prefill_rank=victim)])
