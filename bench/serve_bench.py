@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from typing import Any, TextIO
 import grpc
 
 from tandem.bench.router_bench import TraceError, read_trace
+from tandem.bench.serve_price import DEFAULT_CACHED_WEIGHT, point_prices
 from tandem.bench.serve_stats import Pools, RequestRecord, point_stats
 from tandem.bench.serve_workload import BenchRequest, SyntheticWorkload, TextWorkload, TraceReplay
 from tandem.client.grpc_client import ClientOptions, channel, message_dict, metadata, request_message
@@ -89,6 +91,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="on a request's mean ITL (TPOT)")
+    parser.add_argument(
+        "--gpu-hour-price", type=float, default=None,
+        help="$ per GPU-hour (one rank a GPU): adds each point's price per million tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cached-token-weight", type=float, default=DEFAULT_CACHED_WEIGHT,
+        help="a cached prompt token's share of a new one's prefill cost, in [0, 1]",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -404,6 +414,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise InvalidRequestError("--timeout", f"must be > 0 seconds, got {args.timeout}")
     plan = plan_from_args(args)
+    price = args.gpu_hour_price
+    if price is not None and not (math.isfinite(price) and price > 0):
+        raise InvalidRequestError("--gpu-hour-price", f"must be > 0, got {price}")
+    if not 0.0 <= args.cached_token_weight <= 1.0:
+        raise InvalidRequestError(
+            "--cached-token-weight", f"must be in [0, 1], got {args.cached_token_weight}"
+        )
     if args.plot is not None:
         from tandem.bench.serve_plots import check_matplotlib
 
@@ -414,6 +431,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     except DeploymentUnreachable as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
+    if price is not None:
+        result["gpu_hour_price"] = price
+        for point in result["points"]:
+            point["price_per_mtok"] = point_prices(
+                point, result["deployment"], price, args.cached_token_weight
+            )
     if args.json:
         emit(to_json(result))
     elif args.markdown:

@@ -101,11 +101,17 @@ def tables(result: dict[str, Any]) -> list[tuple[str, Row, list[Row]]]:
     composition = [
         [point_name(p), *(_n(p["composition_ms"][key]) for key, _ in COMPOSITION_COLUMNS)] for p in points
     ]
-    return [
+    out = [
         ("latency and throughput (client clock)", latency_header, latency),
         ("throughput per rank and per pool", per_rank_header, per_rank),
         ("mean composition from the bills, ms", composition_header, composition),
     ]
+    if "gpu_hour_price" in result:
+        price_header = ["point", "cached input $/Mtok", "new input $/Mtok", "output $/Mtok", "blended $/Mtok"]
+        kinds = ("cached_input", "new_input", "output", "blended")
+        prices = [[point_name(p), *(_n(p["price_per_mtok"][k], 3) for k in kinds)] for p in points]
+        out.append((f"price at ${result['gpu_hour_price']:g} per GPU-hour", price_header, prices))
+    return out
 
 
 def _preamble(result: dict[str, Any]) -> list[str]:

@@ -43,6 +43,8 @@ def test_bad_options_name_the_flag() -> None:
             "--trace: cannot read trace /nonexistent.jsonl: No such file or directory",
         ),
         (["--slo-itl-ms", "0"], "--slo-itl-ms: must be > 0, got 0.0"),
+        (["--gpu-hour-price", "-2"], "--gpu-hour-price: must be > 0, got -2.0"),
+        (["--cached-token-weight", "1.5"], "--cached-token-weight: must be in [0, 1], got 1.5"),
     ]:
         result = _tandem("--addr", "127.0.0.1:1", *args)
         assert result.returncode == 2 and result.stderr.strip() == f"tandem: error: {message}", result.stderr

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tandem.bench.serve_price import point_prices
 from tandem.bench.serve_report import format_table, tables, to_json
 from tandem.bench.serve_stats import (
     Pools,
@@ -165,3 +166,38 @@ def test_the_cache_hit_share_splits_by_tier_and_the_report_shows_it() -> None:
     assert json.loads(to_json(result))["points"][0]["cache_hit_share_by_tier"]["host"] == 0.125
     empty = point_stats([failed], 1.0, Pools(1, 1), 1e9, 1e9)
     assert tables({**result, "points": [empty]})[0][2][0][column] == "-"
+
+
+def test_a_gpu_hour_price_charges_each_pool_to_the_tokens_it_serves() -> None:
+    """Two prefill and one decode rank for an hour at $3 a GPU-hour: the decode rank's $3 over
+    the output tokens, the prefill ranks' $6 over the prompt tokens with a cached one a tenth of
+    a new one; the blended price is the $9 over every token. A colocated deployment has only
+    the blended price. The report shows the prices when asked for."""
+    point = {"wall_s": 3600.0, "new_prompt_tokens": 1_000_000, "cached_tokens": 2_000_000,
+             "output_tokens": 500_000}  # fmt: skip
+    prices = point_prices(point, {"prefill_ranks": 2, "decode_ranks": 1}, 3.0, 0.1)
+    assert prices["output"] == pytest.approx(6.0)  # $3 / 0.5 M
+    assert prices["new_input"] == pytest.approx(6.0 / 1.2)  # $6 / (1 M + 0.1 x 2 M)
+    assert prices["cached_input"] == pytest.approx(0.6 / 1.2)
+    spent = prices["new_input"] + 2 * prices["cached_input"] + 0.5 * prices["output"]
+    assert spent == pytest.approx(9.0)  # every dollar charged once
+    assert prices["blended"] == pytest.approx(9.0 / 3.5)
+    colocated = point_prices(point, {"colocated_ranks": 4}, 3.0, 0.1)
+    assert math.isnan(colocated["output"]) and colocated["blended"] == pytest.approx(12.0 / 3.5)
+    none_cached = point_prices(
+        {**point, "cached_tokens": 0}, {"prefill_ranks": 1, "decode_ranks": 1}, 3.0, 0.1
+    )
+    assert math.isnan(none_cached["cached_input"]) and none_cached["new_input"] == pytest.approx(3.0)
+    stats = point_stats([record(0.0, [(0.1, 1)], done=0.1, cached=96, new=32)], 1.0, Pools(1, 1), 1e9, 1e9)
+    stats["price_per_mtok"] = point_prices(stats, {"prefill_ranks": 1, "decode_ranks": 1}, 2.5, 0.1)
+    result = {
+        "deployment": {"addr": "a:1", "model": "m", "prefill_ranks": 1, "decode_ranks": 1},
+        "workload": {"kind": "synthetic", "prompt_tokens": 128, "shared_prefix_tokens": 64, "prefixes": 2,
+                     "output_tokens": 1},
+        "points": [stats],
+        "gpu_hour_price": 2.5,
+    }  # fmt: skip
+    title, header, rows = tables(result)[-1]
+    assert title == "price at $2.5 per GPU-hour" and header[1] == "cached input $/Mtok"
+    assert float(rows[0][2]) == pytest.approx(stats["price_per_mtok"]["new_input"], rel=1e-3)
+    assert "blended $/Mtok" in format_table(result)
