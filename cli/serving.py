@@ -469,10 +469,13 @@ def run_client(args: argparse.Namespace, sampling: Callable[[argparse.Namespace]
             emit("SERVING" if ok else "NOT_SERVING")
             return 0 if ok else 1
         if args.client_command == "status":
-            from tandem.client.grpc_client import message_dict
+            from tandem.client.grpc_client import client_totals, message_dict
 
             reply = asyncio.run(status(options, args.check_integrity))
-            emit(json.dumps(message_dict(reply), indent=2))
+            shown = message_dict(reply)
+            totals, reached, missed = asyncio.run(client_totals(options, reply))
+            shown["client_totals"] = {"clients": totals, "frontends": reached, "not_reached": missed}
+            emit(json.dumps(shown, indent=2))
             return 0
         base = sampling(args)
         if args.concurrency < 1:

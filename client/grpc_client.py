@@ -8,6 +8,7 @@ arrives (``--stream``) and each request's bill at the end; ``--json`` prints the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from tandem.client.output import emit
 from tandem.client.prompts import PromptSpec
 from tandem.frontend.grpc_auth import channel_credentials
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tandem.wire.request_params import GuideKind
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ def request_message(spec: PromptSpec, request_id: str = "", model: str = "") -> 
         sampling.logprobs = s.logprobs
     if s.prompt_logprobs is not None:
         sampling.prompt_logprobs = s.prompt_logprobs
+    if s.guide is not None:
+        if s.guide.kind is GuideKind.JSON_OBJECT:
+            sampling.json_object = True
+        else:
+            setattr(sampling, s.guide.kind.value, s.guide.spec)
     message = tandem_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling)
     if spec.token_ids is not None:
         message.token_ids.ids.extend(spec.token_ids)
@@ -156,6 +163,29 @@ async def status(options: ClientOptions, check_integrity: bool = False) -> tande
             request, metadata=metadata(options), timeout=options.timeout_s
         )
         return response
+
+
+async def client_totals(
+    options: ClientOptions, reply: tandem_pb2.ClusterStatusResponse
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Each client's totals over every frontend of the deployment (each one's ``clients``,
+    asked at its own address), the frontends added up, and those that could not be asked."""
+    totals: dict[str, dict[str, Any]] = {}
+    reached, missed = [], []
+    frontends = [(f.name, f.address) for f in reply.frontends if f.address] or [("", options.addr)]
+    for name, address in frontends:
+        try:
+            one = reply if len(frontends) == 1 else await status(dataclasses.replace(options, addr=address))
+        except grpc.aio.AioRpcError as exc:
+            missed.append(f"{name or address}: {exc.code().name}")
+            continue
+        reached.append(name or address)
+        for usage in one.clients:
+            row = totals.setdefault(usage.client, {"client": usage.client})
+            for key, value in message_dict(usage).items():
+                if key != "client":
+                    row[key] = row.get(key, 0) + value
+    return sorted(totals.values(), key=lambda r: r["client"]), reached, missed
 
 
 async def wait_serving(options: ClientOptions, wait_s: float) -> bool:

@@ -110,6 +110,7 @@ def start_rank(
         DTYPES[spec.dtype],
         outbox,
         model_key=checkpoint_fingerprint(spec.model_dir),
+        model_dir=spec.model_dir,
     )
     worker = spec.role.build(ctx)
 

@@ -350,7 +350,7 @@ class DecodeScheduler:
                     draft_room=entry.num_drafts,
                     history=(
                         (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
-                        if request.sampling.penalized
+                        if request.sampling.needs_history
                         else None
                     ),
                 )

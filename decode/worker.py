@@ -219,6 +219,7 @@ class DecodeWorker(RankWorker):
                 )
                 continue
             self._tracks[request.request_id] = track
+            self.runner.prepare_guide(request.sampling)  # compiled while its KV is computed
 
     def abort(self, request_id: str) -> None:
         result = self.scheduler.abort(request_id)
@@ -312,11 +313,12 @@ class DecodeWorker(RankWorker):
         self._update_s += time.perf_counter() - t1
 
     def _draft_room(self) -> dict[str, int]:
-        """The drafts each running request may have this step (none without speculation)."""
+        """The drafts each running request may have this step (none without speculation, and
+        none for a structured output: its drafts are not checked against its grammar)."""
         if self.drafter is None:
             return {}
         k = self.speculative.num_tokens
-        return {r.request_id: k for r in self.scheduler.running_requests()}
+        return {r.request_id: 0 if r.sampling.guide else k for r in self.scheduler.running_requests()}
 
     def _count_speculation(self, track: _Track, drafts: tuple[int, ...], given: int) -> None:
         """A decode step's drafts and tokens, in the request's bill and the rank's totals (steps
@@ -507,6 +509,7 @@ class DecodeWorker(RankWorker):
         track = self._tracks.pop(request.request_id, None) or _Track(time.monotonic())
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
+        self.runner.forget_guide(request.request_id)
         if track.transfer is not None:
             self._transfers.pop(track.transfer.key, None)
         self._stream_new_tokens(request, track, time.time())

@@ -21,6 +21,7 @@ from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.model.checkpoint import load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.logprobs import TokenLogprobs
@@ -51,7 +52,9 @@ class ColocatedEngine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         lockstep: bool = False,
+        guides: GuidedRows | None = None,
     ) -> None:
+        """``guides``: structured outputs' matchers (made from ``tokenizer`` when not given)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.model_config = cfg = model.cfg
@@ -73,7 +76,9 @@ class ColocatedEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        self.runner = ModelRunner(model, self.pool, lockstep)
+        if guides is None and tokenizer is not None:
+            guides = GuidedRows(GrammarCompiler(tokenizer, cfg.vocab_size), tokenizer.eos_token_id)
+        self.runner = ModelRunner(model, self.pool, lockstep, guides=guides)
         self.copier: TierCopier | None = None  # the host tier and the store, once attached
         self._ids = itertools.count()
 
@@ -112,6 +117,7 @@ class ColocatedEngine:
         self.validate_prompt(prompt_token_ids)
         sampling = sampling.seeded()
         request_id = request_id or f"req-{next(self._ids)}"
+        self.runner.prepare_guide(sampling)
         self.scheduler.add_request(
             Request(
                 request_id=request_id,
@@ -134,6 +140,8 @@ class ColocatedEngine:
         tokens = self.runner.run(plan)
         finished = self.scheduler.update(plan, tokens, self.runner.logprobs, self.runner.prompt_logprobs)
         self.run_tier_ops()
+        for request in finished:
+            self.runner.forget_guide(request.request_id)
         return finished
 
     def generate(

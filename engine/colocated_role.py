@@ -27,8 +27,10 @@ class ColocatedRole(RoleSpec):
     def build(self, ctx: RankContext) -> RankWorker:
         from tandem.engine.colocated import ColocatedEngine
         from tandem.engine.colocated_worker import ColocatedWorker
+        from tandem.engine.rank_context import guided_rows
 
-        engine = ColocatedEngine(ctx.model, self.engine, lockstep=True)
+        guides = guided_rows(ctx.model_dir, ctx.model_config.vocab_size)
+        engine = ColocatedEngine(ctx.model, self.engine, lockstep=True, guides=guides)
         copier = ctx.tiers(engine.pool, self.host_cache_pages, self.store, self.model_key)
         if copier is not None:
             engine.attach_tiers(copier)

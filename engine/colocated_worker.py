@@ -102,6 +102,7 @@ class ColocatedWorker(RankWorker):
             request.arrival_s = now
             resumed = bool(request.output_token_ids)
             self.engine.scheduler.add_request(request, resumed=resumed)
+            self.engine.runner.prepare_guide(request.sampling)
             track = _Track(received, frontend, queued_at=now, streamed=len(request.output_token_ids))
             self._tracks[request.request_id] = track
 
@@ -150,6 +151,7 @@ class ColocatedWorker(RankWorker):
                 self._stream_new_tokens(request, track, now_unix_s)
         for request in finished:
             self._finish(request, request.finish_reason or FinishReason.ABORT)
+            runner.forget_guide(request.request_id)
         self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,10 +20,21 @@ from tandem.kvtransfer.nixl_transport import NixlTransport
 from tandem.kvtransfer.stores import open_store
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
+from tandem.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from tandem.wire.messages import RankId
 
 log = logging.getLogger(__name__)
+
+
+def guided_rows(model_dir: str, vocab_size: int) -> GuidedRows | None:
+    """Structured outputs over the model's vocabulary (``None``: the directory has no tokenizer,
+    and the edge refuses guided requests)."""
+    if not model_dir or not (Path(model_dir) / TOKENIZER_FILE).is_file():
+        return None
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return GuidedRows(GrammarCompiler(tokenizer, vocab_size), tokenizer.eos_token_id)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class RankContext:
     dtype: torch.dtype
     outbox: Outbox
     model_key: str = ""  # the checkpoint's fingerprint: names its blocks in the shared store
+    model_dir: str = ""  # its tokenizer gives structured outputs their vocabulary
 
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool(
@@ -55,7 +68,13 @@ class RankContext:
             cfg = self.model_config
             static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
         return ModelRunner(
-            self.model, pool, lockstep=True, static=static, mtp_prefill=mtp_prefill, keep_hidden=keep_hidden
+            self.model,
+            pool,
+            lockstep=True,
+            static=static,
+            mtp_prefill=mtp_prefill,
+            keep_hidden=keep_hidden,
+            guides=guided_rows(self.model_dir, self.model_config.vocab_size),
         )
 
     def tiers(

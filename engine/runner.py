@@ -14,6 +14,7 @@ from tandem.engine.static_decode import StaticDecode
 from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.grammar import GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.sampler import History, logprobs_of, sample
 from tandem.wire.logprobs import TokenLogprobs
@@ -43,8 +44,10 @@ class ModelRunner:
         static: StaticDecode | None = None,
         mtp_prefill: bool = False,
         keep_hidden: bool = False,
+        guides: GuidedRows | None = None,
     ) -> None:
-        """``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU).
+        """``guides``: the matchers of structured outputs (requests with a ``guide``).
+        ``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU).
         ``mtp_prefill``: each chunk's MTP-layer KV is computed after the model's (a prefill rank
         of a deployment that drafts with MTP), and the last hidden state of each sampling chunk
         is kept (``hidden_state``). ``keep_hidden``: the hidden states of every sampled row are
@@ -54,6 +57,7 @@ class ModelRunner:
         self.lockstep = lockstep
         self.static = static
         self.stats = RunnerStats()
+        self.guides = guides
         if mtp_prefill and model.mtp is None:
             raise ValueError("mtp_prefill needs a model built with its MTP layer")
         self.mtp_prefill = mtp_prefill
@@ -64,6 +68,15 @@ class ModelRunner:
         # and the prompt positions' (request -> the first position predicted, its entries)
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
         self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+
+    def prepare_guide(self, sampling: SamplingParams) -> None:
+        """Start compiling a request's guide (if it has one) off the step's thread."""
+        if sampling.guide is not None and self.guides is not None:
+            self.guides.compiler.prepare(sampling.guide)
+
+    def forget_guide(self, request_id: str) -> None:
+        if self.guides is not None:
+            self.guides.forget(request_id)
 
     def split(self, schedule_s: float = 0.0, update_s: float = 0.0, draft_s: float = 0.0) -> StepSplit:
         """This runner's share of a rank's step split, with the worker's own pieces."""
@@ -170,7 +183,9 @@ class ModelRunner:
                     histories.append(
                         None if history is None else (history[0], (*history[1], *c.draft_token_ids[:j]))
                     )
-            tokens = sample(logits, params, seeds, indices, histories)
+            tokens = sample(
+                logits, params, seeds, indices, histories, self._allowed(params, chunks, histories)
+            )
             self._output_logprobs(chunks, logits, tokens)
             at = 0
             for c in chunks:
@@ -186,6 +201,26 @@ class ModelRunner:
         self.stats.forward_s += t1 - t0
         self.stats.sample_s += time.perf_counter() - t1
         return sampled
+
+    def _allowed(
+        self, params: list[SamplingParams], chunks: list[ScheduledChunk], histories: list[History | None]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The sampled rows of guided requests and the tokens each may take (its matcher fed
+        the outputs before it)."""
+        rows = [i for i, p in enumerate(params) if p.guide is not None]
+        if not rows:
+            return None
+        if self.guides is None:
+            raise ValueError("a request with a guide on a rank without structured outputs (no tokenizer)")
+        owners = [c.request_id for c in chunks for _ in range(c.num_sampled)]
+        asks = []
+        for i in rows:
+            guide, history = params[i].guide, histories[i]
+            assert guide is not None
+            if history is None:
+                raise ValueError(f"request {owners[i]}: a guided row needs its outputs so far")
+            asks.append((owners[i], guide, history[1]))
+        return rows, self.guides.allowed(asks)
 
     def _output_logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int]) -> None:
         """The logprobs of each sampled row of the chunks whose request asked for them, from the

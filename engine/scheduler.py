@@ -305,7 +305,7 @@ class Scheduler:
             sample=sample,
             sampling=request.sampling,
             output_index=len(outputs),
-            history=(tuple(prompt), tuple(outputs)) if sample and request.sampling.penalized else None,
+            history=(tuple(prompt), tuple(outputs)) if sample and request.sampling.needs_history else None,
             prompt_logprob_targets=targets,
         )
 

@@ -27,7 +27,7 @@ class ScheduledChunk:
     (``engine/speculation.py``). ``next_token_id``: the token after the chunk when the request
     has it (a prefill chunk before the prompt's last), which the MTP layer's last row reads.
     ``history``: the request's prompt and its outputs before ``output_index``, on a sampling
-    chunk of a penalized request only (its penalties read them; ``None`` elsewhere).
+    chunk of a request whose sampling reads them only (its penalties, its guide; ``None`` elsewhere).
     ``prompt_logprob_targets``: for a request that asked for its prompt's logprobs, the prompt
     tokens the chunk's first rows predict (row ``j``'s is the token at ``start_position + j +
     1``); the runner gives their logprobs (``ModelRunner.prompt_logprobs``).

@@ -61,12 +61,19 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         return env.from_string(self.source)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of ``messages``; a template that refuses them (``raise_exception``)
-        or fails on them is the request's error, on ``messages``."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template reads ``tools`` (one that does not is given them as text)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages`` (and ``tools``, OpenAI's shape); a template that
+        refuses them (``raise_exception``) or fails on them is the request's error, on
+        ``messages``."""
         try:
             return self.compiled.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -74,10 +81,12 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise InvalidRequestError("messages", f"the model's chat template refused them: {exc}") from None
 
-    def prompt_token_ids(self, messages: list[dict[str, Any]], tokenizer: Tokenizer) -> list[int]:
+    def prompt_token_ids(
+        self, messages: list[dict[str, Any]], tokenizer: Tokenizer, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The rendered prompt's tokens. A template that writes the BOS itself and a tokenizer
         that adds one would give two: the tokenizer's is dropped."""
-        ids = tokenizer.encode(self.render(messages))
+        ids = tokenizer.encode(self.render(messages, tools))
         bos = tokenizer.bos_token_id
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             ids = ids[1:]

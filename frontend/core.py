@@ -32,14 +32,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.admission import max_kv_pages
 from tandem.engine.prefix_cache import block_hashes
+from tandem.frontend.client_usage import UsageBook
 from tandem.frontend.detokenizer import PairCache
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
@@ -57,9 +59,12 @@ from tandem.model.tokenizer import Tokenizer
 from tandem.router.router import NoRankAvailable, Router, RouterConfig
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, StreamBatch
-from tandem.wire.request_params import FinishReason, InvalidRequestError
+from tandem.wire.request_params import FinishReason, Guide, InvalidRequestError
 from tandem.wire.routing_view import CONTROLLER_NAME, RoutingView
 from tandem.wire.stream_summary import Route, StreamSummary
+
+if TYPE_CHECKING:
+    from tandem.model.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +139,12 @@ class FrontendCore:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
+        self._grammar: GrammarCompiler | None = None  # structured outputs' checks, made at the first
+        self._grammar_lock = threading.Lock()
         self.router: Router[RankId] = Router(RouterConfig(tie_break_salt=config.name))
         self.running: dict[RequestKey, Running] = {}  # by the client's request id
         self._per_client: dict[str, int] = {}  # running requests of each client
+        self.usage = UsageBook([c.name for c in config.clients])  # each client's totals
         self._by_rank_id: dict[str, Running] = {}  # by the ranks' request id
         self.ready = False
         self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
@@ -160,6 +168,26 @@ class FrontendCore:
             self.metrics,
             self._tasks,
         )
+
+    async def check_guide(self, guide: Guide, field: str) -> None:
+        """Compile a structured output's guide (xgrammar is loaded at the first, on a thread:
+        a frontend that serves none never imports it); a spec that does not compile raises
+        ``InvalidRequestError`` naming ``field``."""
+        compiler = self._grammar
+        if compiler is None:
+            compiler = await asyncio.to_thread(self._grammar_compiler)
+        try:
+            await asyncio.wrap_future(compiler.prepare(guide))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(field, exc.message) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammar is None:
+                from tandem.model.grammar import GrammarCompiler
+
+                self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            return self._grammar
 
     @property
     def view(self) -> RoutingView | None:
@@ -227,8 +255,10 @@ class FrontendCore:
             wants_logprobs, first = spec.sampling.logprobs is not None, True
             while True:
                 item = await stream.buffer.get()  # all the tokens that came: one message
-                if isinstance(item, StreamSummary) and self.metrics is not None:
-                    self.metrics.ended(item, client=spec.client)
+                if isinstance(item, StreamSummary):
+                    self.usage.add(spec.client, item)
+                    if self.metrics is not None:
+                        self.metrics.ended(item, client=spec.client)
                 elif isinstance(item, StreamChunk):
                     if wants_logprobs:
                         item.logprobs = stream.logprobs_of(item.first_index, len(item.token_ids))
@@ -455,6 +485,7 @@ class FrontendCore:
         self.ready = self.membership.ready
 
     async def status(self, check_integrity: bool) -> StatusView:
-        return await read_status(
+        view = await read_status(
             self.view, self.router, self.config.model_name, self.ready, len(self.running), check_integrity
         )
+        return dataclasses.replace(view, clients=self.usage.totals())

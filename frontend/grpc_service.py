@@ -42,7 +42,7 @@ from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import CachedByTier, ProcessPlace, RankId
-from tandem.wire.request_params import InvalidRequestError, SamplingParams, check_prompt
+from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, SamplingParams, check_prompt
 from tandem.wire.stream_summary import StreamSummary
 
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
@@ -252,6 +252,8 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         sampling = sampling_from_proto(
             request.sampling if request.HasField("sampling") else None, cfg.vocab_size
         )
+        if sampling.guide is not None:  # compiled on the compiler's thread: a bad spec is refused
+            await core.check_guide(sampling.guide, guide_field(request.sampling))
         try:
             check_prompt(prompt, cfg.vocab_size, context, field=field)
         except InvalidRequestError as exc:  # named by this API's field, whichever check failed
@@ -301,8 +303,23 @@ def sampling_from_proto(message: tandem_pb2.SamplingParams | None, vocab_size: i
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        guide=_guide_from_proto(message),
     )
     return checked_sampling(sampling, "sampling.", vocab_size)
+
+
+def _guide_from_proto(message: tandem_pb2.SamplingParams) -> Guide | None:
+    which = message.WhichOneof("structure")
+    if which is None or (which == "json_object" and not message.json_object):
+        return None
+    if which == "json_object":
+        return Guide(GuideKind.JSON_OBJECT)
+    return Guide(GuideKind(which), getattr(message, which))
+
+
+def guide_field(message: tandem_pb2.SamplingParams) -> str:
+    """The field a request's guide came from, as its errors name it."""
+    return f"sampling.{message.WhichOneof('structure')}"
 
 
 # ---- protobuf out ---------------------------------------------------------------------------
@@ -501,6 +518,7 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
             )
             for f in view.frontends
         ],
+        clients=[tandem_pb2.ClientUsage(**vars(u)) for u in view.clients],
     )
 
 

@@ -69,6 +69,7 @@ from tandem.frontend.openai_protocol import (
     prepare_completion,
     usage,
 )
+from tandem.frontend.openai_tools import CallStream, parse_calls
 from tandem.frontend.request_stream import StreamChunk
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import Bill
@@ -280,7 +281,14 @@ class _Edge:
     async def _prepare(self, prepare: Callable[[], Prepared], request: Request) -> Prepared:
         """Validate and tokenise (a long body on a thread: the loop keeps the streams going)."""
         size = int(request.headers.get("content-length") or 0)
-        return await asyncio.to_thread(prepare) if size > INLINE_TOKENIZE_CHARS else prepare()
+        prepared = await asyncio.to_thread(prepare) if size > INLINE_TOKENIZE_CHARS else prepare()
+        guide = prepared.spec.sampling.guide
+        if guide is not None:  # compiled once here, on the compiler's thread: a bad spec is a 400
+            try:
+                await self.core.check_guide(guide, prepared.guide_field)
+            except InvalidRequestError as exc:
+                raise OpenAIError.invalid(exc.field, exc.message) from None
+        return prepared
 
     async def _admitted(
         self, prepared: Prepared
@@ -541,6 +549,7 @@ async def _sse(
     ``[DONE]`` ends the events: the choices' merged stream sends them."""
     stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
+    calls = CallStream() if prepared.tool_calls else None
 
     def event(body: dict[str, Any], bill: Bill | None = None) -> bytes:
         if prepared.continuous_usage:
@@ -570,6 +579,9 @@ async def _sse(
         elif isinstance(item, StreamChunk):
             completion_tokens += len(item.token_ids)
             text = stopper.feed(item.text)
+            called: list[dict[str, Any]] = []
+            if calls is not None:
+                text, called = calls.feed(text)
             entries = item.logprobs or [None] * len(item.token_ids)
             body = _logprobs_body(names, prepared, shape.chat, item.token_ids, entries, text_offset=offset)
             if body is not None and "tokens" in body:
@@ -577,11 +589,15 @@ async def _sse(
             if text or (ids and item.token_ids) or (body is not None and item.token_ids):
                 token_ids = item.token_ids if ids else None
                 yield event(shape.chunk(shape.choice(text, None, token_ids, logprobs=body)))
+            if called:
+                yield event(shape.chunk(shape.calls_choice(called)))
             if stopper.stopped:
                 summary = await _stopped(core, prepared, items)
                 seed = summary.bill.seed if summary is not None else None
                 bill = summary.bill if summary is not None else Bill()
-                yield event(shape.chunk(shape.choice("", "stop", [] if ids else None), seed), bill)
+                rest = calls.finish() if calls is not None else ""
+                finish = "tool_calls" if calls is not None and calls.calls else "stop"
+                yield event(shape.chunk(shape.choice(rest, finish, [] if ids else None), seed), bill)
                 break
         else:
             summary = item
@@ -591,7 +607,14 @@ async def _sse(
                     yield b"data: [DONE]\n\n"
                 return
             finish = finish_reason(summary.finish_reason, False)
-            choice = shape.choice(stopper.flush(), finish, [] if ids else None)
+            rest = stopper.flush()
+            if calls is not None:
+                rest, called = calls.feed(rest)
+                if called:
+                    yield event(shape.chunk(shape.calls_choice(called)))
+                rest += calls.finish()
+                finish = "tool_calls" if calls.calls else finish
+            choice = shape.choice(rest, finish, [] if ids else None)
             yield event(shape.chunk(choice, summary.bill.seed), summary.bill)
             break
         item = await anext(items)
@@ -647,7 +670,12 @@ async def _scored(
     logprobs = _logprobs_body(names, prepared, shape.chat, token_ids, entries, prompt_entries)
     used = usage(len(prepared.spec.prompt_token_ids), len(token_ids), bill)
     ids = token_ids if prepared.return_token_ids else None
-    body = shape.response((prepared.echo or "") + "".join(text), finish, ids, used, bill.seed, logprobs)
+    content: str | None = (prepared.echo or "") + "".join(text)
+    calls: list[dict[str, Any]] = []
+    if prepared.tool_calls:
+        content, calls = parse_calls(content or "")
+        finish = "tool_calls" if calls else finish
+    body = shape.response(content, finish, ids, used, bill.seed, logprobs, calls or None)
     return body, sum(e.logprob for e in entries if e is not None)
 
 

@@ -9,7 +9,9 @@ Fields this server implements: ``model``, ``prompt`` (one string or one list of 
 here on the detokenised text: :class:`StopMatcher`), ``stream``, ``stream_options.include_usage``
 and vLLM's ``stream_options.continuous_usage_stats`` (the usage so far on every chunk), and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos`` and ``return_token_ids``. Logprobs (``openai_logprobs``): completions'
+``ignore_eos`` and ``return_token_ids``. Structured outputs (``openai_structured``): ``response_format``
+(``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` (a schema, a regex, an
+EBNF grammar, a choice of strings). Logprobs (``openai_logprobs``): completions'
 ``logprobs: k`` and ``echo`` (the prompt's text and, with ``logprobs``, its tokens' logprobs;
 ``max_tokens: 0`` with ``echo`` returns the prompt alone), chat's ``logprobs`` and
 ``top_logprobs``; ``k`` is at most ``MAX_LOGPROBS`` (20, vLLM's default bound); ``logit_bias``
@@ -35,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tandem.frontend.chat_template import ChatTemplate
 from tandem.frontend.grpc_auth import ANONYMOUS
+from tandem.frontend.openai_structured import GuideError, ResponseFormat, StructuredOutputs, guide_of
+from tandem.frontend.openai_tools import Tool, ToolCall, ToolChoice, ToolPlan, plan_tools, tools_text
 from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
 from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
@@ -61,7 +65,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -149,7 +152,8 @@ class _GenerateRequest(_Strict):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: a regex, a grammar, a choice...
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -170,9 +174,11 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -184,6 +190,8 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_GenerateRequest):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None  # implemented here (openai_tools)
+    tool_choice: ToolChoice | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the k likeliest of each output token
     echo: Any = None  # vLLM's (the last message echoed): not implemented
@@ -261,6 +269,8 @@ class Prepared:
     prompt_only: bool = False  # max_tokens 0 with echo: one token is computed, none returned
     n: int = 1  # choices returned
     best_of: int = 1  # requests run (>= n): the n of highest cumulative logprob are returned
+    guide_field: str = ""  # the field the request's guide came from (its compile errors name it)
+    tool_calls: bool = False  # the output's tool calls are parsed out of its text
 
     def choice(self, index: int) -> Prepared:
         """Choice ``index``'s request of a request for several: its own id and its seed, the
@@ -345,14 +355,19 @@ def prepare_chat(
         )
     if not request.messages:
         raise OpenAIError.invalid("messages", "is empty")
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in request.messages
-    ]
-    total_chars = sum(len(m["content"]) for m in messages)
+    try:
+        tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+    except GuideError as exc:
+        raise OpenAIError.invalid(exc.field, exc.message) from None
+    messages = [_message(m) for m in request.messages]
+    if tools is not None and not model.chat_template.renders_tools:
+        messages.insert(0, {"role": "system", "content": tools_text(tools.tools)})
+    total_chars = sum(len(m["content"]) for m in messages) + sum(len(str(t)) for t in tools_of(tools))
     _edge(check_text_fits, "messages", total_chars, model.context_tokens)
     try:
-        token_ids = model.chat_template.prompt_token_ids(messages, model.tokenizer)
+        token_ids = model.chat_template.prompt_token_ids(
+            messages, model.tokenizer, tools.tools if tools is not None else None
+        )
     except InvalidRequestError as exc:
         raise OpenAIError.from_invalid(exc) from None
     room = min(model.context_tokens, room_tokens or model.context_tokens)
@@ -363,7 +378,29 @@ def prepare_chat(
         raise OpenAIError.invalid("top_logprobs", "needs logprobs: true")
     k = _logprobs_count("top_logprobs", request.top_logprobs or 0) if request.logprobs else None
     logprobs = _Logprobs(k, None, None, False)
-    return _prepared(request, model, token_ids, "messages", default, request_id, client, arrival_s, logprobs)
+    prepared = _prepared(
+        request, model, token_ids, "messages", default, request_id, client, arrival_s, logprobs, tools
+    )
+    return dataclasses.replace(prepared, tool_calls=tools is not None and tools.parse)
+
+
+def tools_of(plan: ToolPlan | None) -> list[dict[str, Any]]:
+    return plan.tools if plan is not None else []
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template reads it: its text, and an assistant's calls or the call a
+    tool's result answers."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.role == "tool" and message.tool_call_id is None:
+        raise OpenAIError.invalid("messages", "a tool message needs tool_call_id (the call it answers)")
+    return out
 
 
 @dataclass(frozen=True)
@@ -387,6 +424,8 @@ def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
     if request.model != model.name:
         raise OpenAIError.model_not_found(request.model, model.name)
     for name, off in UNSUPPORTED.items():
+        if name in ("tools", "tool_choice") and isinstance(request, ChatRequest):
+            continue  # the chat API's (openai_tools)
         value = getattr(request, name)
         if not any(value == o and type(value) is type(o) for o in off):
             raise OpenAIError.invalid(name, "is not supported by this server; leave it out")
@@ -423,12 +462,24 @@ def _prepared(
     client: str,
     arrival_s: float | None,
     logprobs: _Logprobs,
+    tools: ToolPlan | None = None,
 ) -> Prepared:
     max_tokens, max_field = _max_tokens(request, default_max_tokens)
     if logprobs.prompt_only:
         max_tokens = 1  # the first token is computed with the prompt's logits; none is returned
     sampling = _sampling(request, model.vocab_size, max_tokens, max_field)
     sampling = dataclasses.replace(sampling, logprobs=logprobs.output, prompt_logprobs=logprobs.prompt)
+    try:
+        guide, guide_field = guide_of(request.response_format, request.structured_outputs)
+    except GuideError as exc:
+        raise OpenAIError.invalid(exc.field, exc.message) from None
+    if tools is not None and tools.guide is not None:
+        if guide is not None:
+            raise OpenAIError.invalid(
+                "tool_choice", f"a call it requires cannot be combined with {guide_field}"
+            )
+        guide, guide_field = tools.guide, "tools"
+    sampling = dataclasses.replace(sampling, guide=guide)
     context = model.context_tokens
     if not token_ids:
         raise OpenAIError.invalid(prompt_field, "is empty")
@@ -460,6 +511,7 @@ def _prepared(
         logprobs.prompt_only,
         request.n or 1,
         request.n or 1,
+        guide_field,
     )
 
 
@@ -650,6 +702,10 @@ class ResponseShape:
             choice["token_ids"] = token_ids
         return choice
 
+    def calls_choice(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A streamed chat choice carrying complete tool calls (each with its ``index``)."""
+        return {"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+
     def chunk(self, choice: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
         """A streamed chunk; the last one (with the finish reason) carries the request's seed."""
         body = self._envelope(True, [choice])
@@ -662,17 +718,23 @@ class ResponseShape:
 
     def response(
         self,
-        text: str,
+        text: str | None,
         finish: str,
         token_ids: list[int] | None,
         used: dict[str, Any],
         seed: int | None = None,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """``tool_calls``: the chat output's parsed calls (then ``text`` is what came before them,
+        ``None`` when nothing did)."""
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"], message["tool_calls"] = text or None, tool_calls
             choice: dict[str, Any] = {
                 "index": self.index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from tandem.frontend.client_usage import ClientUsage
 from tandem.router.router import Router
 from tandem.wire.autoscaler_decision import Decision
 from tandem.wire.messages import ProcessPlace, RankId, RankStats
@@ -48,6 +49,7 @@ class StatusView:
     deployment: str = ""
     controller: ProcessPlace | None = None
     frontends: tuple[FrontendInfo, ...] = ()
+    clients: tuple[ClientUsage, ...] = ()  # the answering frontend's, by client
 
 
 async def read_status(

@@ -173,16 +173,44 @@ def byte_level_tokenizer() -> Tokenizer:
 
 # DeepSeek's chat format, cut down: BOS, the system text, then each turn behind its role marker,
 # an assistant turn closed by EOS, and the assistant's marker to generate after
+# DeepSeek-V3's chat format with its tool-call markers: the tools described after the BOS, an
+# assistant's calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜> (one a line, the
+# arguments as a JSON block), tool results between <｜tool▁outputs▁begin｜> and its end (after
+# which the assistant goes on without a new <｜Assistant｜>, as DeepSeek-V3's template has it)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '## Tools\\n\\nYou have access to the following tools:\\n' }}"
+    "{% for tool in tools %}"
+    "{{ '\\n### ' + tool['function']['name'] }}"
+    "{{ '\\nDescription: ' + (tool['function']['description'] or '') }}"
+    "{{ '\\n\\nParameters: ' + (tool['function']['parameters'] | tojson) + '\\n' }}"
+    "{% endfor %}"
+    "{{ '\\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\\n' }}"
+    "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_name' }}"
+    "{{ '\\n```json\\narguments\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>\\n\\n' }}"
+    "{% endif %}"
+    "{% set ns = namespace(tool=false) %}"
     "{% for message in messages %}"
     "{% if message['role'] in ['system', 'developer'] %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}<｜User｜>{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}<｜Assistant｜>{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'user' %}"
+    "{% if ns.tool %}<｜tool▁outputs▁end｜>{% set ns.tool = false %}{% endif %}"
+    "<｜User｜>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if ns.tool %}<｜tool▁outputs▁end｜>{% set ns.tool = false %}{% else %}<｜Assistant｜>{% endif %}"
+    "{{ message['content'] }}"
+    "{% if message['tool_calls'] %}<｜tool▁calls▁begin｜>"
+    "{% for call in message['tool_calls'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<｜tool▁call▁begin｜>' + call['type'] + '<｜tool▁sep｜>' + call['function']['name'] }}"
+    "{{ '\\n```json\\n' + call['function']['arguments'] + '\\n```<｜tool▁call▁end｜>' }}"
+    "{% endfor %}<｜tool▁calls▁end｜>{% endif %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if not ns.tool %}<｜tool▁outputs▁begin｜>{% set ns.tool = true %}{% endif %}"
+    "<｜tool▁output▁begin｜>{{ message['content'] }}<｜tool▁output▁end｜>"
     "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+    "{% if ns.tool %}<｜tool▁outputs▁end｜>{% elif add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
 
 

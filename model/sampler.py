@@ -138,14 +138,22 @@ def sample(
     seeds: Sequence[int],
     output_indices: Sequence[int],
     histories: Sequence[History | None] | None = None,
+    allowed: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> list[int]:
     """One token per row of ``logits [N, vocab]``; ``histories`` (each penalized row's tokens so
-    far) is needed only where a row's request has a penalty."""
+    far) is needed only where a row's request has a penalty. ``allowed``: rows and their masks
+    (``[len(rows), vocab]`` bool, a guide's: ``model/grammar``); a row's other tokens are
+    dropped after the penalties, before the temperature and filters."""
     logits = logits.float()
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, params)
     if any(p.penalized for p in params):
         logits = apply_penalties(logits, params, histories or [None] * len(params))
+    if allowed is not None and len(allowed[0]):
+        rows_, masks = allowed
+        index = torch.tensor(list(rows_), dtype=torch.int64, device=logits.device)
+        logits = logits.clone()
+        logits[index] = logits[index].masked_fill(~masks.to(logits.device), float("-inf"))
     tokens = torch.argmax(logits, dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

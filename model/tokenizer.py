@@ -64,6 +64,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (BOS, EOS, ...)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for: a byte-level token's own (perhaps part of a UTF-8
         character), else its text (a special token's included)."""

@@ -371,7 +371,7 @@ class PrefillScheduler:
             sampling=job.sampling,
             output_index=job.output_index,
             next_token_id=job.prompt_token_ids[end] if end < job.num_prompt_tokens else None,
-            history=_history(job) if end == job.num_prompt_tokens and job.sampling.penalized else None,
+            history=_history(job) if end == job.num_prompt_tokens and job.sampling.needs_history else None,
             prompt_logprob_targets=job.prompt_token_ids[start + 1 : end + 1]
             if _wants_prompt_logprobs(job)
             else (),

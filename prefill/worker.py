@@ -112,6 +112,7 @@ class PrefillWorker(RankWorker):
                 continue
             self._jobs[job.request_id] = job
             self._pickup_s[job.request_id] = now - received
+            self.runner.prepare_guide(job.sampling)  # compiled while its prompt waits or runs
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is AbortAction.ABORT_TRANSFER:
@@ -141,6 +142,7 @@ class PrefillWorker(RankWorker):
         self._jobs.pop(request_id, None)
         self._pickup_s.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self.runner.forget_guide(request_id)
 
     def _logprobs_of(self, request_id: str) -> dict[str, Any] | None:
         """A finished job's logprobs for its notification (``wire/logprobs``): its first output's

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs", "prompt_logprobs", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logprobs", "prompt_logprobs", "logit_bias", "json_schema", "json_object", "regex", "grammar", "structural_tag")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,11 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -43,7 +48,12 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    structural_tag: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -390,7 +400,7 @@ class GroupStatus(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., failure: _Optional[str] = ..., unplaceable: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions", "deployment", "controller", "frontends")
+    __slots__ = ("model", "ready", "groups", "router_counters", "running_requests", "autoscaler_decisions", "deployment", "controller", "frontends", "clients")
     class RouterCountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +417,7 @@ class ClusterStatusResponse(_message.Message):
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     ready: bool
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
@@ -416,7 +427,24 @@ class ClusterStatusResponse(_message.Message):
     deployment: str
     controller: ProcessPlace
     frontends: _containers.RepeatedCompositeFieldContainer[FrontendStatus]
-    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ..., autoscaler_decisions: _Optional[_Iterable[_Union[AutoscalerDecision, _Mapping]]] = ..., deployment: _Optional[str] = ..., controller: _Optional[_Union[ProcessPlace, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[FrontendStatus, _Mapping]]] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[ClientUsage]
+    def __init__(self, model: _Optional[str] = ..., ready: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., router_counters: _Optional[_Mapping[str, int]] = ..., running_requests: _Optional[int] = ..., autoscaler_decisions: _Optional[_Iterable[_Union[AutoscalerDecision, _Mapping]]] = ..., deployment: _Optional[str] = ..., controller: _Optional[_Union[ProcessPlace, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[FrontendStatus, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientUsage, _Mapping]]] = ...) -> None: ...
+
+class ClientUsage(_message.Message):
+    __slots__ = ("client", "requests", "prompt_tokens", "cached_prompt_tokens", "new_prompt_tokens", "output_tokens")
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    client: str
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    new_prompt_tokens: int
+    output_tokens: int
+    def __init__(self, client: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., new_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class AutoscalerDecision(_message.Message):
     __slots__ = ("unix_time", "pool", "action", "rule", "ready_groups", "desired_groups", "inputs_json")

@@ -72,6 +72,40 @@ MAX_LOGIT_BIAS, MAX_BIAS = 1024, 100.0  # entries of logit_bias, and OpenAI's bo
 
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty, either sign
 
+MAX_GUIDE_CHARS = 64 * 1024  # a schema's, a regex's or a grammar's text at most
+
+
+class GuideKind(enum.StrEnum):
+    """What a structured output's ``Guide.spec`` is."""
+
+    JSON_OBJECT = "json_object"  # any JSON object (no spec)
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF (xgrammar's dialect, GBNF-like), its root rule ``root``
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag, as JSON text (tool calls)
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A structured output: every token sampled is one the grammar allows after the tokens
+    before it (``model/grammar``), and EOS only once the grammar is complete. A JSON schema or
+    object is generated in its compact form (no whitespace between tokens)."""
+
+    kind: GuideKind
+    spec: str = ""
+
+    def validate(self, field: str = "guide") -> None:
+        """The shape only; whether the spec compiles is the edge's check (``model/grammar``)."""
+        if not isinstance(self.kind, GuideKind):
+            raise InvalidRequestError(
+                field, f"unknown kind {self.kind!r}; one of {[k.value for k in GuideKind]}"
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDE_CHARS:
+            size = len(self.spec) if isinstance(self.spec, str) else type(self.spec).__name__
+            raise InvalidRequestError(field, f"a spec of {size} characters; at most {MAX_GUIDE_CHARS}")
+        if self.kind is not GuideKind.JSON_OBJECT and not self.spec:
+            raise InvalidRequestError(field, f"a {self.kind.value} guide needs its spec")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -97,6 +131,9 @@ class SamplingParams:
     the first. Both are the model's log-softmax before any adjustment above (``wire/logprobs``).
     A prompt's logprobs need the logits of every prompt position, which a cached prefix does not
     keep: such a request computes its whole prompt (its bill shows no cached tokens).
+
+    ``guide``: a structured output (:class:`Guide`), its mask applied after the penalties and
+    before the temperature and filters; logprobs stay the model's own (before the mask).
     """
 
     max_tokens: int = 16
@@ -113,6 +150,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    guide: Guide | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the first field that is wrong; with
@@ -140,6 +178,10 @@ class SamplingParams:
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables), got {self.min_p!r}")
         self._validate_logit_bias(vocab_size)
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise InvalidRequestError("guide", f"must be a Guide, got {type(self.guide).__name__}")
+            self.guide.validate()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (
@@ -181,6 +223,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty applies: the sampler then needs the request's tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler needs the request's tokens so far: for its penalties, or for its
+        guide's state (rebuilt from them on whichever rank samples)."""
+        return self.penalized or self.guide is not None
 
     def seeded(self) -> SamplingParams:
         """The same sampling with a seed: its own, or a fresh one (``draw_seed``). Every draw of a

@@ -7,6 +7,7 @@ completion shows up in them, and layer-wise writes hide behind a known compute t
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, Routing
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.rank_context import guided_rows
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
@@ -31,11 +33,12 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kv_pool import KVPool
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tandem.model.tokenizer import Tokenizer
 from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from tandem.prefill.worker import PrefillWorker
 from tandem.wire.messages import LoopStats, PrefillAttempt, RankId, RequestResult
 from tandem.wire.prefill_job import PrefillJob
-from tandem.wire.request_params import InvalidRequestError, SamplingParams
+from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, SamplingParams
 
 PAGE = 8
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
@@ -197,6 +200,7 @@ def _workers(
     fault: str | None = None,
     kv_timeout_s: float = 30.0,
     abort_grace_s: float = 5.0,
+    guided: bool = False,
 ) -> tuple[PrefillWorker, DecodeWorker]:
     store = InMemoryMetadataStore()
     p_model, d_model = _model(tiny), _model(tiny)
@@ -217,7 +221,7 @@ def _workers(
                 vocab_size=cfg.vocab_size,
             )
         ),
-        ModelRunner(p_model, p_pool),
+        ModelRunner(p_model, p_pool, guides=guided_rows(str(tiny), cfg.vocab_size) if guided else None),
         NixlTransport(PREFILL.name, 1, p_pool.layout, store),
         layerwise=layerwise,
     )
@@ -225,7 +229,7 @@ def _workers(
         DECODE,
         1,
         DecodeScheduler(DecodeSchedulerConfig(num_pages=decode_pages, page_size=PAGE, max_model_len=512)),
-        ModelRunner(d_model, d_pool),
+        ModelRunner(d_model, d_pool, guides=guided_rows(str(tiny), cfg.vocab_size) if guided else None),
         NixlTransport(DECODE.name, 1, d_pool.layout, store, abort_grace_s=abort_grace_s),
         _Direct(prefill),
         kv_timeout_s=kv_timeout_s,
@@ -649,6 +653,43 @@ def test_a_request_resumed_from_its_streamed_tokens_gives_the_undisturbed_tokens
     streamed = [t for d in deltas for t in d.token_ids]
     assert deltas[0].start_index == 5 and streamed == want[5:]
     assert decode.scheduler.num_running == 0 and decode.scheduler.num_free_pages == 32
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_a_guided_request_disaggregated_or_moved_gives_the_colocated_tokens(tiny: Path) -> None:
+    """A structured output across ranks: the prefill rank draws the first token under the
+    schema, the decode rank the rest, each from its own matcher; a request moved to a decode
+    rank in the middle of its JSON (its outputs so far given) rebuilds its matcher from them
+    and goes on. Both give the colocated engine's tokens, which parse and validate."""
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(schema))
+    sampling = SamplingParams(max_tokens=60, temperature=1.0, seed=11, guide=guide)
+    rng = random.Random("guided")
+    prompt = [rng.randrange(256) for _ in range(19)]
+    engine = ColocatedEngine(
+        _model(tiny), EngineConfig(page_size=PAGE, num_pages=64), Tokenizer.from_dir(tiny)
+    )
+    want = engine.generate([prompt], [sampling])[0]
+    value = json.loads(want.text)
+    assert set(value) == {"word", "n"} and len(value["word"]) <= 6 and want.finish_reason == "stop"
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True, guided=True)
+    (whole,) = _run(prefill, decode, _requests([prompt], [sampling], "g")).values()
+    assert list(whole.token_ids) == want.token_ids
+    assert prefill.runner.guides is not None and decode.runner.guides is not None
+    assert len(prefill.runner.guides) == len(decode.runner.guides) == 0  # dropped when done
+    moved = Request("moved", prompt, sampling, frozenset({257}), 512)
+    moved.output_token_ids = list(want.token_ids[:7])  # inside the first string
+    rebuilt_before = decode.runner.guides.rebuilt
+    (result,) = _run(prefill, decode, [moved]).values()
+    assert list(result.token_ids) == want.token_ids and result.error is None
+    assert decode.runner.guides.rebuilt == rebuilt_before + 1  # made from the 7 tokens at once
+    assert decode.scheduler.num_free_pages == 32
     prefill.transport.close()
     decode.transport.close()
 

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.client.grpc_client import ClientOptions, generate_all
+from tandem.client.grpc_client import ClientOptions, client_totals, generate_all
+from tandem.client.grpc_client import status as grpc_status
 from tandem.client.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
@@ -270,6 +271,35 @@ def test_usage_counts_under_the_client_whose_token_was_used(served: Served) -> N
     assert _counted(served, "tandem_requests_total", client="bob", code="OK") == requests["bob"] + 1
     assert _counted(served, "tandem_requests_total", client="alice", code="OK") == requests["alice"]
     assert _counted(served, "tandem_prompt_tokens_total", client="bob") > 0
+
+
+def _totals(served: Served) -> dict[str, dict[str, Any]]:
+    """``tandem client status``' per-client totals (over every frontend: this one)."""
+    options = ClientOptions(served.grpc_addr, TOKEN)
+    reply = asyncio.run(grpc_status(options))
+    rows, reached, missed = asyncio.run(client_totals(options, reply))
+    assert len(reached) == 1 and not missed
+    return {row["client"]: row for row in rows}
+
+
+def test_client_status_gives_each_clients_totals_split_cached_and_new(served: Served) -> None:
+    """Each client's requests, prompt tokens (cached and new) and output tokens, as
+    ``tandem client status`` shows them: a request of bob's counts for bob alone, and the same
+    prompt again counts its cached pages as cached."""
+    before = _totals(served)
+    assert {"alice", "bob"} <= set(before)  # the token file's clients, from the start
+    prompt = [7 + (i * 5) % 200 for i in range(4 * PAGE + 1)]
+    bob = served.client("tok-bob")
+    for _ in range(2):
+        bob.completions.create(model=served.server.model_name, prompt=prompt, max_tokens=3,
+                               extra_body={"ignore_eos": True})  # fmt: skip
+    after = _totals(served)
+    grew = {k: after["bob"][k] - before["bob"][k] for k in after["bob"] if k != "client"}
+    assert grew["requests"] == 2 and grew["output_tokens"] == 6
+    assert grew["prompt_tokens"] == 2 * len(prompt)
+    assert grew["cached_prompt_tokens"] >= 4 * PAGE  # the second found the first's pages
+    assert grew["new_prompt_tokens"] + grew["cached_prompt_tokens"] == grew["prompt_tokens"]
+    assert after["alice"] == before["alice"]
 
 
 def test_errors_in_openais_shape(served: Served) -> None:
