@@ -13,7 +13,7 @@ from tandem.client.output import command_output, emit
 from tandem.client.prompts import PromptSpec
 from tandem.engine.engine_config import EngineConfig
 from tandem.wire.messages import CachedByTier
-from tandem.wire.request_params import InvalidRequestError, SamplingParams
+from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.model.tokenizer import Tokenizer
@@ -30,6 +30,13 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--seed", type=int, default=None, help="per-request seed for sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    structure = parser.add_mutually_exclusive_group()
+    structure.add_argument(
+        "--json-schema", type=Path, default=None, help="a JSON Schema file: the output follows it"
+    )
+    structure.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structure.add_argument("--regex", default=None, help="the output matches this regular expression")
+    structure.add_argument("--grammar", type=Path, default=None, help="an EBNF file (start rule root)")
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -41,9 +48,33 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        guide=_guide(args),
     )
     sampling.validate()
     return sampling
+
+
+def _guide(args: argparse.Namespace) -> Guide | None:
+    """The structured output the options ask for; a file that cannot be read names its flag."""
+    if args.json_object:
+        return Guide(GuideKind.JSON_OBJECT)
+    if args.regex is not None:
+        return Guide(GuideKind.REGEX, args.regex)
+    for flag, path, kind in (("--json-schema", args.json_schema, GuideKind.JSON_SCHEMA),
+                             ("--grammar", args.grammar, GuideKind.GRAMMAR)):  # fmt: skip
+        if path is None:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(flag, f"cannot read {path}: {exc}") from None
+        if kind is GuideKind.JSON_SCHEMA:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(flag, f"{path} is not JSON: {exc}") from None
+        return Guide(kind, text)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

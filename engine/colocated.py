@@ -25,7 +25,7 @@ from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.logprobs import TokenLogprobs
-from tandem.wire.request_params import FinishReason, SamplingParams, check_prompt
+from tandem.wire.request_params import FinishReason, InvalidRequestError, SamplingParams, check_prompt
 
 if TYPE_CHECKING:
     from tandem.engine.tier_copier import TierCopier
@@ -117,7 +117,10 @@ class ColocatedEngine:
         self.validate_prompt(prompt_token_ids)
         sampling = sampling.seeded()
         request_id = request_id or f"req-{next(self._ids)}"
-        self.runner.prepare_guide(sampling)
+        if sampling.guide is not None:
+            if self.runner.guides is None:
+                raise InvalidRequestError("guide", "structured outputs need the model's tokenizer")
+            self.runner.guides.compiler.compile(sampling.guide, "guide")  # a bad spec fails here
         self.scheduler.add_request(
             Request(
                 request_id=request_id,

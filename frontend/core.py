@@ -217,6 +217,8 @@ class FrontendCore:
             )
         prompt = spec.prompt_token_ids
         self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
+        if spec.sampling.guide is not None:  # the edges checked theirs (cached): this is for the rest
+            await self.check_guide(spec.sampling.guide, "sampling.guide")
         if spec.sampling.seed is None:  # drawn once: every rank and every attempt use it
             spec = dataclasses.replace(spec, sampling=spec.sampling.seeded())
         stream = RequestStream(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import logging
 import re
 import threading
 import time
@@ -37,6 +38,8 @@ import xgrammar as xgr
 
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 COMPILED_GRAMMARS = 256  # per rank, least recently used dropped
 MATCHERS = 4096  # per rank: a dropped one is rebuilt from the request's tokens
@@ -162,7 +165,7 @@ def _json(what: str, text: str) -> Any:
 @dataclass
 class _Matcher:
     guide: Guide
-    matcher: xgr.GrammarMatcher
+    matcher: xgr.GrammarMatcher | None  # None: its guide did not compile (broken)
     fed: int = 0  # the outputs it has taken
     last: int | None = None  # the last of them
     broken: bool = False  # an output it could not take: only EOS is allowed from here
@@ -183,12 +186,18 @@ class GuidedRows:
         vocab = self.compiler.vocab_size
         bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
         for i, (request_id, guide, outputs) in enumerate(rows):
-            state = self._state(request_id, guide, outputs)
+            try:
+                state = self._state(request_id, guide, outputs)
+            except InvalidRequestError as exc:  # the edges compile first: a request sent around them
+                log.error("request %s: its guide does not compile (%s); it ends here", request_id, exc)
+                state = _Matcher(guide, None, broken=True)
+                self._matchers[request_id] = state
             if state.broken:
                 bitmask[i].zero_()
                 if self.eos_token_id is not None:
                     bitmask[i, self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
             else:
+                assert state.matcher is not None
                 state.matcher.fill_next_token_bitmask(bitmask, i)
         bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.bool().reshape(len(rows), -1)[:, :vocab]
@@ -196,6 +205,8 @@ class GuidedRows:
     def _state(self, request_id: str, guide: Guide, outputs: Sequence[int]) -> _Matcher:
         state = self._matchers.get(request_id)
         # the outputs only grow; a matcher that saw others (a request id used again) starts over
+        if state is not None and state.matcher is None and state.guide == guide:
+            return state  # its guide did not compile: it ends
         if state is None or state.guide != guide or not _continues(state, outputs):
             if state is not None or outputs:
                 self.rebuilt += 1
@@ -204,7 +215,7 @@ class GuidedRows:
         self._matchers.move_to_end(request_id)
         for token in outputs[state.fed :]:
             state.fed, state.last = state.fed + 1, token
-            if not state.broken and not state.matcher.accept_token(token):
+            if state.matcher is not None and not state.broken and not state.matcher.accept_token(token):
                 state.broken = True  # not one the mask allowed (a stop token the user gave...)
         while len(self._matchers) > MATCHERS:
             self._matchers.popitem(last=False)

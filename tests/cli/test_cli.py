@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,11 @@ def test_prompts_file_runs_concurrently_in_input_order(
         (["--prompt-ids", ",".join(["5"] * 64), "--max-tokens", "4"], "context"),
         (["--prompt", "hi", "--max-tokens", "4", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-tokens", "4", "--temperature", "-1"], "temperature"),
+        (["--prompt", "hi", "--max-tokens", "4", "--regex", "(ab"], "guide: regex does not compile"),
+        (
+            ["--prompt", "hi", "--max-tokens", "4", "--json-schema", "/nonexistent.json"],
+            "--json-schema: cannot",
+        ),
     ],
 )
 def test_bad_requests_exit_2_with_one_line(
@@ -171,3 +177,15 @@ def test_bad_speculation_is_refused_before_anything_starts(
     ):
         code, out, err = _run([*command, "--model", str(tiny), *args], capsys)
         assert code == 2 and out == "" and err.count("\n") == 1 and needle in err, (command, err)
+
+
+def test_a_regex_on_the_command_line_guides_the_output(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(tiny), "--prompt", "hi", "--max-tokens", "24", "--temperature", "1",
+            "--seed", "3", "--regex", "(yea|nay), [a-z]{3,8}[.]", "--json"]  # fmt: skip
+    code, out, _ = _run(args, capsys)
+    assert code == 0
+    (line,) = [json.loads(x) for x in out.splitlines() if x.strip()]
+    text = line["text"] if "text" in line else line["outputs"][0]["text"]
+    assert re.fullmatch(r"(yea|nay), [a-z]{3,8}[.]", text), text

@@ -189,3 +189,25 @@ def test_seeded_guided_requests_give_valid_json_and_the_same_tokens_in_any_batch
     assert alone[0].token_ids == together[2].token_ids
     assert len({o.text for o in together}) > 1  # the seeds matter
     assert len(engine.runner.guides or []) == 0  # every finished request's matcher dropped
+
+
+def test_a_guide_that_does_not_compile_on_a_rank_ends_its_request_not_the_step(
+    tokenizer: Tokenizer, compiler: GrammarCompiler
+) -> None:
+    """The edges compile a guide before any rank sees it; one sent around them gets only EOS
+    (its request ends) and the other rows of the step are masked as usual."""
+    rows = GuidedRows(compiler, tokenizer.eos_token_id)
+    bad, good = Guide(GuideKind.REGEX, "(ab"), Guide(GuideKind.REGEX, "ab")
+    masks = rows.allowed([("bad", bad, []), ("good", good, [])])
+    assert masks[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert _allowed_text(tokenizer, masks[1]) == {b"a"}
+    again = rows.allowed([("bad", bad, [tokenizer.eos_token_id])])  # and it stays so
+    assert again[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_the_colocated_engine_refuses_a_guide_that_does_not_compile() -> None:
+    engine = ColocatedEngine.from_model_dir(DEMO)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request([1, 2, 3], SamplingParams(guide=Guide(GuideKind.REGEX, "(ab")))
+    assert info.value.field == "guide" and "parenthesis" in info.value.message
+    assert not engine.scheduler.has_unfinished_requests()
