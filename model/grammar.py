@@ -31,19 +31,29 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
 COMPILED_GRAMMARS = 256  # per rank, least recently used dropped
 MATCHERS = 4096  # per rank: a dropped one is rebuilt from the request's tokens
 _NOISE = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # xgrammar's "[12:00:00] /file.cc:12: " prefix
+
+
+def _xgr() -> Any:
+    """xgrammar, imported at a process's first guide: it loads transformers (about 1 s and
+    45 MB a process), which a rank or frontend that serves none never pays."""
+    import xgrammar
+
+    return xgrammar
 
 
 def encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
@@ -58,15 +68,11 @@ class GrammarCompiler:
     """Guides compiled for one vocabulary, cached; ``threads`` compile side by side."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int = 1) -> None:
-        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        info = xgr.TokenizerInfo(
-            encoded_vocab(tokenizer, vocab_size),
-            xgr.VocabType.RAW,
-            vocab_size=vocab_size,
-            stop_token_ids=stops,
-        )
+        """The vocabulary and xgrammar's compiler are made on the compiler's thread at the
+        first guide."""
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[Guide, concurrent.futures.Future[xgr.CompiledGrammar]]
@@ -113,8 +119,20 @@ class GrammarCompiler:
             message = _NOISE.sub("", str(exc).strip()).splitlines()[0] if str(exc).strip() else repr(exc)
             raise InvalidRequestError("guide", f"{guide.kind.value} does not compile: {message}") from None
 
+    def _xgr_compiler(self) -> Any:
+        """xgrammar's compiler over the vocabulary (on the compiler's thread, once)."""
+        if self._compiler is None:
+            xgr, tokenizer = _xgr(), self.tokenizer
+            stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            vocab = encoded_vocab(tokenizer, self.vocab_size)
+            info = xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stops
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
     def _build(self, guide: Guide) -> xgr.CompiledGrammar:
-        compiler = self._compiler
+        compiler = self._xgr_compiler()
         if guide.kind is GuideKind.JSON_OBJECT:
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if guide.kind is GuideKind.JSON_SCHEMA:
@@ -183,7 +201,7 @@ class GuidedRows:
     def allowed(self, rows: Sequence[tuple[str, Guide, Sequence[int]]]) -> torch.Tensor:
         """``[len(rows), vocab]`` bool, True where row ``(request id, guide, outputs so far)``
         may sample the token."""
-        vocab = self.compiler.vocab_size
+        vocab, xgr = self.compiler.vocab_size, _xgr()
         bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
         for i, (request_id, guide, outputs) in enumerate(rows):
             try:
@@ -210,7 +228,7 @@ class GuidedRows:
         if state is None or state.guide != guide or not _continues(state, outputs):
             if state is not None or outputs:
                 self.rebuilt += 1
-            state = _Matcher(guide, xgr.GrammarMatcher(self.compiler.compile(guide)))
+            state = _Matcher(guide, _xgr().GrammarMatcher(self.compiler.compile(guide)))
             self._matchers[request_id] = state
         self._matchers.move_to_end(request_id)
         for token in outputs[state.fed :]:
