@@ -15,8 +15,10 @@ A decode rank owns a request from routing to its end. Its ``Request.status``::
 A request in the queue is WAITING until it has outputs, PREEMPTED after; it ends FINISHED_*
 (FINISHED_ABORTED for an abort, FINISHED_ERROR for a failure).
 
-Pages: a WAITING_FOR_KV or RUNNING request holds each of its pages alone (refcount 1); a queued
-or preempted one holds none. A WAITING_FOR_KV request's pages are freed only by ``kv_arrived``
+Pages: a WAITING_FOR_KV or RUNNING request holds each of its pages alone (refcount 1), but for
+a forked one (``fork``: a choice of a request for several, on its parent's prompt), which shares
+its parent's prompt pages but the last (refcount 2 and more: freed when the last owner ends); a
+queued or preempted one holds none. A WAITING_FOR_KV request's pages are freed only by ``kv_arrived``
 (they become its KV) or ``kv_failed`` (the transfer is over: no write can land any more); never
 on a deadline or an abort alone, since a write may still be in flight. The caller therefore
 answers every id ``expired`` returns and every ``CANCEL_TRANSFER`` with a later ``kv_failed``.
@@ -78,6 +80,7 @@ class _Entry:
     aborting: bool = False  # aborted while WAITING_FOR_KV: finishes as "abort" when the transfer ends
     expiry_reported: bool = False
     num_drafts: int = 0  # draft room of the step scheduled and not yet updated: its pages are held
+    forked: bool = False  # running on its parent's prompt pages, its first token not yet drawn
 
 
 class DecodeScheduler:
@@ -144,6 +147,40 @@ class DecodeScheduler:
         entry = _Entry(request, next(self._counter))
         self._entries[request.request_id] = entry
         self._queue.append(entry)
+
+    def fork(self, request: Request, parent_id: str) -> list[tuple[int, int]] | None:
+        """Start ``request`` on the prompt KV of ``parent_id``, a running request with the same
+        prompt: it shares the parent's pages before the one holding the prompt's last position
+        and gets a copy of that one (copy on write: it recomputes that position to draw its
+        first token, and both write their outputs after it). Returns the ``(parent page, own
+        page)`` copies for the caller to make before the next step, or ``None`` (nothing
+        changed) when it cannot fork: the parent is not running here, its prompt differs, the
+        request has outputs already, or no page is free. Such a request is added as usual."""
+        parent = self._entries.get(parent_id)
+        if (
+            parent is None
+            or parent.request.status is not RequestStatus.RUNNING
+            or parent.forked
+            or list(parent.request.prompt_token_ids) != list(request.prompt_token_ids)
+            or request.output_token_ids
+            or request.request_id in self._entries
+        ):
+            return None
+        config = self.config
+        admit_new_request(request, config.max_model_len, config.page_size, config.num_pages, resumed=True)
+        last = (request.num_prompt_tokens - 1) // config.page_size  # the page of the last position
+        own = self.kv_cache.allocate(1)
+        if own is None:
+            return None
+        shared = parent.request.page_ids[:last]
+        self.kv_cache.share(shared)
+        request.page_ids = [*shared, *own]
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        request.status = RequestStatus.RUNNING
+        entry = _Entry(request, next(self._counter), forked=True)
+        self._entries[request.request_id] = entry
+        bisect.insort(self._running, entry, key=lambda e: e.arrival)
+        return [(parent.request.page_ids[last], own[0])]
 
     def reserve(self, now: float) -> list[Reservation]:
         """Reserve pages for queued requests, in order, while pages last and fewer than
@@ -341,7 +378,7 @@ class DecodeScheduler:
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=(request.output_token_ids[-1],),
+                    token_ids=(request.all_token_ids[-1],),  # a forked one's: its prompt's last
                     start_position=request.num_tokens - 1,
                     page_ids=tuple(request.page_ids),
                     sample=True,
@@ -416,7 +453,7 @@ class DecodeScheduler:
                     f"{len(tokens)} tokens for {chunk.request_id}, "
                     f"whose step had {len(chunk.draft_token_ids)} drafts"
                 )
-            entry.num_drafts = 0
+            entry.num_drafts, entry.forked = 0, False
             for token in tokens:
                 request.num_computed_tokens += 1
                 request.append_output(token)
@@ -465,9 +502,9 @@ class DecodeScheduler:
                 self._check_entry(where, entry, size)
                 for page_id in entry.request.page_ids:
                     owners[page_id] = owners.get(page_id, 0) + 1
-        for page_id in range(self.kv_cache.num_total_pages):
+        for page_id in range(self.kv_cache.num_total_pages):  # a forked request shares its parent's
             count, refcount = owners.get(page_id, 0), self.kv_cache.refcount(page_id)
-            if count > 1 or count != refcount:
+            if count != refcount:
                 raise PageAccountingError(f"page {page_id}: refcount {refcount} but {count} owning requests")
 
     def _check_entry(self, where: RequestStatus, entry: _Entry, size: int) -> None:
@@ -489,8 +526,10 @@ class DecodeScheduler:
             if len(pages) != math.ceil(expected / size):
                 raise PageAccountingError(f"{rid} reserved {len(pages)} pages for {expected} tokens")
             return
-        if not has_outputs or entry.aborting:
-            raise PageAccountingError(f"running {rid} has no output or is aborting")
+        if has_outputs == entry.forked or entry.aborting:  # only a forked one runs before its first
+            raise PageAccountingError(
+                f"running {rid}: outputs {has_outputs}, forked {entry.forked}, aborting"
+            )
         if request.num_computed_tokens != request.num_tokens - 1:
             raise PageAccountingError(f"running {rid} computed {request.num_computed_tokens} tokens")
         if (
@@ -524,7 +563,7 @@ class DecodeScheduler:
         self._queue.appendleft(entry)
 
     def _preempt(self, entry: _Entry) -> None:
-        entry.num_drafts = 0
+        entry.num_drafts, entry.forked = 0, False  # a forked one is prefilled as any other then
         entry.request.num_preemptions += 1
         self._requeue_front(entry)
 

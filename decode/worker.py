@@ -86,6 +86,7 @@ class Routing:
 
     prefill_rank: RankId | None = None
     frontend: str | None = None
+    fork_of: str | None = None  # the request whose prompt KV it may share (``RankRequest.fork_of``)
 
 
 @dataclass
@@ -176,6 +177,7 @@ class DecodeWorker(RankWorker):
         self.streams = StreamPublisher(rank_id)
         self.kv_bytes_received = 0
         self.preemptions = 0
+        self.forks = 0  # requests started on another's prompt KV (``_fork``)
         self.failure_counts = FailureCounts()
         self._schedule_s = self._update_s = self._draft_s = 0.0
 
@@ -201,7 +203,8 @@ class DecodeWorker(RankWorker):
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
             if r.resume_output_ids:
                 request.output_token_ids = resumed_outputs(r, cfg.vocab_size, cfg.max_position_embeddings)
-            admitted.append((request, Routing(r.prefill_rank, r.frontend), received))
+            fork_of = r.fork_of if not r.resume_output_ids else None
+            admitted.append((request, Routing(r.prefill_rank, r.frontend, fork_of), received))
         return admitted
 
     def submit(self, admitted: list[tuple[Request, Routing, float]]) -> None:
@@ -212,7 +215,9 @@ class DecodeWorker(RankWorker):
             track.streamed = len(request.output_token_ids)
             track.token_at = [received] * track.streamed
             try:
-                self.scheduler.add_request(request)
+                forked = routing.fork_of is not None and self._fork(request, routing.fork_of, track, now)
+                if not forked:
+                    self.scheduler.add_request(request)
             except InvalidRequestError as error:  # e.g. its id is in use here: it alone fails
                 self._report(
                     track, self._result(request.request_id, None, track, FinishReason.ERROR, str(error))
@@ -220,6 +225,33 @@ class DecodeWorker(RankWorker):
                 continue
             self._tracks[request.request_id] = track
             self.runner.prepare_guide(request.sampling)  # compiled while its KV is computed
+
+    def _fork(self, request: Request, parent_id: str, track: _Track, now: float) -> bool:
+        """Start ``request`` on the prompt KV of ``parent_id`` (``DecodeScheduler.fork``): its
+        pages copied before the next step, its bill one attempt with every prompt token but the
+        last cached on this rank's device and no transfer. Not with a drafter (an MTP draft
+        needs the prompt's last hidden state, which only a prefill gives) nor for prompt
+        logprobs (a prefill computes them)."""
+        if self.drafter is not None or request.sampling.prompt_logprobs is not None:
+            return False
+        copies = self.scheduler.fork(request, parent_id)
+        if copies is None:
+            return False
+        self.runner.pool.copy_pages(copies)
+        shared = request.num_prompt_tokens - 1
+        request.num_cached_tokens = shared
+        track.attempts.append(
+            PrefillAttempt(
+                attempt=0,
+                delivered=True,
+                prompt_tokens=request.num_prompt_tokens,
+                cached_tokens=shared,
+                cached_by_tier=CachedByTier(device=shared),
+            )
+        )
+        track.running_at = now
+        self.forks += 1
+        return True
 
     def abort(self, request_id: str) -> None:
         result = self.scheduler.abort(request_id)

@@ -351,6 +351,10 @@ class PrefixCache:
             parent = page_hash
         self._flush_stored(run, run_parent)
 
+    def share(self, page_ids: Sequence[int]) -> None:
+        """One more owner for each of these used pages (a forked request shares its parent's)."""
+        self._allocator.incref(page_ids)
+
     def free(self, page_ids: Sequence[int]) -> None:
         """Drop one reference from each page. Pages left unreferenced become evictable if cached
         (later pages of ``page_ids`` first, so a prefix outlives its tails), else free."""

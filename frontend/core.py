@@ -321,6 +321,11 @@ class FrontendCore:
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.monotonic()
         hashes = block_hashes(prompt, view.page_size)  # once, however many routes it takes
+        parent = (
+            self.running.get(RequestKey(spec.client, spec.fork_of))
+            if spec.fork_of and running is None
+            else None
+        )
         for _ in range(len(view.decode) + 1):
             decision = self.router.route(
                 rank_request_id,
@@ -329,6 +334,7 @@ class FrontendCore:
                 view.page_size,
                 spec.sampling.max_tokens - len(resumed_from),
                 same_rank=view.colocated,
+                decode_rank=parent.decode_rank if parent is not None else None,
             )
             rank, prefill_rank = decision.decode_rank, decision.prefill_rank
             incarnation = self.membership.incarnations.get(rank, -1)
@@ -338,6 +344,7 @@ class FrontendCore:
             except RankNotReachable:  # its channel ended since: route over the ranks left
                 self.router.finished(rank_request_id)
                 self.membership.route_over(view)
+                parent = None
         else:
             raise NoRankAvailable("decode")
         routed_s = time.monotonic() - routed_at
@@ -361,6 +368,7 @@ class FrontendCore:
             prefill_rank,
             self.config.name,
             resume_output_ids=resumed_from,
+            fork_of=parent.rank_request_id if parent is not None and parent.decode_rank == rank else None,
         )
         return running, self.membership.submit(channel, [request])
 

@@ -274,13 +274,16 @@ class Prepared:
 
     def choice(self, index: int) -> Prepared:
         """Choice ``index``'s request of a request for several: its own id and its seed, the
-        request's plus ``index`` (``choice_seed``)."""
+        request's plus ``index`` (``choice_seed``); choices after the first fork from it
+        (``GenerateSpec.fork_of``)."""
         spec, sampling = self.spec, self.spec.sampling
         assert sampling.seed is not None  # the request's, or drawn for it (``_prepared``)
         child = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
-        return dataclasses.replace(
-            self, spec=dataclasses.replace(spec, request_id=f"{spec.request_id}-{index}", sampling=child)
+        fork_of = f"{spec.request_id}-0" if index else ""  # the first's prompt KV, on its decode rank
+        spec = dataclasses.replace(
+            spec, request_id=f"{spec.request_id}-{index}", sampling=child, fork_of=fork_of
         )
+        return dataclasses.replace(self, spec=spec)
 
 
 def choice_seed(seed: int, index: int) -> int:

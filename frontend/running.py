@@ -22,6 +22,9 @@ class GenerateSpec:
     sampling: SamplingParams
     arrival_s: float = field(default_factory=time.monotonic)  # reached the server, this process's clock
     client: str = ANONYMOUS  # whose request id it is (``grpc_auth``)
+    # a choice of a request for several: the client's request id of another choice with the same
+    # prompt; while that one runs, this one goes to its decode rank and shares its prompt's KV
+    fork_of: str = ""
 
 
 @dataclass(frozen=True)

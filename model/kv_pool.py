@@ -39,6 +39,14 @@ class KVPool:
             device=device,
         )
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Each ``(source, destination)`` page's KV, every layer, into the destination (on the
+        device's stream, ordered before the next forward)."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.kv.device)
+            dst = torch.tensor([d for _, d in copies], device=self.kv.device)
+            self.kv[:, dst] = self.kv[:, src]
+
     def layer(self, index: int) -> torch.Tensor:
         return self.kv[index]
 

@@ -189,12 +189,15 @@ class Router(Generic[K]):
         page_size: int,
         max_new_tokens: int,
         same_rank: bool = False,
+        decode_rank: K | None = None,
     ) -> RouteDecision[K]:
         """Pick both ranks for a request and count its load against them.
 
         ``block_hashes`` are the chained hashes of the prompt's full pages
         (``engine.prefix_cache.block_hashes``). With ``same_rank`` (colocated ranks, each both
-        prefill and decode rank), the decode rank is the prefill rank the policy chose. Raises
+        prefill and decode rank), the decode rank is the prefill rank the policy chose; with
+        ``decode_rank`` (a decode rank of the view: a forked choice goes where its parent runs),
+        that one. Raises
         ``NoRankAvailable`` when a role has no rank and ``DuplicateRequestId`` when
         ``request_id`` is still in flight.
         """
@@ -244,7 +247,7 @@ class Router(Generic[K]):
         pages = math.ceil((num_prompt_tokens + reserve) / page_size)
         if same_rank:
             decode_rank = choice.rank
-        else:
+        elif decode_rank is None or decode_rank not in self._decode_ranks:
             candidates_d = [self._decode_candidate(rank) for rank in self._decode_ranks]
             decode_rank = choose_decode_rank(candidates_d, pages).rank
 

@@ -81,6 +81,10 @@ class RankRequest:
     # a request that moved here from a failed decode rank: the outputs its client already has;
     # it resumes after them (re-prefill of prompt + outputs) and streams from that index on
     resume_output_ids: tuple[int, ...] = ()
+    # one choice of a request for several: the rank request id of another choice with the same
+    # prompt on the same decode rank, whose prompt KV this one shares if that one is running
+    # there (no prefill job, no transfer); otherwise it is prefilled as any request
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)

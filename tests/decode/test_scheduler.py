@@ -127,7 +127,7 @@ class Cluster:
             rid = chunk.request_id
             request = self.scheduler.get(rid)
             assert request is not None and request.status == RequestStatus.RUNNING
-            assert chunk.sample and chunk.token_ids == (request.output_token_ids[-1],)
+            assert chunk.sample and chunk.token_ids == (request.all_token_ids[-1],)
             assert chunk.start_position == request.num_tokens - 1
             assert chunk.output_index == len(request.output_token_ids)
             known = self.page_tables[rid]
@@ -154,6 +154,20 @@ class Cluster:
                 self.deliver(rid)
             self.step()
         raise AssertionError("requests did not finish")
+
+    def fork(self, child: Request, parent_id: str) -> bool:
+        """``child`` on ``parent_id``'s prompt pages, the copies made in the simulated pool."""
+        copies = self.scheduler.fork(child, parent_id)
+        if copies is not None:
+            for src, dst in copies:
+                for slot in range(PAGE):
+                    if (src, slot) in self.kv:
+                        self.kv[dst, slot] = self.kv[src, slot]
+                    else:
+                        self.kv.pop((dst, slot), None)
+            self.page_tables[child.request_id] = list(child.page_ids)
+        self.check()
+        return copies is not None
 
     def abort(self, rid: str) -> AbortAction:
         result = self.scheduler.abort(rid)
@@ -692,3 +706,97 @@ def test_decode_scheduler_does_not_import_torch() -> None:
         "assert 'tandem.kvtransfer.nixl_transport' not in sys.modules and 'nixl' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- forks ------------------------------------------------------------------------------------------
+
+
+def _sibling(parent: Request, request_id: str, max_tokens: int = 6) -> Request:
+    return Request(request_id, list(parent.prompt_token_ids), SamplingParams(max_tokens=max_tokens))
+
+
+def _running(cluster: Cluster, request: Request) -> None:
+    cluster.add(request)
+    cluster.reserve()
+    cluster.deliver(request.request_id)
+
+
+@pytest.mark.parametrize("prompt_len", [9, 8, 1], ids=["mid-page", "page-end", "one-token"])
+def test_forked_requests_share_the_prompt_pages_and_each_reads_its_own_context(prompt_len: int) -> None:
+    """Two children on a running parent's prompt: the pages before the prompt's last position
+    are shared, the page holding it is copied; every step of the three reads its own context
+    back (the parent's writes after the fork land in its own page, not in theirs)."""
+    cluster = Cluster()
+    parent = make_request("p", prompt_len, max_tokens=8)
+    _running(cluster, parent)
+    cluster.step()  # the parent has written past its prompt before the children come
+    free = cluster.scheduler.num_free_pages
+    children = [_sibling(parent, f"c{i}") for i in (1, 2)]
+    assert all(cluster.fork(c, "p") for c in children)
+    last = (prompt_len - 1) // PAGE
+    assert cluster.scheduler.num_free_pages == free - 2  # one page each
+    for child in children:
+        assert child.page_ids[:last] == parent.page_ids[:last] and child.status is RequestStatus.RUNNING
+        assert child.page_ids[last] not in parent.page_ids
+    if last:
+        assert cluster.scheduler.kv_cache.refcount(parent.page_ids[0]) == 3
+    cluster.drain()
+    for rid, n in (("p", 8), ("c1", 6), ("c2", 6)):
+        assert cluster.finished[rid].request.output_token_ids == expected_outputs(rid, n)
+    cluster.assert_all_free()
+
+
+def test_a_fork_is_refused_unless_its_parent_runs_here_with_the_same_prompt() -> None:
+    cluster = Cluster()
+    parent = make_request("p", 10)
+    cluster.add(parent)
+    free = cluster.scheduler.num_free_pages
+    assert not cluster.fork(_sibling(parent, "early"), "p")  # queued: no KV yet
+    cluster.reserve()
+    assert not cluster.fork(_sibling(parent, "waiting"), "p")  # waiting for its KV
+    cluster.deliver("p")
+    free = cluster.scheduler.num_free_pages
+    assert not cluster.fork(_sibling(parent, "x"), "nobody")
+    other = make_request("o", 11)
+    assert not cluster.fork(Request("other", list(other.prompt_token_ids), SamplingParams()), "p")
+    resumed = _sibling(parent, "resumed")
+    resumed.output_token_ids = [5]
+    assert not cluster.fork(resumed, "p")
+    assert not cluster.fork(_sibling(parent, "p"), "p")  # its own id
+    assert cluster.scheduler.num_free_pages == free and cluster.scheduler.num_running == 1
+    full = Cluster(num_pages=4)
+    big = make_request("big", 12, max_tokens=4)  # 3 pages, a fourth at its first step
+    _running(full, big)
+    full.step()
+    assert full.scheduler.num_free_pages == 0
+    assert not full.fork(_sibling(big, "c", max_tokens=4), "big")  # no page for its copy
+
+
+def test_the_parent_aborted_before_a_childs_first_step_leaves_it_the_shared_pages() -> None:
+    cluster = Cluster()
+    parent = make_request("p", 13)
+    _running(cluster, parent)
+    child = _sibling(parent, "c")
+    assert cluster.fork(child, "p")
+    shared = child.page_ids[0]
+    assert cluster.abort("p") is AbortAction.DONE
+    assert cluster.scheduler.kv_cache.refcount(shared) == 1  # the child's now
+    cluster.drain()
+    assert cluster.finished["c"].request.output_token_ids == expected_outputs("c", 6)
+    cluster.assert_all_free()
+
+
+def test_a_preempted_fork_is_prefilled_as_any_request() -> None:
+    """A forked child preempted before or after its first token gives its pages back (the
+    shared ones stay with the parent) and comes back through a prefill of its own."""
+    cluster = Cluster(num_pages=7)
+    parent = make_request("p", 9, max_tokens=12)  # 3 pages, growing to 6
+    _running(cluster, parent)
+    child = _sibling(parent, "c", max_tokens=12)
+    assert cluster.fork(child, "p")
+    cluster.drain()
+    assert cluster.preempted == ["c"]  # the newest, when the parent's next token needed a page
+    assert [rid for rid, _ in cluster.prefill_prompts] == ["p", "c"]  # the child's own prefill
+    for rid in ("p", "c"):
+        assert cluster.finished[rid].request.output_token_ids == expected_outputs(rid, 12)
+    cluster.assert_all_free()

@@ -795,3 +795,80 @@ def test_pages_of_an_aborted_transfer_stay_reserved_until_its_last_write_lands(
     assert prefill.transport.in_flight() == (0, 0) and decode.transport.in_flight() == (0, 0)
     prefill.transport.close()
     decode.transport.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "abort_parent"), [(21, False), (24, True)], ids=["mid-page", "page-end-parent-aborted"]
+)
+def test_a_forked_choice_shares_the_prompt_pages_and_gives_the_request_sent_alone(
+    tiny: Path, prompt_len: int, abort_parent: bool
+) -> None:
+    """Choices 1 and 2 of a request for three reach the decode rank while choice 0 runs there:
+    they take its prompt pages (no prefill job, no transfer), each with its own copy of the page
+    holding the prompt's last position, and give the tokens each gives sent alone with its
+    seed. The parent aborted before the children's first step leaves them its shared pages
+    (written before the children draw anything); every page is free at the end."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True)
+    jobs: list[str] = []
+    send = decode.dispatcher.send
+    decode.dispatcher.send = lambda rank, job: (jobs.append(job.request_id), send(rank, job))[1]  # type: ignore[method-assign]
+    rng = random.Random(f"fork-{prompt_len}")
+    prompt = [rng.randrange(256) for _ in range(prompt_len)]
+    sampling = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=s) for s in (41, 42, 43)]
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    want = [o.token_ids for o in engine.generate([prompt] * 3, sampling)]
+    _submit(decode, [Request("c0", prompt, sampling[0], frozenset({257}), 512)])
+    deadline = time.monotonic() + 60
+    while decode.scheduler.num_running == 0 and time.monotonic() < deadline:
+        decode.tick()
+        prefill.tick()
+        if prefill.has_work():
+            prefill.step()
+    parent = decode.scheduler.get("c0")
+    assert parent is not None and decode.scheduler.num_running == 1
+    children = [Request(f"c{i}", prompt, sampling[i], frozenset({257}), 512) for i in (1, 2)]
+    decode.submit([(c, Routing(fork_of="c0"), time.monotonic()) for c in children])
+    assert decode.forks == 2 and jobs == ["c0#0"]  # its attempt 0
+    last = (prompt_len - 1) // PAGE
+    for child in children:
+        assert child.page_ids[:last] == parent.page_ids[:last]  # shared
+        assert child.page_ids[last] not in parent.page_ids  # its own copy
+    kv = decode.runner.pool.kv
+    assert torch.equal(kv[:, children[0].page_ids[last]], kv[:, parent.page_ids[last]])
+    assert decode.scheduler.kv_cache.refcount(parent.page_ids[0]) == 3
+    decode.scheduler.check_integrity()
+    if abort_parent:
+        decode.abort("c0")
+        assert decode.scheduler.kv_cache.refcount(children[0].page_ids[0]) == 2
+        decode.scheduler.check_integrity()
+    done = _drive(prefill, decode, until=3)
+    for i in (1, 2):
+        result = done[f"c{i}"]
+        assert list(result.token_ids) == want[i], i
+        bill = result.bill
+        assert bill.cached_tokens == prompt_len - 1 and bill.new_prompt_tokens == 1
+        assert bill.cached_tokens_by_tier.device == prompt_len - 1 and bill.kv_bytes == 0
+    if not abort_parent:
+        assert list(done["c0"].token_ids) == want[0]
+    assert jobs == ["c0#0"] and decode.scheduler.num_free_pages == 32
+    decode.scheduler.check_integrity()
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_a_fork_whose_parent_is_gone_is_prefilled_as_any_request(tiny: Path) -> None:
+    """The parent finished (or never came here): the choice is prefilled and transferred as a
+    request of its own, with the same tokens."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True)
+    prompt = [random.Random("gone").randrange(256) for _ in range(13)]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=5)
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    (want,) = engine.generate([prompt], [sampling])
+    child = Request("c1", prompt, sampling, frozenset({257}), 512)
+    decode.submit([(child, Routing(fork_of="c0"), time.monotonic())])
+    assert decode.forks == 0
+    done = _drive(prefill, decode, until=1)
+    assert list(done["c1"].token_ids) == want.token_ids and done["c1"].bill.kv_bytes > 0
+    assert decode.scheduler.num_free_pages == 32
+    prefill.transport.close()
+    decode.transport.close()

@@ -692,6 +692,35 @@ def test_lm_evals_loglikelihood_shapes_are_served(served: Served) -> None:
     _wait_all_pages_free(served)
 
 
+def _prefill_queried_tokens(served: Served) -> int:
+    """Prompt tokens the prefill ranks looked up in their caches: one a prompt a prefill job."""
+    return sum(
+        r.prefix_queried_tokens for g in _status(served).groups if g.role == "prefill" for r in g.ranks
+    )
+
+
+def test_choices_fork_from_the_first_on_its_decode_rank(served: Served) -> None:
+    """``n=3`` while the first choice runs: the other two go to its decode rank and start on its
+    prompt's KV there (no prefill job, no transfer: the prefill rank looks up one prompt), each
+    billed its prompt as cached but the last token, which it recomputes to draw its first."""
+    model, client = served.server.model_name, served.client()
+    prompt = [9 + (i * 7) % 150 for i in range(3 * PAGE + 5)]
+    queried = _prefill_queried_tokens(served)
+    reply = client.completions.create(  # type: ignore[call-overload]
+        model=model, prompt=prompt, n=3, seed=3, max_tokens=160, temperature=1.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert [len(c.model_extra["token_ids"]) for c in reply.choices] == [160] * 3  # type: ignore[index]
+    assert _prefill_queried_tokens(served) - queried == len(prompt)  # one prefill job
+    alone = client.completions.create(  # type: ignore[call-overload]
+        model=model, prompt=prompt, seed=5, max_tokens=160, temperature=1.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert alone.choices[0].model_extra["token_ids"] == reply.choices[2].model_extra["token_ids"]  # type: ignore[index]
+    ranks = [r for g in _status(served).groups for r in g.ranks]
+    assert ranks and all(r.integrity == "ok" for r in ranks), [(r.name, r.integrity) for r in ranks]
+
+
 def test_logit_bias_forces_and_bans_tokens_on_both_edges(served: Served) -> None:
     """A +100 bias makes every greedy output that token (the prefill rank's first and the decode
     rank's rest); -100 on the token a request gives unbiased keeps it out; gRPC's map gives the
@@ -723,7 +752,8 @@ def test_logit_bias_forces_and_bans_tokens_on_both_edges(served: Served) -> None
 def test_n_choices_are_the_requests_sent_one_by_one_with_their_seeds(served: Served) -> None:
     """``n=3`` with a seed: three choices, each the request sent alone with the seed plus its
     index; the prompt counted once in the usage, every choice's tokens counted; the later
-    choices find the prompt in the prefill rank's cache. ``best_of=3, n=1`` returns the one of
+    choices find the prompt's KV cached (on the decode rank, forked from the first, or in the
+    prefill rank's cache when the first ended before they came). ``best_of=3, n=1`` returns the one of
     highest cumulative logprob; streamed, each choice's chunks carry its index and one usage
     ends the stream."""
     model, client = served.server.model_name, served.client()

@@ -278,3 +278,19 @@ def test_tier_speeds_become_prices_and_fall_back_to_the_defaults() -> None:
     router.set_ranks(PREFILL[1:], DECODE)
     router.set_ranks(PREFILL, DECODE)
     assert router.tier_costs("prefill0-r0") == defaults  # a rank that left starts over
+
+
+def test_a_pinned_decode_rank_is_taken_while_it_is_in_the_view() -> None:
+    """A forked choice goes to its parent's decode rank, even the more loaded one, and its load
+    counts there; a pinned rank no longer in the view is ignored."""
+    router = make_router()
+    parent = route(router, "parent", list(range(300, 320)))
+    tokens = list(range(300, 320))
+    child = router.route(
+        "child", block_hashes(tokens, PAGE), len(tokens), PAGE, 8, decode_rank=parent.decode_rank
+    )
+    assert child.decode_rank == parent.decode_rank
+    assert router.loads().decode_requests[parent.decode_rank] == 2
+    gone = router.route("gone", block_hashes(tokens, PAGE), len(tokens), PAGE, 8, decode_rank="decode9-r0")
+    assert gone.decode_rank in DECODE and gone.decode_rank != parent.decode_rank  # the less loaded
+    router.check_integrity()
