@@ -36,45 +36,11 @@ fi
 MODEL_DIR=${MODEL_DIR:-$("$PY" -c "from tandem.cluster.serve import demo_model_dir; print(demo_model_dir())")}
 MODEL_DIR=$(cd "$MODEL_DIR" && pwd)  # absolute: transformers reads it from disk, not the hub
 
-LOG=$(mktemp)
 OUT=$(mktemp -d)
-SERVER_PID=""
-cleanup() {
-    if [ -n "$SERVER_PID" ]; then
-        kill "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-    fi
-    rm -rf "$LOG" "$OUT"
-}
-trap cleanup EXIT
-
-if [ -z "${URL:-}" ]; then
-    read -r GRPC_PORT FREE_PORT < <("$PY" -c "
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind(('127.0.0.1', 0))
-print(*(s.getsockname()[1] for s in socks))")
-    PORT=${PORT:-$FREE_PORT}
-    URL=http://127.0.0.1:$PORT
-    echo "guidellm: tandem serve --preset $PRESET --model $MODEL_DIR --port $GRPC_PORT --http-port $PORT" >&2
-    "$TANDEM" serve --preset "$PRESET" --model "$MODEL_DIR" --port "$GRPC_PORT" --http-port "$PORT" >"$LOG" 2>&1 &
-    SERVER_PID=$!
-fi
-
-echo "guidellm: waiting for $URL/health" >&2
-deadline=$((SECONDS + ${WAIT_S:-600}))
-until "$PY" -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; do
-    if [ -n "$SERVER_PID" ] && ! kill -0 "$SERVER_PID" 2>/dev/null || [ $SECONDS -ge $deadline ]; then
-        echo "guidellm: $URL did not come up; the server's log:" >&2
-        tail -n 40 "$LOG" >&2
-        exit 1
-    fi
-    sleep 1
-done
-MODEL=$("$PY" -c "
-import json, urllib.request
-print(json.load(urllib.request.urlopen('$URL/v1/models', timeout=10))['data'][0]['id'])")
+# shellcheck source=scripts/http-server.sh
+source scripts/http-server.sh
+trap 'stop_http_server; rm -rf "$OUT"' EXIT
+start_http_server guidellm
 echo "guidellm: $URL serves $MODEL; $REQUESTS requests, profile $PROFILE" >&2
 
 (cd "$OUT" && HF_HUB_OFFLINE=1 "$GUIDELLM_VENV/bin/guidellm" run \

@@ -172,12 +172,18 @@ def test_streamed_deltas_join_into_a_valid_document(served: Served) -> None:
 def test_a_structured_output_asked_wrongly_is_a_400_naming_it(
     served: Served, fields: dict[str, Any], param: str, says: str
 ) -> None:
+    error = _refused(served, fields)
+    assert error["param"] == param and says in error["message"], error
+
+
+def _refused(served: Served, fields: dict[str, Any]) -> dict[str, Any]:
+    """The 400's error of a chat request with ``fields``, sent with the official client."""
     body = {"model": served.server.model_name, "messages": [{"role": "user", "content": "hi"}], **fields}
     with pytest.raises(openai.BadRequestError) as info:
         served.client().post("/chat/completions", body=body, cast_to=object)
     error = info.value.body
-    assert isinstance(error, dict) and error["param"] == param, error
-    assert says in error["message"], error
+    assert isinstance(error, dict), error
+    return error
 
 
 def test_the_grpc_fields_guide_the_same_way_and_a_bad_spec_is_invalid_argument(served: Served) -> None:
@@ -324,8 +330,5 @@ def test_a_conversation_with_calls_and_their_results_renders_and_answers(served:
 def test_tools_asked_wrongly_are_a_400_naming_the_field(
     served: Served, fields: dict[str, Any], param: str
 ) -> None:
-    body = {"model": served.server.model_name, "messages": [{"role": "user", "content": "hi"}], **fields}
-    with pytest.raises(openai.BadRequestError) as info:
-        served.client().post("/chat/completions", body=body, cast_to=object)
-    error = info.value.body
-    assert isinstance(error, dict) and error["param"] == param, error
+    error = _refused(served, fields)
+    assert error["param"] == param, error
