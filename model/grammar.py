@@ -65,15 +65,15 @@ def encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
 
 
 class GrammarCompiler:
-    """Guides compiled for one vocabulary, cached; ``threads`` compile side by side."""
+    """Guides compiled for one vocabulary, cached, one at a time on the compiler's thread."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         """The vocabulary and xgrammar's compiler are made on the compiler's thread at the
         first guide."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[Guide, concurrent.futures.Future[xgr.CompiledGrammar]]
         self._cache = collections.OrderedDict()
@@ -113,8 +113,9 @@ class GrammarCompiler:
 
     def _compile(self, guide: Guide) -> xgr.CompiledGrammar:
         self.compiled += 1
+        compiler = self._xgr_compiler()  # its failure is the server's, not the spec's
         try:
-            return self._build(guide)
+            return self._build(compiler, guide)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors of a bad spec
             message = _NOISE.sub("", str(exc).strip()).splitlines()[0] if str(exc).strip() else repr(exc)
             raise InvalidRequestError("guide", f"{guide.kind.value} does not compile: {message}") from None
@@ -131,8 +132,7 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
-    def _build(self, guide: Guide) -> xgr.CompiledGrammar:
-        compiler = self._xgr_compiler()
+    def _build(self, compiler: Any, guide: Guide) -> xgr.CompiledGrammar:
         if guide.kind is GuideKind.JSON_OBJECT:
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if guide.kind is GuideKind.JSON_SCHEMA:
