@@ -38,7 +38,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tandem.frontend.chat_template import ChatTemplate
 from tandem.frontend.grpc_auth import ANONYMOUS
 from tandem.frontend.openai_structured import GuideError, ResponseFormat, StructuredOutputs, guide_of
-from tandem.frontend.openai_tools import Tool, ToolCall, ToolChoice, ToolPlan, plan_tools, tools_text
+from tandem.frontend.openai_tools import (
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolPlan,
+    held_back,
+    plan_tools,
+    tools_text,
+)
 from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
 from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
@@ -608,21 +616,13 @@ class StopMatcher:
         if found:
             self.stopped, self._held = True, ""
             return text[: min(found)]
-        keep = max((_overlap(text, s) for s in self.stops), default=0)
+        keep = max((held_back(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def flush(self) -> str:
         held, self._held = self._held, ""
         return held
-
-
-def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of ``text`` that begins ``stop`` (and is shorter than it)."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ class CallStream:
         if not self._in_calls:
             at = self._held.find(CALLS_BEGIN)
             if at < 0:
-                keep = _prefix_overlap(self._held, CALLS_BEGIN)
+                keep = held_back(self._held, CALLS_BEGIN)
                 content, self._held = (
                     self._held[: len(self._held) - keep],
                     self._held[len(self._held) - keep :],
@@ -226,7 +226,9 @@ class CallStream:
         return "" if self.calls else CALLS_BEGIN + held
 
 
-def _prefix_overlap(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (and is shorter than
+    it): what a stream holds back until the next piece tells whether the marker comes."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:n]):
             return n
