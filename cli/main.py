@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--mtp", action="store_true", help="add a (random) multi-token-prediction layer")
+    tiny.add_argument(
+        "--fp8-block",
+        type=int,
+        default=None,
+        metavar="B",
+        help="write it in DeepSeek-V3's FP8 format with B x B block scales (the release uses 128)",
+    )
     demo = model.add_parser("train-demo", help="train the tiny model on English text (the default model)")
     demo.add_argument("dir", type=Path, help="where to write the checkpoint (the committed one: model/demo)")
     demo.add_argument("--corpus", type=Path, default=None, help="UTF-8 text (default: model/demo/corpus.txt)")
@@ -315,7 +322,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.model.make_tiny import make_tiny_checkpoint
 
         extra = {"num_nextn_predict_layers": 1} if args.mtp else {}
-        path = make_tiny_checkpoint(args.dir, seed=args.seed, **extra)
+        block = (args.fp8_block, args.fp8_block) if args.fp8_block else None
+        path = make_tiny_checkpoint(args.dir, seed=args.seed, fp8_block=block, **extra)
         emit(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
         return 0
     if args.command == "generate":

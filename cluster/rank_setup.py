@@ -16,7 +16,7 @@ from tandem.engine.cpu_affinity import node_cores, pin_process
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
 from tandem.engine.rank_context import RankContext
 from tandem.engine.rank_loop import RankLoop
-from tandem.model.checkpoint import load_checkpoint
+from tandem.model.checkpoint import iter_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.dtypes import DTYPES
@@ -85,8 +85,11 @@ def load_rank_model(
     dispatcher = ExpertParallelDispatcher(rank, world_size, cfg.n_routed_experts)
     experts = expert_slice(cfg.n_routed_experts, rank, world_size)
     model = DeepseekV3(cfg, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher, mtp=mtp)
-    tensors = load_checkpoint(model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert, mtp=mtp)
-    model.load_weights(tensors)
+    model.load_weights(
+        iter_checkpoint(
+            model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert, mtp=mtp, keep_fp8=model.keeps_fp8
+        )
+    )
     return cfg, model, dispatcher
 
 

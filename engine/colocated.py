@@ -18,7 +18,7 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.model.checkpoint import load_checkpoint
+from tandem.model.checkpoint import iter_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.grammar import GrammarCompiler, GuidedRows
@@ -104,7 +104,7 @@ class ColocatedEngine:
         cfg = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         model = DeepseekV3(cfg, dtype, device)
-        model.load_weights(load_checkpoint(model_dir, cfg, dtype))
+        model.load_weights(iter_checkpoint(model_dir, cfg, dtype, keep_fp8=model.keeps_fp8))
         return ColocatedEngine(model, config, tokenizer)
 
     def validate_prompt(self, prompt_token_ids: list[int], field: str = "prompt_ids") -> None:

@@ -81,7 +81,9 @@ class ExpertParallelDispatcher(ExpertDispatcher):
     ) -> torch.Tensor:
         n, per_rank, top_k = self.world_size, len(self.local), ids.shape[1]
         if n == 1:  # a group of one holds every expert: nothing to exchange, no host sync
-            return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert)
+            return ops.moe_experts(
+                x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
+            )
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by owner rank
         token_of_pair = order // top_k
@@ -102,7 +104,9 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         local_ids = torch.arange(self.local.start, self.local.stop, device=x.device).repeat(n)
         recv_ids = local_ids.repeat_interleave(recv_counts.view(-1))[:, None]
         unit = torch.ones(recv_ids.shape, dtype=torch.float32, device=x.device)
-        expert_out = ops.moe_experts(recv_rows, unit, recv_ids, moe.w_gate_up, moe.w_down, moe.first_expert)
+        expert_out = ops.moe_experts(
+            recv_rows, unit, recv_ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
+        )
 
         back = x.new_empty(send_rows.shape)
         self._all_to_all(back, expert_out, in_splits, out_splits)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +30,16 @@ from safetensors import SafetensorError, safe_open
 
 from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expected_tensor_shapes
 from tandem.model.errors import ModelFileError
+from tandem.model.kernels.fp8 import (  # noqa: F401 (re-exported: the checkpoint format's helpers)
+    DEFAULT_BLOCK,
+    FP8_MAX,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
-DEFAULT_BLOCK = (128, 128)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _MAX_LISTED_PROBLEMS = 10
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -60,34 +64,6 @@ class _Entry:
     dtype: str
 
 
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
-) -> torch.Tensor:
-    """``weight.float() * scale_inv`` with each scale broadcast over its ``block`` (edge blocks partial)."""
-    out_dim, in_dim = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:out_dim]
-    scale = scale.repeat_interleave(block[1], dim=1)[:, :in_dim]
-    return weight.float() * scale
-
-
-def quantize_fp8_block(
-    weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8 e4m3 quantisation: returns ``(fp8 weight, fp32 scale_inv)``, the inverse of
-    :func:`dequantize_fp8_block`. Each block's scale maps its largest magnitude onto 448."""
-    out_dim, in_dim = weight.shape
-    bo, bi = block
-    rows, cols = math.ceil(out_dim / bo), math.ceil(in_dim / bi)
-    padded = torch.zeros(rows * bo, cols * bi, dtype=torch.float32)
-    padded[:out_dim, :in_dim] = weight.float()
-    amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3))
-    # An all-zero block has no range to map; any positive scale quantises it exactly.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    full_scale = scale.repeat_interleave(bo, dim=0).repeat_interleave(bi, dim=1)
-    quantized = (padded / full_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized[:out_dim, :in_dim].contiguous(), scale
-
-
 def load_checkpoint(
     model_dir: Path | str,
     cfg: ModelConfig,
@@ -103,6 +79,21 @@ def load_checkpoint(
     be there, with their shapes). ``expert_filter(layer, expert)`` returning False keeps that
     routed expert's tensors out of the result without reading them.
     """
+    return dict(iter_checkpoint(model_dir, cfg, dtype, expert_filter, mtp))
+
+
+def iter_checkpoint(
+    model_dir: Path | str,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    expert_filter: ExpertFilter | None = None,
+    mtp: bool = False,
+    keep_fp8: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`load_checkpoint`'s tensors one at a time, file by file, each read from its file as
+    it is yielded (the host holds one tensor, not a shard). An FP8 tensor for which
+    ``keep_fp8(name)`` is true comes as it is, followed by its ``<name>_scale_inv``; every other
+    FP8 tensor comes dequantised into ``dtype``. The whole checkpoint is validated first."""
     model_dir = Path(model_dir)
     entries = _read_headers(model_dir)
     block = cfg.quant_block_size or DEFAULT_BLOCK
@@ -117,7 +108,6 @@ def load_checkpoint(
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(entries[name].file, []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
@@ -129,9 +119,12 @@ def load_checkpoint(
                     else:
                         with safe_open(str(scale_entry.file), framework="pt") as other:
                             scale = other.get_tensor(name + SCALE_SUFFIX)
+                    if keep_fp8 is not None and keep_fp8(name):
+                        yield name, tensor
+                        yield name + SCALE_SUFFIX, scale.to(torch.float32)
+                        continue
                     tensor = dequantize_fp8_block(tensor, scale, block)
-                tensors[name] = tensor.to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
-    return tensors
+                yield name, tensor.to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
 
 
 def check_model_dir(model_dir: Path | str, mtp: bool = False) -> ModelConfig:

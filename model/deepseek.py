@@ -6,7 +6,7 @@ and the RoPE table in float32 whatever the activation dtype; everything else in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +16,11 @@ from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.expert_dispatch import ExpertDispatcher, LocalExperts
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp8 import FP8_DTYPE, quantize_fp8_block
 from tandem.model.kernels.registry import get_backend
 from tandem.model.kernels.rope import rope_cos_sin_table
 from tandem.model.kv_pool import KVPool
-from tandem.model.layers import DecoderLayer, MoE, RMSNorm
+from tandem.model.layers import DecoderLayer, Linear, MoE, RMSNorm
 from tandem.model.mtp import MTPLayer
 
 # the MTP layer's own tensors (``model.layers.N.<name>``) -> its parameters
@@ -46,9 +47,12 @@ class DeepseekV3(nn.Module):
         experts: range | None = None,
         dispatcher: ExpertDispatcher | None = None,
         mtp: bool = False,
+        keep_fp8: bool = True,
     ) -> None:
         """``mtp``: hold the checkpoint's multi-token-prediction layer too (``model/mtp.py``),
-        whose attention uses the KV pool's layer ``num_hidden_layers``."""
+        whose attention uses the KV pool's layer ``num_hidden_layers``. ``keep_fp8``: an FP8
+        checkpoint's projections and experts stay FP8 in memory (``layers.py``); without it,
+        or for a checkpoint that is not FP8, every weight is in ``dtype``."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -58,16 +62,18 @@ class DeepseekV3(nn.Module):
         if dispatcher is None and len(self.experts) != cfg.n_routed_experts:
             raise ValueError("a model holding a slice of the experts needs an expert-parallel dispatcher")
         self.dispatcher = dispatcher or LocalExperts()
+        self.fp8_block = cfg.quant_block_size if keep_fp8 else None
+        fp8 = self.fp8_block
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device, self.experts) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, dtype, device, self.experts, fp8) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if mtp and cfg.num_nextn_predict_layers < 1:
             raise ValueError("the model's config.json has no multi-token-prediction layer")
-        self.mtp = MTPLayer(cfg, dtype, device, self.experts) if mtp else None
+        self.mtp = MTPLayer(cfg, dtype, device, self.experts, fp8) if mtp else None
         self.lm_head = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -76,6 +82,23 @@ class DeepseekV3(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        for module in self.modules():
+            if isinstance(module, Linear) and module.fp8_block is not None:
+                module.ops = self.ops
+        self._fp8_params: set[str] | None = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights resident on this copy's device (FP8 weights count 1 byte, their
+        scales 4 bytes per block)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def keeps_fp8(self, name: str) -> bool:
+        """Whether the Hugging Face tensor ``name`` is held as FP8 here (then the checkpoint's
+        FP8 bytes and its ``_scale_inv`` load as they are)."""
+        if self._fp8_params is None:
+            self._fp8_params = {n for n, p in self.named_parameters() if p.dtype == FP8_DTYPE}
+        target, _ = self._target(name)
+        return target in self._fp8_params
 
     def owns_expert(self, layer: int, expert: int) -> bool:
         return expert in self.experts
@@ -150,22 +173,47 @@ class DeepseekV3(nn.Module):
         return self.owns_expert
 
     @torch.inference_mode()
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in; routed experts are stacked into ``w_gate_up``/``w_down``."""
+    def load_weights(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, one at a time as they come (``checkpoint.
+        iter_checkpoint``); routed experts are stacked into ``w_gate_up``/``w_down``. An FP8
+        destination takes FP8 bytes and their ``_scale_inv`` as they are; given a tensor that is
+        not FP8, it quantises it by blocks (with its scale) on the way in."""
         own = dict(self.named_parameters())
-        for name, tensor in tensors.items():
-            target, index = self._target(name)
-            if target is None:
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        for name, tensor in items:
+            dst = self._destination(own, name)
+            if dst is None:
                 continue
-            param = own[target]
-            dst = param if index is None else param[index[0]]
-            if index is not None and index[1] is not None:
-                dst = dst[index[1]]
-            if dst.shape != tensor.shape:
-                raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
+            if dst.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE and not name.endswith("_scale_inv"):
+                assert self.fp8_block is not None
+                tensor, scale = quantize_fp8_block(tensor, self.fp8_block)
+                scale_dst = self._destination(own, name + "_scale_inv")
+                assert scale_dst is not None
+                self._copy(name + "_scale_inv", scale_dst, scale)
+            self._copy(name, dst, tensor)
         if self.cfg.tie_word_embeddings:
             self.lm_head.copy_(self.embed_tokens)
+
+    def _destination(self, own: dict[str, nn.Parameter], name: str) -> torch.Tensor | None:
+        target, index = self._target(name)
+        if target is None:
+            return None
+        param = own.get(target)
+        if param is None:
+            if name.endswith("_scale_inv"):
+                base = name.removesuffix("_scale_inv")
+                raise ValueError(f"tensor {name}: the model holds {base} unquantised")
+            raise ValueError(f"tensor {name}: the model has no parameter {target}")
+        dst: torch.Tensor = param if index is None else param[index[0]]
+        if index is not None and index[1] is not None:
+            dst = dst[index[1]]
+        return dst
+
+    @staticmethod
+    def _copy(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:
+        if dst.shape != tensor.shape:
+            raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor.to(dst.dtype))
 
     def _target(self, name: str) -> tuple[str | None, tuple[int, slice | None] | None]:
         """Where a Hugging Face tensor goes: (parameter name, (expert row, slice) or None)."""
@@ -194,6 +242,13 @@ class DeepseekV3(nn.Module):
                 return None, None
             local = expert - self.experts.start
             inter = self.cfg.moe_intermediate_size
+            if name.endswith("_scale_inv"):  # FP8 experts: gate's scale rows, then up's
+                rows = -(-inter // self.fp8_block[0]) if self.fp8_block else 0
+                if proj == "gate_proj":
+                    return prefix + "mlp.w_gate_up_scale", (local, slice(0, rows))
+                if proj == "up_proj":
+                    return prefix + "mlp.w_gate_up_scale", (local, slice(rows, 2 * rows))
+                return prefix + "mlp.w_down_scale", (local, None)
             if proj == "gate_proj":
                 return prefix + "mlp.w_gate_up", (local, slice(0, inter))
             if proj == "up_proj":

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.moe import ExpertScales
 
 
 class ExpertWeights(Protocol):
@@ -28,6 +29,10 @@ class ExpertWeights(Protocol):
 
     @property
     def first_expert(self) -> int: ...
+
+    @property
+    def expert_scales(self) -> ExpertScales | None:
+        """The experts' FP8 block scales; None when they are in the activation dtype."""
 
 
 class ExpertDispatcher(ABC):
@@ -52,4 +57,6 @@ class LocalExperts(ExpertDispatcher):
         ids: torch.Tensor,
         ops: KernelBackend,
     ) -> torch.Tensor:
-        return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert)
+        return ops.moe_experts(
+            x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
+        )

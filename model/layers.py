@@ -3,6 +3,12 @@
 Parameters keep the Hugging Face names and shapes (``q_a_proj``, ``kv_b_proj``, ...) so a
 checkpoint loads by name, except the routed experts, which are stacked for grouped compute:
 ``w_gate_up [E_local, 2I, D]`` (gate rows then up rows) and ``w_down [E_local, D, I]``.
+
+With ``fp8_block`` (an FP8 checkpoint's block size) the projections keep the checkpoint's FP8
+weights with their ``weight_scale_inv`` (``kernels/fp8.py``) and multiply through the backend's
+block-scaled GEMM; so do the routed experts (``w_gate_up_scale``, ``w_down_scale``). Norms, the
+router and ``kv_b_proj`` (split into the absorbed decode weights every step) stay in the model
+dtype: an FP8 ``kv_b_proj`` is dequantised at load, as SGLang and vLLM do.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.expert_dispatch import ExpertDispatcher
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp8 import FP8_DTYPE, fp8_mode, scale_shape
+from tandem.model.kernels.moe import ExpertScales
+
+Fp8Block = tuple[int, int] | None
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -29,40 +39,65 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
+    """``x @ weight^T + bias``; with ``fp8_block`` the weight is FP8 with its block scales, and
+    ``ops`` (the model's kernel backend, set by the model) multiplies by it as it is."""
+
     def __init__(
-        self, in_dim: int, out_dim: int, bias: bool, dtype: torch.dtype, device: torch.device | str
+        self,
+        in_dim: int,
+        out_dim: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fp8_block: Fp8Block = None,
     ) -> None:
         super().__init__()
-        self.weight = _param(out_dim, in_dim, dtype=dtype, device=device)
+        self.fp8_block = fp8_block
+        self.weight = _param(out_dim, in_dim, dtype=FP8_DTYPE if fp8_block else dtype, device=device)
+        self.weight_scale_inv = (
+            _param(*scale_shape(out_dim, in_dim, fp8_block), dtype=torch.float32, device=device)
+            if fp8_block
+            else None
+        )
         self.bias = _param(out_dim, dtype=dtype, device=device) if bias else None
+        self.ops: KernelBackend | None = None
+        self.fp8_mode = fp8_mode() if fp8_block else "dequant"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, self.bias)
+        assert self.ops is not None and self.fp8_block is not None, "the model sets an FP8 layer's ops"
+        return self.ops.fp8_linear(
+            x, self.weight, self.weight_scale_inv, self.fp8_block, self.bias, self.fp8_mode
+        )
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention that reads and writes one layer of the paged latent pool."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, fp8_block: Fp8Block = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         h, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+        q8 = fp8_block
         self.q_proj: Linear | None = None
         self.q_a_proj: Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: Linear | None = None
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(h, heads * cfg.qk_head_dim, False, dtype, device)
+            self.q_proj = Linear(h, heads * cfg.qk_head_dim, False, dtype, device, q8)
         else:
-            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias, dtype, device)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias, dtype, device, q8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False, dtype, device)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_cache_dim, bias, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, False, dtype, device, q8)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_cache_dim, bias, dtype, device, q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
         self.kv_b_proj = Linear(
             cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, dtype, device
         )
-        self.o_proj = Linear(heads * cfg.v_head_dim, h, bias, dtype, device)
+        self.o_proj = Linear(heads * cfg.v_head_dim, h, bias, dtype, device, q8)
 
     def forward(
         self,
@@ -120,11 +155,18 @@ class MLAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fp8_block: Fp8Block = None,
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, False, dtype, device)
-        self.up_proj = Linear(hidden, inter, False, dtype, device)
-        self.down_proj = Linear(inter, hidden, False, dtype, device)
+        self.gate_proj = Linear(hidden, inter, False, dtype, device, fp8_block)
+        self.up_proj = Linear(hidden, inter, False, dtype, device, fp8_block)
+        self.down_proj = Linear(inter, hidden, False, dtype, device, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -141,19 +183,34 @@ class MoE(nn.Module):
         device: torch.device | str,
         first_expert: int = 0,
         num_local_experts: int | None = None,
+        fp8_block: Fp8Block = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.first_expert = first_expert
-        self.num_local_experts = cfg.n_routed_experts if num_local_experts is None else num_local_experts
+        self.num_local_experts = n = cfg.n_routed_experts if num_local_experts is None else num_local_experts
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_weight = _param(cfg.n_routed_experts, h, dtype=torch.float32, device=device)
         self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32, device=device)
-        self.w_gate_up = _param(self.num_local_experts, 2 * inter, h, dtype=dtype, device=device)
-        self.w_down = _param(self.num_local_experts, h, inter, dtype=dtype, device=device)
-        self.shared_experts = (
-            DenseMLP(h, inter * cfg.n_shared_experts, dtype, device) if cfg.n_shared_experts else None
-        )
+        expert_dtype = FP8_DTYPE if fp8_block else dtype
+        self.w_gate_up = _param(n, 2 * inter, h, dtype=expert_dtype, device=device)
+        self.w_down = _param(n, h, inter, dtype=expert_dtype, device=device)
+        self.fp8_block = fp8_block
+        self.w_gate_up_scale: nn.Parameter | None = None
+        self.w_down_scale: nn.Parameter | None = None
+        if fp8_block:
+            rows, cols = scale_shape(inter, h, fp8_block)
+            self.w_gate_up_scale = _param(n, 2 * rows, cols, dtype=torch.float32, device=device)
+            down_rows, down_cols = scale_shape(h, inter, fp8_block)
+            self.w_down_scale = _param(n, down_rows, down_cols, dtype=torch.float32, device=device)
+        shared = inter * cfg.n_shared_experts
+        self.shared_experts = DenseMLP(h, shared, dtype, device, fp8_block) if shared else None
+
+    @property
+    def expert_scales(self) -> ExpertScales | None:
+        if self.w_gate_up_scale is None or self.w_down_scale is None or self.fp8_block is None:
+            return None
+        return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block)
 
     def route(self, x: torch.Tensor, ops: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.to(torch.float32), self.gate_weight)
@@ -183,15 +240,21 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
+        self,
+        cfg: ModelConfig,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        experts: range,
+        fp8_block: Fp8Block = None,
     ) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = MLAttention(cfg, dtype, device)
+        self.self_attn = MLAttention(cfg, dtype, device, fp8_block)
         self.mlp: DenseMLP | MoE
         if cfg.is_moe_layer(index):
-            self.mlp = MoE(cfg, dtype, device, experts.start, len(experts))
+            self.mlp = MoE(cfg, dtype, device, experts.start, len(experts), fp8_block)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, fp8_block)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)

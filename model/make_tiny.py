@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from tandem.model.checkpoint import INDEX_FILE, SINGLE_FILE
 from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expected_tensor_shapes
+from tandem.model.kernels.fp8 import quantize_fp8_block
 from tandem.model.tokenizer import byte_level_alphabet
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
@@ -231,8 +232,35 @@ def write_tokenizer(out_dir: Path) -> None:
     )
 
 
-def make_tiny_checkpoint(out_dir: Path | str, seed: int = 0, **overrides: Any) -> Path:
-    """Write the tiny checkpoint for ``seed`` (config fields changed by ``overrides``) to ``out_dir``.
+def quantize_like_deepseek(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's release format: every 2-D projection and expert weight in FP8 with its
+    ``_scale_inv``; embeddings, output heads, norms and the router stay as they are."""
+    keep = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_head.head.weight")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() != 2 or name.endswith(keep):
+            out[name] = tensor
+        else:
+            out[name], out[name + "_scale_inv"] = quantize_fp8_block(tensor, block)
+    return out
+
+
+def fp8_quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block[0], block[1]],
+    }
+
+
+def make_tiny_checkpoint(
+    out_dir: Path | str, seed: int = 0, fp8_block: tuple[int, int] | None = None, **overrides: Any
+) -> Path:
+    """Write the tiny checkpoint for ``seed`` (config fields changed by ``overrides``) to ``out_dir``;
+    with ``fp8_block``, in DeepSeek-V3's FP8 format with scales of that block size.
 
     The files are written to a temporary directory beside ``out_dir`` and renamed into place, so
     ``out_dir`` is never half-written. If ``out_dir`` already holds the identical checkpoint this
@@ -244,7 +272,11 @@ def make_tiny_checkpoint(out_dir: Path | str, seed: int = 0, **overrides: Any) -
     try:
         config_dict = tiny_config_dict(**overrides)
         cfg = ModelConfig.from_dict(config_dict)
-        write_checkpoint(staging, config_dict, tiny_weights(cfg, seed))
+        tensors = tiny_weights(cfg, seed)
+        if fp8_block is not None:
+            config_dict["quantization_config"] = fp8_quantization_config(fp8_block)
+            tensors = quantize_like_deepseek(tensors, fp8_block)
+        write_checkpoint(staging, config_dict, tensors)
         write_tokenizer(staging)
         if out_dir.exists() and any(out_dir.iterdir()):
             if not _same_files(staging, out_dir):

@@ -37,7 +37,10 @@ class MTPLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         experts: range,
+        fp8_block: tuple[int, int] | None = None,
     ) -> None:
+        """``fp8_block``: the decoder layer's projections and experts stay FP8 (``layers.py``);
+        ``eh_proj`` is in the model dtype."""
         super().__init__()
         h = cfg.hidden_size
         self.index = cfg.num_hidden_layers  # its layer in the checkpoint and in the KV pool
@@ -45,7 +48,7 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.eh_proj = Linear(2 * h, h, False, dtype, device)
-        self.layer = DecoderLayer(cfg, self.index, dtype, device, experts)
+        self.layer = DecoderLayer(cfg, self.index, dtype, device, experts, fp8_block)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.shared_head = nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), False)
         self.experts = experts

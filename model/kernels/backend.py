@@ -14,6 +14,8 @@ import torch
 
 if TYPE_CHECKING:
     from tandem.model.attention_metadata import AttentionMetadata
+    from tandem.model.kernels.fp8 import Fp8Mode
+    from tandem.model.kernels.moe import ExpertScales
 
 
 class KernelBackend(ABC):
@@ -86,9 +88,24 @@ class KernelBackend(ABC):
         w_gate_up: torch.Tensor,
         w_down: torch.Tensor,
         first_expert: int,
+        scales: ExpertScales | None = None,
     ) -> torch.Tensor:
         """Sum over each token's experts of ``weight * down(silu(gate(x)) * up(x))``.
 
         ``w_gate_up [E_local, 2I, D]`` and ``w_down [E_local, D, I]`` hold experts
         ``first_expert .. first_expert + E_local - 1``; other experts contribute nothing.
+        With ``scales`` they are FP8, block-scaled (``kernels/fp8.py``).
         """
+
+    @abstractmethod
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        block: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        mode: Fp8Mode = "dequant",
+    ) -> torch.Tensor:
+        """``x [..., K] @ dequant(weight [N, K])^T (+ bias)`` with ``weight`` FP8 and one
+        ``scale_inv`` per ``block``; ``mode`` as in ``kernels/fp8.py``."""

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from tandem.model.kernels.fp8 import dequantize_fp8_block, dequantize_gate_up
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The block scales of FP8 experts (``kernels/fp8.py``): ``gate_up [E, 2 * ceil(I/bo),
+    ceil(D/bi)]`` (gate's rows, then up's) and ``down [E, ceil(D/bo), ceil(I/bi)]``."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
 
 
 def grouped_topk_torch(
@@ -41,7 +55,9 @@ def fused_experts_torch(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     first_expert: int,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
+    """With ``scales`` the experts are FP8; each used one is dequantised into ``x``'s dtype."""
     out = torch.zeros_like(x)
     num_local, two_inter, _ = w_gate_up.shape
     local_ids = topk_ids - first_expert
@@ -49,9 +65,13 @@ def fused_experts_torch(
         if not 0 <= expert < num_local:
             continue
         token_idx, slot = torch.where(local_ids == expert)
-        h = F.linear(x[token_idx], w_gate_up[expert])
+        w13, w2 = w_gate_up[expert], w_down[expert]
+        if scales is not None:
+            w13 = dequantize_gate_up(w13, scales.gate_up[expert], scales.block).to(x.dtype)
+            w2 = dequantize_fp8_block(w2, scales.down[expert], scales.block).to(x.dtype)
+        h = F.linear(x[token_idx], w13)
         gate, up = h.split(two_inter // 2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[expert])
+        y = F.linear(F.silu(gate) * up, w2)
         y = y * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

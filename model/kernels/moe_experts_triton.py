@@ -30,19 +30,22 @@ float32. A token none of whose experts is local gets a zero row.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from tandem.model.kernels.moe import ExpertScales
 
 
 class ExpertDtypeMismatch(TypeError):
     def __init__(self, x_dtype: torch.dtype, w_gate_up_dtype: torch.dtype, w_down_dtype: torch.dtype) -> None:
         super().__init__(
             f"x is {x_dtype} but w_gate_up is {w_gate_up_dtype} and w_down is {w_down_dtype}: "
-            "load the experts in the activation dtype"
+            "load the experts in the activation dtype, or as FP8 with their block scales"
         )
 
 
@@ -144,7 +147,13 @@ def _gate_up_silu_kernel(
     w_stride_n,
     w_stride_d,
     h_stride_m,
+    s_ptr,
+    s_stride_e,
+    s_stride_n,
     TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    SCALE_BO: tl.constexpr,
+    SCALE_BI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -166,6 +175,9 @@ def _gate_up_silu_kernel(
     x_ptrs = x_ptr + token[:, None] * x_stride_t + offs_k[None, :] * x_stride_d
     gate_ptrs = w_ptr + expert * w_stride_e + offs_n[None, :] * w_stride_n + offs_k[:, None] * w_stride_d
     up_ptrs = gate_ptrs + inter * w_stride_n
+    if HAS_SCALE:  # FP8 experts: gate's scale rows, then up's from row ceil(I / bo)
+        gate_s_ptrs = s_ptr + expert * s_stride_e + (offs_n // SCALE_BO) * s_stride_n
+        up_s_ptrs = gate_s_ptrs + tl.cdiv(inter, SCALE_BO) * s_stride_n
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -174,6 +186,11 @@ def _gate_up_silu_kernel(
         w_mask = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if HAS_SCALE:  # dequantise the tile into the activation dtype
+            sg = tl.load(gate_s_ptrs + k0 // SCALE_BI, mask=n_ok, other=0.0)
+            su = tl.load(up_s_ptrs + k0 // SCALE_BI, mask=n_ok, other=0.0)
+            wg = (wg.to(tl.float32) * sg[None, :]).to(xa.dtype)
+            wu = (wu.to(tl.float32) * su[None, :]).to(xa.dtype)
         if UPCAST_DOT:
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         gate = tl.dot(xa, wg, gate, input_precision=DOT_PRECISION)
@@ -203,6 +220,12 @@ def _down_kernel(
     w_stride_n,
     w_stride_k,
     y_stride_p,
+    s_ptr,
+    s_stride_e,
+    s_stride_n,
+    HAS_SCALE: tl.constexpr,
+    SCALE_BO: tl.constexpr,
+    SCALE_BI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -222,11 +245,16 @@ def _down_kernel(
 
     h_ptrs = h_ptr + offs_m[:, None] * h_stride_m + offs_k[None, :]
     w_ptrs = w_ptr + expert * w_stride_e + offs_n[None, :] * w_stride_n + offs_k[:, None] * w_stride_k
+    if HAS_SCALE:
+        s_ptrs = s_ptr + expert * s_stride_e + (offs_n // SCALE_BO) * s_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = offs_k < inter - k0
         ha = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
         wb = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            sb = tl.load(s_ptrs + k0 // SCALE_BI, mask=n_ok, other=0.0)
+            wb = (wb.to(tl.float32) * sb[None, :]).to(ha.dtype)
         if UPCAST_DOT:
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=DOT_PRECISION)
@@ -277,6 +305,7 @@ def launch_fused_experts(
     h: torch.Tensor,
     y: torch.Tensor,
     out: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> None:
     """Run the three kernels into caller-owned buffers: ``h [max_rows, I]`` (every row of a used
     block is written), ``y [T * top_k, D]`` (rows of local pairs are written) and ``out [T, D]``
@@ -295,6 +324,12 @@ def launch_fused_experts(
     # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; a GPU never upcasts
     upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     num_blocks = aligned.block_expert.numel()
+    # FP8 experts: tiles are dequantised into x's dtype, one scale column per reduction step
+    s13 = scales.gate_up if scales is not None else w_gate_up
+    s2 = scales.down if scales is not None else w_down
+    bo, bi = scales.block if scales is not None else (1, 1)
+    if scales is not None:
+        assert bi % blocks.gate_up_block_k == 0 and bi % blocks.down_block_k == 0
 
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, blocks.gate_up_block_n))](
         x,
@@ -311,7 +346,13 @@ def launch_fused_experts(
         w_gate_up.stride(1),
         w_gate_up.stride(2),
         h.stride(0),
+        s13,
+        s13.stride(0),
+        s13.stride(1),
         TOP_K=top_k,
+        HAS_SCALE=scales is not None,
+        SCALE_BO=bo,
+        SCALE_BI=bi,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         BLOCK_M=blocks.block_m,
@@ -336,6 +377,12 @@ def launch_fused_experts(
         w_down.stride(1),
         w_down.stride(2),
         y.stride(0),
+        s2,
+        s2.stride(0),
+        s2.stride(1),
+        HAS_SCALE=scales is not None,
+        SCALE_BO=bo,
+        SCALE_BI=bi,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
         BLOCK_M=blocks.block_m,
@@ -367,17 +414,31 @@ def fused_experts_triton(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     first_expert: int,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's local experts of ``weight * down(silu(gate(x)) * up(x))`` -> ``[T, D]``."""
-    if not x.dtype == w_gate_up.dtype == w_down.dtype:
+    """Sum over each token's local experts of ``weight * down(silu(gate(x)) * up(x))`` -> ``[T, D]``.
+
+    The experts are in ``x``'s dtype, or FP8 with their ``scales``."""
+    if scales is None and not x.dtype == w_gate_up.dtype == w_down.dtype:
+        raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
+    if scales is not None and not w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn:
         raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w_gate_up.shape
     num_pairs = topk_ids.numel()
     blocks = pick_expert_blocks(num_pairs, num_local, hidden, two_inter // 2, x.dtype)
+    if scales is not None:  # a reduction step must not straddle two scale columns
+        bi = scales.block[1]
+        blocks = replace(
+            blocks,
+            gate_up_block_k=math.gcd(blocks.gate_up_block_k, bi),
+            down_block_k=math.gcd(blocks.down_block_k, bi),
+        )
     max_rows = padded_row_count(num_pairs, num_local, blocks.block_m)
     h = torch.empty((max_rows, two_inter // 2), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    launch_fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, first_expert, blocks, h, y, out)
+    launch_fused_experts(
+        x, topk_weights, topk_ids, w_gate_up, w_down, first_expert, blocks, h, y, out, scales
+    )
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp8 import fp8_linear_torch
 from tandem.model.kernels.mla_attention import decode_attention_torch, extend_attention_torch, kv_store_torch
 from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
 from tandem.model.kernels.norm import rms_norm_torch
@@ -18,3 +19,4 @@ class TorchBackend(KernelBackend):
     decode_attention = staticmethod(decode_attention_torch)
     moe_route = staticmethod(grouped_topk_torch)
     moe_experts = staticmethod(fused_experts_torch)
+    fp8_linear = staticmethod(fp8_linear_torch)

@@ -4,6 +4,7 @@ Triton's interpreter on a CPU)."""
 from __future__ import annotations
 
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp8_gemm_triton import fp8_linear_triton
 from tandem.model.kernels.kv_store_triton import kv_store_triton
 from tandem.model.kernels.mla_decode_triton import decode_attention_triton
 from tandem.model.kernels.mla_extend_triton import extend_attention_triton
@@ -22,3 +23,4 @@ class TritonBackend(KernelBackend):
     decode_attention = staticmethod(decode_attention_triton)
     moe_route = staticmethod(grouped_topk_triton)
     moe_experts = staticmethod(fused_experts_triton)
+    fp8_linear = staticmethod(fp8_linear_triton)

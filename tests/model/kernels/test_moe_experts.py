@@ -273,31 +273,36 @@ def _sm90_spill_bytes(
     return int(usage.split("STACK:")[1].split()[0])
 
 
-def deepseek_v3_spill_bytes(dtype: str) -> dict[str, int]:
+def deepseek_v3_spill_bytes(dtype: str, fp8_experts: bool = False) -> dict[str, int]:
     """Spill bytes of each kernel at DeepSeek-V3 expert shapes (D=7168, I=2048, 256 local experts,
-    top 8) with the blocks a decode batch (64 tokens) and a prefill chunk (4096) pick."""
+    top 8) with the blocks a decode batch (64 tokens) and a prefill chunk (4096) pick; with
+    ``fp8_experts`` the experts are FP8 with 128x128 block scales, as the release ships them."""
     hidden, inter, num_local, top_k = 7168, 2048, 256, 8
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    w_type = "*fp8e4nv" if fp8_experts else f"*{dtype}"
+    scale = {"HAS_SCALE": fp8_experts, "SCALE_BO": 128, "SCALE_BI": 128}
+    scale_sig = {"s_ptr": "*fp32", "s_stride_e": "i32", "s_stride_n": "i32"}
     spills = {}
     for num_tokens in (64, 4096):
         blocks = pick_expert_blocks(num_tokens * top_k, num_local, hidden, inter, torch_dtype)
         precision = "ieee" if dtype == "fp32" else "tf32"
         shared: dict[str, Any] = {"DOT_PRECISION": precision, "UPCAST_DOT": False, "BLOCK_M": blocks.block_m}
         ints = ["num_pairs", "hidden", "inter"]
-        sig = dict.fromkeys(["x_ptr", "w_ptr", "h_ptr"], f"*{dtype}")
+        sig = dict.fromkeys(["x_ptr", "h_ptr"], f"*{dtype}") | {"w_ptr": w_type} | scale_sig
         sig |= dict.fromkeys(["sorted_pair_ids_ptr", "block_expert_ptr"], "*i32")
         sig |= dict.fromkeys([*ints, "x_stride_t", "w_stride_e", "w_stride_n", "h_stride_m"], "i32")
-        consts = {"x_stride_d": 1, "w_stride_d": 1, "TOP_K": top_k, **shared}
+        consts = {"x_stride_d": 1, "w_stride_d": 1, "TOP_K": top_k, **shared, **scale}
         consts |= {"BLOCK_N": blocks.gate_up_block_n, "BLOCK_K": blocks.gate_up_block_k}
-        aligned = [name for name in sig if name != "num_pairs"]
+        aligned = [name for name in sig if name not in ("num_pairs", "s_stride_n")]  # 56 scale columns
         spills[f"gate_up/{num_tokens}"] = _sm90_spill_bytes(
             _gate_up_silu_kernel, sig, consts, aligned, blocks.num_warps
         )
 
-        sig = dict.fromkeys(["h_ptr", "w_ptr", "y_ptr"], f"*{dtype}") | {"topk_weights_ptr": "*fp32"}
-        sig |= dict.fromkeys(["sorted_pair_ids_ptr", "block_expert_ptr"], "*i32")
+        sig = dict.fromkeys(["h_ptr", "y_ptr"], f"*{dtype}") | {"topk_weights_ptr": "*fp32", "w_ptr": w_type}
+        sig |= dict.fromkeys(["sorted_pair_ids_ptr", "block_expert_ptr"], "*i32") | scale_sig
         sig |= dict.fromkeys([*ints, "h_stride_m", "w_stride_e", "w_stride_n", "y_stride_p"], "i32")
         consts = {"w_stride_k": 1, **shared, "BLOCK_N": blocks.down_block_n, "BLOCK_K": blocks.down_block_k}
+        consts |= scale
         aligned = [name for name in sig if name != "num_pairs"]
         spills[f"down/{num_tokens}"] = _sm90_spill_bytes(_down_kernel, sig, consts, aligned, blocks.num_warps)
 
@@ -309,8 +314,11 @@ def deepseek_v3_spill_bytes(dtype: str) -> dict[str, int]:
     return spills
 
 
-@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.kernels_full)])
-def test_compiles_for_h200_without_spills(dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "fp8_experts"),
+    [("bf16", False), ("bf16", True), pytest.param("fp32", False, marks=pytest.mark.kernels_full)],
+)
+def test_compiles_for_h200_without_spills(dtype: str, fp8_experts: bool) -> None:
     """Compiled in a child process without ``TRITON_INTERPRET``: once the interpreter is chosen it
     also takes over Triton's own library functions, which a compilation calls."""
     if not CUOBJDUMP.exists():
@@ -318,7 +326,7 @@ def test_compiles_for_h200_without_spills(dtype: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     code = (
         "import json; from tests.model.kernels.test_moe_experts import deepseek_v3_spill_bytes as f; "
-        f"print(json.dumps(f({dtype!r})))"
+        f"print(json.dumps(f({dtype!r}, {fp8_experts!r})))"
     )
     child = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
