@@ -411,6 +411,7 @@ class DecodeWorker(RankWorker):
             preemptions=self.preemptions,
             speculation=self.speculation,
             transfer_failures=self.failure_counts.as_tuple(),
+            weight_bytes=self.runner.weight_bytes,
             forward_s=self.runner.stats.forward_s,
             split=self.runner.split(self._schedule_s, self._update_s, self._draft_s),
             tiers=self.writeback.tiers.stats() if self.writeback is not None else TierStats(),

@@ -199,6 +199,7 @@ class ColocatedWorker(RankWorker):
             total_pages=scheduler.kv_cache.num_total_pages,
             cached_pages=scheduler.kv_cache.num_cached_pages,
             local_experts=len(self.dispatcher.local),
+            weight_bytes=self.engine.runner.weight_bytes,
             forward_s=self.engine.runner.stats.forward_s,
             split=self.engine.runner.split(self._schedule_s, self._update_s),
             tiers=self.engine.copier.tiers.stats() if self.engine.copier is not None else TierStats(),

@@ -53,6 +53,7 @@ class ModelRunner:
         is kept (``hidden_state``). ``keep_hidden``: the hidden states of every sampled row are
         kept until the next step (``hidden_rows``), for an MTP drafter."""
         self.model = model
+        self.weight_bytes = model.weight_bytes()  # resident on the device, FP8 as 1 byte
         self.pool = pool
         self.lockstep = lockstep
         self.static = static

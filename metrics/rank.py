@@ -114,6 +114,11 @@ class _StatsCollector(Collector):
         yield gauge(
             "tandem_num_requests_transferring", "Prefill jobs whose KV is being written", s.transferring
         )
+        yield gauge(
+            "tandem_weight_bytes",
+            "Bytes of model weights resident on the rank's device (FP8 weights 1 byte each, plus scales)",
+            s.weight_bytes,
+        )
         used = s.total_pages - s.free_pages
         yield gauge(
             "tandem_kv_cache_usage_ratio",

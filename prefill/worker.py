@@ -220,6 +220,7 @@ class PrefillWorker(RankWorker):
             prefix_queried_tokens=s.num_queried_tokens,
             prefix_hit_tokens=s.num_hit_tokens,
             transfer_failures=self.failure_counts.as_tuple(),
+            weight_bytes=self.runner.weight_bytes,
             forward_s=self.runner.stats.forward_s,
             split=self.runner.split(),
             tiers=self.copier.tiers.stats() if self.copier is not None else TierStats(),

@@ -484,6 +484,7 @@ class RankStats:
     # failed transfers since start, by direction ("send"/"recv") and cause (the error's kind)
     transfer_failures: tuple[tuple[str, str, int], ...] = ()
     local_experts: int = 0
+    weight_bytes: int = 0  # the model's weights resident on the rank's device (FP8: 1 byte each)
     forward_s: float = 0.0
     all_to_all_s: float = 0.0
     moe_rows_sent: int = 0

@@ -165,7 +165,7 @@ def test_a_rank_exports_its_stats_at_scrape() -> None:
     stats = RankStats(
         RankId("decode0", 1), Role.DECODE, 2, queued=2, running=5, waiting_for_kv=1, free_pages=10,
         total_pages=40, kv_bytes_received=123, receives_in_flight=1, preemptions=3,
-        transfer_failures=(("recv", "timeout", 2),),
+        transfer_failures=(("recv", "timeout", 2),), weight_bytes=7_000_000,
     )  # fmt: skip
     metrics.watch(lambda: stats)
     metrics.step_seconds.observe(0.02)
@@ -175,6 +175,7 @@ def test_a_rank_exports_its_stats_at_scrape() -> None:
     assert _value(s, "tandem_num_requests_waiting") == 2
     assert _value(s, "tandem_num_requests_waiting_for_kv") == 1
     assert _value(s, "tandem_kv_cache_usage_ratio") == 0.75
+    assert _value(s, "tandem_weight_bytes") == 7_000_000
     assert _value(s, "tandem_kv_cache_pages", state="used") == 30
     assert _value(s, "tandem_kv_transfer_bytes_total", direction="recv") == 123
     assert _value(s, "tandem_kv_transfers_in_flight", direction="recv") == 1
