@@ -53,7 +53,7 @@ class ModelRunner:
         is kept (``hidden_state``). ``keep_hidden``: the hidden states of every sampled row are
         kept until the next step (``hidden_rows``), for an MTP drafter."""
         self.model = model
-        self.weight_bytes = model.weight_bytes()  # resident on the device, FP8 as 1 byte
+        self._weight_bytes: int | None = None
         self.pool = pool
         self.lockstep = lockstep
         self.static = static
@@ -69,6 +69,13 @@ class ModelRunner:
         # and the prompt positions' (request -> the first position predicted, its entries)
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
         self.prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        """The model's weights resident on the device (FP8 weights 1 byte each), counted once."""
+        if self._weight_bytes is None:
+            self._weight_bytes = self.model.weight_bytes()
+        return self._weight_bytes
 
     def prepare_guide(self, sampling: SamplingParams) -> None:
         """Start compiling a request's guide (if it has one) off the step's thread."""
