@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cli.deployment import add_deployment_parsers
 
     add_deployment_parsers(sub)
+    from tandem.cli.plan import add_plan_parsers
+
+    add_plan_parsers(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
@@ -344,6 +347,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         except DeploymentUnreachable as exc:
             print(f"tandem: error: {exc}", file=sys.stderr)
             return 1
+    if args.command == "plan":
+        from tandem.cli.plan import run_plan_memory
+
+        return run_plan_memory(args)
     if args.command == "metrics":
         from tandem.cli.serving import run_metrics
 

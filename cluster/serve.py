@@ -27,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.controller import Controller
+from tandem.cluster.memory_plan import sized_topology
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import Topology, TopologyError
 from tandem.engine.cpu_affinity import check_cores
@@ -37,6 +38,7 @@ from tandem.frontend.openai_http import HttpConfig
 from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
+from tandem.model.config import ModelConfig
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 from tandem.wire.routing_view import CONTROLLER_NAME
 from tandem.wire.stream_summary import StreamSummary
@@ -134,6 +136,16 @@ class Server:
         """Frontend 0's OpenAI-compatible API, ``host:port`` (``None`` without ``http_port``)."""
         return self.http_addresses[0] if self.http_addresses else None
 
+    def planned_topology(self) -> Topology:
+        """The topology the controller gets: with ``gpu_memory_gib``, each pool's ``num_pages``
+        from the memory plan (``cluster/memory_plan.py``); a rank that cannot hold the model is
+        refused here (``MemoryPlanError``), before anything starts."""
+        topology = self.options.topology
+        if topology.gpu_memory_gib is None:
+            return topology
+        cfg = ModelConfig.from_dir(self.model_dir)
+        return sized_topology(topology, cfg, self.options.dtype)
+
     def start(self) -> int:
         o = self.options
         listed = o.topology.frontend_cores  # frontend 0 runs on this node: checked before anything starts
@@ -141,6 +153,7 @@ class Server:
             cores = None if listed is None else check_cores(listed, "frontend_cores")
         except ValueError as exc:
             raise TopologyError(o.topology.name, str(exc)) from None
+        topology = self.planned_topology()
         init_ray(o.address, namespace=o.deployment)
         try:
             ray.get_actor(CONTROLLER_NAME)
@@ -158,7 +171,7 @@ class Server:
             scheduling_strategy=here,
             max_restarts=-1,  # a crashed controller comes back and adopts the running groups
         ).remote(
-            o.topology,
+            topology,
             str(self.model_dir),
             o.dtype,
             health_interval_s=o.health_interval_s,

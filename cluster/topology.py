@@ -212,6 +212,20 @@ class Topology(BaseModel):
         description="DEP groups started at once (placement, rank processes, model load, rendezvous); "
         "null = every group of the deployment side by side, 1 = one after another",
     )
+    gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="memory of each rank's GPU in GiB: serve then sizes every rank's KV pool from the "
+        "memory plan (`tandem plan memory`; the pools' num_pages unused) and refuses a topology whose "
+        "ranks cannot hold the model; null = each pool's num_pages as given",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="the fraction of gpu_memory_gib the plan gives weights, workspace and KV pages (the "
+        "rest: the CUDA context, allocator fragments, NCCL buffers)",
+    )
     autoscaling: AutoscalingSpec | None = Field(None, description="bounds and SLOs for `serve --autoscale`")
     store: StoreSpec | None = Field(None, description="the shared KV store (off by default)")
     placement: PlacementSpec = Field(

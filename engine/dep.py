@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.model.expert_dispatch import ExpertDispatcher
+from tandem.model.rank_weights import expert_slice  # torch-free: the memory plan counts slices too
 
 if TYPE_CHECKING:
     from tandem.model.expert_dispatch import ExpertWeights
@@ -38,17 +39,6 @@ class DispatchStats:
     all_to_all_s: float = 0.0
     rows_sent: int = 0
     rows_received: int = 0
-
-
-def expert_slice(num_experts: int, rank: int, world_size: int) -> range:
-    """Rank ``rank``'s routed experts: contiguous slices, the first ``E % n`` ranks one expert
-    more than the rest (256 experts on 144 ranks: 112 ranks hold 2, 32 hold 1); with fewer
-    experts than ranks the last ranks hold none and serve attention only."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a DEP group of {world_size} ranks")
-    base, extra = divmod(num_experts, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
 
 
 class ExpertParallelDispatcher(ExpertDispatcher):

@@ -9,7 +9,12 @@ from tandem.cluster.topology import Topology, TopologyError
 
 @pytest.mark.parametrize(
     "name,prefill,decode",
-    [("local", (1, 2), (1, 2)), ("dep16-dep2", (1, 16), (1, 2)), ("9xdep2-1xdep16", (9, 2), (1, 16))],
+    [
+        ("local", (1, 2), (1, 2)),
+        ("dep16-dep2", (1, 16), (1, 2)),
+        ("dep16-dep8", (1, 16), (1, 8)),
+        ("9xdep2-1xdep16", (9, 2), (1, 16)),
+    ],
 )
 def test_presets(name: str, prefill: tuple[int, int], decode: tuple[int, int]) -> None:
     t = Topology.preset(name)
