@@ -7,15 +7,32 @@ two lists by index, run by run (:mod:`kvtransfer.descriptors`), so NIXL merges e
 contiguous pages into one descriptor.
 
 Ordering and timing: every layer's writes are posted as their own transfer (the last one too),
-each only once the ready event the sender handed over with it completes (on a GPU, a CUDA event
-recorded after the layer's kernels: no write reads KV the device has not produced yet); events are
-checked without blocking, at each call and each ``poll``, and posted in layer order;
-once every transfer of the request is complete by NIXL's own account (its UCX backend flushes
+in layer order, each only once the ready event the sender handed over with it completes (on a GPU,
+a CUDA event recorded after the layer's kernels: no write reads KV the device has not produced
+yet). A layer handed over with ``READY`` (a CPU's forward) is posted at once on the caller's
+thread, behind any layer still waiting. Any other event goes to the watcher, a thread of the
+transport's own, started with the first such event: it blocks on the oldest event not yet seen
+complete (``synchronize``, which releases the GIL), stamps the host's monotonic clock the moment
+it returns (the device's completion, as the host sees it) and posts that send's ready layers, in
+order, while the forward is still running. Events recorded on one stream complete in order, so
+waiting on the oldest first delays none. The last layer's stamp is when its KV was computed: the
+sender's ``compute_done_s`` and the notification's ``prefill_compute_s`` end there, not at the
+host's queueing of that layer (``finish_send``).
+
+Once every transfer of the request is complete by NIXL's own account (its UCX backend flushes
 the endpoint before it reports a transfer done, so the data is in the receiver's pool), the
 sender stamps that moment and only then sends the notification, carrying the sender's figures:
 first post -> last write completed (``kv_transfer_s``), last layer computed -> notification sent
 (``kv_sender_exposed_s``) and the bytes the descriptors covered. The receiver never sees the
 notification before the data, and the bill's transfer figures are the sender's own readings.
+
+Threads: the caller's (every public method, the rank's loop) and the watcher share the sends, the
+receives and the agent behind one lock, held for bookkeeping and NIXL calls (none of which waits),
+never while waiting on an event. So the agent's calls never overlap (it runs unsynchronized, its
+UCX workers in serialized mode; NIXL's progress thread, on for VRAM pools, is NIXL's own). A send's
+error is set under the lock and a write is posted under it only while the send has none, so no
+write is posted after an abort or a failure; the check that every posted write is over and the
+ABORT/ABORT_ACK that follows it happen under the lock too.
 
 Abort protocol (so no late write lands in a page that was handed out again)::
 
@@ -41,8 +58,9 @@ import binascii
 import contextlib
 import dataclasses
 import os
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,11 +101,25 @@ configure_ucx()  # before NIXL loads UCX: see kvtransfer/ucx_config.py
 
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
+_WATCHER_JOIN_S = 5.0  # how long ``close`` waits for the watcher to end
+
 
 @dataclass
 class _Peer:
     meta: RankMetadata
     dlist: Any  # prepared descriptor list of the peer's pool
+
+
+@dataclass(eq=False)
+class _Layers:
+    """Layers handed over with one ready event, waiting to be posted."""
+
+    layers: list[int]
+    ready: ReadyEvent
+    done_s: float | None = None  # when the watcher saw ``ready`` complete
+
+    def complete(self) -> bool:
+        return self.ready is READY or self.done_s is not None
 
 
 @dataclass
@@ -98,8 +130,8 @@ class _Send:
     stats: TransferStats
     deadline: float
     posted: list[Any] = field(default_factory=list)  # transfer handles in flight or done
-    waiting: list[tuple[list[int], ReadyEvent]] = field(default_factory=list)  # layers not yet ready
-    waited_s: float = 0.0  # when the last event that had to be waited for was seen complete
+    waiting: list[_Layers] = field(default_factory=list)  # handed over, not posted yet, in order
+    device_done_s: float = 0.0  # the latest completion the watcher stamped among posted layers
     layers_sent: set[int] = field(default_factory=set)  # handed over, posted or waiting
     whole: bool = False
     notification: KVNotification | None = None
@@ -173,6 +205,12 @@ class NixlTransport(KVTransport):
         self._ended: OrderedDict[str, None] = OrderedDict()  # recent sends, for late calls
         # receivers that gave up before this side began sending: id -> (their rank, agent, until)
         self._cancelled: dict[str, tuple[str, str, float]] = {}
+        # guards everything above and the agent, between the caller's thread and the watcher
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # the watcher waits here for events
+        self._watch: deque[tuple[_Send, _Layers]] = deque()  # events for the watcher, oldest first
+        self._watcher: threading.Thread | None = None
+        self._closing = False
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
         )
@@ -210,18 +248,20 @@ class NixlTransport(KVTransport):
         first transfer's time, by transports and hosts)."""
         missed = []
         for rank in ranks:
-            if rank == self.rank or rank in self._peers:
-                continue
-            try:
-                peer = self._peer(rank, None, "connect")
-            except KVTransferError:  # not published yet, or an incompatible pool: the first transfer says
-                missed.append(rank)
-                continue
-            self._message(peer.meta.agent_name, WARM, "")
+            with self._lock:  # one peer at a time: the watcher may post between them
+                if rank == self.rank or rank in self._peers:
+                    continue
+                try:
+                    peer = self._peer(rank, None, "connect")
+                except KVTransferError:  # not published yet, or an incompatible pool: the first transfer says
+                    missed.append(rank)
+                    continue
+                self._message(peer.meta.agent_name, WARM, "")
         return missed
 
     def connected_peers(self) -> int:
-        return len(self._peers)
+        with self._lock:
+            return len(self._peers)
 
     def _message(self, agent_name: str, kind: str, request_id: str, **fields: Any) -> None:
         """Send a control message, best effort: an agent that is gone, or was replaced by a newer
@@ -235,33 +275,35 @@ class NixlTransport(KVTransport):
     def begin_send(
         self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
     ) -> None:
-        if request_id in self._sends:
-            raise KVTransferError(request_id, "a transfer with this request id is already in flight")
-        if request_id in self._cancelled:  # the receiver gave up already: nothing may be written
-            who = f"decode rank {self._cancelled[request_id][0]}"
-            self.confirm_cancelled(request_id)
-            raise KVTransferAborted(request_id, who)
-        if len(src_page_ids) != len(dest.page_ids):
-            raise KVTransferError(
-                request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
-            )
-        peer = self._peer(dest.rank, dest.incarnation, request_id)
-        runs = page_runs(src_page_ids, dest.page_ids)
-        stats = TransferStats(request_id, dest.rank)
-        self._sends[request_id] = _Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
+        with self._lock:
+            if request_id in self._sends:
+                raise KVTransferError(request_id, "a transfer with this request id is already in flight")
+            if request_id in self._cancelled:  # the receiver gave up already: nothing may be written
+                who = f"decode rank {self._cancelled[request_id][0]}"
+                self.confirm_cancelled(request_id)
+                raise KVTransferAborted(request_id, who)
+            if len(src_page_ids) != len(dest.page_ids):
+                raise KVTransferError(
+                    request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
+                )
+            peer = self._peer(dest.rank, dest.incarnation, request_id)
+            runs = page_runs(src_page_ids, dest.page_ids)
+            stats = TransferStats(request_id, dest.rank)
+            self._sends[request_id] = _Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 
     def send_layer(self, request_id: str, layer: int, ready: ReadyEvent = READY) -> None:
-        send = self._send(request_id)
-        if send is None or send.error is not None or layer in send.layers_sent or send.whole:
-            return
-        send.layers_sent.add(layer)
-        send.waiting.append(([layer], ready))
-        self._post_ready(send)
+        with self._lock:
+            send = self._send(request_id)
+            if send is None or send.error is not None or layer in send.layers_sent or send.whole:
+                return
+            send.layers_sent.add(layer)
+            self._hand_over(send, [layer], ready)
 
     def send_all_layers(self, request_id: str) -> None:
-        send = self._send(request_id)
-        if send is not None:
-            send.whole = True
+        with self._lock:
+            send = self._send(request_id)
+            if send is not None:
+                send.whole = True
 
     def finish_send(
         self,
@@ -270,33 +312,38 @@ class NixlTransport(KVTransport):
         compute_done_s: float,
         ready: ReadyEvent = READY,
     ) -> None:
-        send = self._send(request_id)
-        if send is None or send.error is not None:
-            return
-        send.notification = notification
-        send.stats.compute_done_s = compute_done_s
-        if send.whole:  # every layer in one transfer, now that all are queued
-            layers = [layer for layer in range(self.layout.num_layers) if layer not in send.layers_sent]
-            send.layers_sent.update(layers)
-            send.waiting.append((layers, ready))
-        self._post_ready(send)
+        with self._lock:
+            send = self._send(request_id)
+            if send is None or send.error is not None:
+                return
+            send.notification = notification
+            send.stats.compute_done_s = compute_done_s
+            if send.whole:  # every layer in one transfer, now that all are queued
+                layers = [layer for layer in range(self.layout.num_layers) if layer not in send.layers_sent]
+                send.layers_sent.update(layers)
+                self._hand_over(send, layers, ready)
+            else:
+                self._post_ready(send)
 
     def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self._cancelled
+        with self._lock:
+            return request_id in self._cancelled
 
     def confirm_cancelled(self, request_id: str) -> None:
-        entry = self._cancelled.pop(request_id, None)
-        if entry is None:
-            return
-        rank, agent_name, _ = entry
-        with contextlib.suppress(KVTransferError):  # first contact: this side never wrote to it
-            self._peer(rank, None, request_id)
-        self._message(agent_name, ABORT_ACK, request_id)  # the job is dropped: pages may be freed
+        with self._lock:
+            entry = self._cancelled.pop(request_id, None)
+            if entry is None:
+                return
+            rank, agent_name, _ = entry
+            with contextlib.suppress(KVTransferError):  # first contact: this side never wrote to it
+                self._peer(rank, None, request_id)
+            self._message(agent_name, ABORT_ACK, request_id)  # the job is dropped: pages may be freed
 
     def abort_send(self, request_id: str) -> None:
-        send = self._sends.get(request_id)
-        if send is not None and send.error is None:
-            send.error = KVTransferAborted(request_id, f"prefill rank {self.rank}")
+        with self._lock:
+            send = self._sends.get(request_id)
+            if send is not None and send.error is None:
+                send.error = KVTransferAborted(request_id, f"prefill rank {self.rank}")
 
     def _send(self, request_id: str) -> _Send | None:
         """The send in flight; ``None`` for one that already ended (aborted or timed out while
@@ -306,19 +353,64 @@ class NixlTransport(KVTransport):
             raise KVTransferError(request_id, "no transfer was begun with this request id")
         return send
 
+    def _hand_over(self, send: _Send, layers: list[int], ready: ReadyEvent) -> None:
+        """Queue ``layers`` behind the send's waiting ones; an event not complete yet goes to the
+        watcher (started now if it is not running)."""
+        entry = _Layers(layers, ready)
+        send.waiting.append(entry)
+        if ready is not READY:
+            self._watch.append((send, entry))
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch_events, name=f"kv-watcher-{self.agent_name}", daemon=True
+                )
+                self._watcher.start()
+            self._wake.notify()
+        self._post_ready(send)
+
+    def _watch_events(self) -> None:
+        """The watcher: for each event handed over, oldest first, block until it completes (the
+        lock not held), stamp that moment and post the send's layers that are ready. An event
+        shared by several sends (one layer of a batch) is waited for once."""
+        last: tuple[ReadyEvent, float] | None = None  # the event waited for last, and its stamp
+        while True:
+            with self._lock:
+                while not self._watch and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+                send, entry = self._watch.popleft()
+                if send.error is not None or entry not in send.waiting:
+                    continue  # aborted or failed: nothing of it will be posted
+            failure: Exception | None = None
+            if last is not None and last[0] is entry.ready:
+                done_s = last[1]
+            else:
+                try:
+                    entry.ready.synchronize()
+                except Exception as exc:  # the device failed: its KV will never be there
+                    failure = exc
+                done_s = time.monotonic()  # the device's completion, as this host sees it
+                last = (entry.ready, done_s)
+            with self._lock:
+                if self._closing:
+                    return
+                if failure is not None and send.error is None:
+                    send.error = KVTransferError(
+                        send.request_id,
+                        f"waiting for layers {entry.layers}: {type(failure).__name__}: {failure}",
+                    )
+                entry.done_s = done_s
+                self._post_ready(send)
+
     def _post_ready(self, send: _Send) -> None:
         """Post, in order, the waiting layers whose events have completed; the first one still
-        running holds back the rest."""
-        while send.waiting and send.error is None:
-            layers, ready = send.waiting[0]
-            if not ready.query():
-                if ready is not READY:
-                    send.waited_s = -1.0  # seen running: its completion is stamped when seen
-                return
-            if send.waited_s < 0:
-                send.waited_s = time.monotonic()
-            send.waiting.pop(0)
-            self._post(send, layers)
+        running holds back the rest. Called with the lock held."""
+        while send.waiting and send.error is None and send.waiting[0].complete():
+            entry = send.waiting.pop(0)
+            if entry.done_s is not None:
+                send.device_done_s = max(send.device_done_s, entry.done_s)
+            self._post(send, entry.layers)
 
     def _post(self, send: _Send, layers: list[int]) -> None:
         """Post the writes of ``layers``. A write NIXL refuses fails this transfer alone (``poll``
@@ -365,13 +457,17 @@ class NixlTransport(KVTransport):
             return False
         assert send.notification is not None
         send.stats.end_s = time.monotonic()  # the last write completed, as NIXL reports it
-        # the last layer's KV was in the pool when its event was seen complete, if it was waited for
-        send.stats.compute_done_s = max(send.stats.compute_done_s, send.waited_s)
+        # the last layer's KV was in the pool when the watcher saw its event complete, which is
+        # after the host queued it; with events complete when handed over, the caller's figure
+        queued_s = send.stats.compute_done_s
+        send.stats.compute_done_s = max(queued_s, send.device_done_s)
+        device_lag_s = send.stats.compute_done_s - queued_s  # the compute figure ends there too
         send.stats.descriptors = sum(self._descriptors(h) for h in send.posted)
         self._release(send)
         send.stats.notified_s = time.monotonic()  # sent now: what the receiver waits for
         timings = dataclasses.replace(
             send.notification.timings,
+            prefill_compute_s=send.notification.timings.prefill_compute_s + device_lag_s,
             kv_transfer_s=send.stats.duration_s,
             kv_sender_exposed_s=send.stats.sender_exposed_s,
         )
@@ -407,17 +503,19 @@ class NixlTransport(KVTransport):
 
     # -- receiver ------------------------------------------------------------------------------
     def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:
-        if request_id in self._recvs:
-            raise KVTransferError(request_id, "already expecting a transfer with this request id")
-        now = time.monotonic()
-        self._recvs[request_id] = _Recv(request_id, peer_rank, tuple(page_ids), now, now + timeout_s)
+        with self._lock:
+            if request_id in self._recvs:
+                raise KVTransferError(request_id, "already expecting a transfer with this request id")
+            now = time.monotonic()
+            self._recvs[request_id] = _Recv(request_id, peer_rank, tuple(page_ids), now, now + timeout_s)
 
     def abort_receive(self, request_id: str) -> None:
-        recv = self._recvs.get(request_id)
-        if recv is not None and recv.error is None:
-            self._start_abort(
-                recv, KVTransferAborted(request_id, f"decode rank {self.rank}"), time.monotonic()
-            )
+        with self._lock:
+            recv = self._recvs.get(request_id)
+            if recv is not None and recv.error is None:
+                self._start_abort(
+                    recv, KVTransferAborted(request_id, f"decode rank {self.rank}"), time.monotonic()
+                )
 
     def _start_abort(self, recv: _Recv, error: KVTransferError, now: float) -> None:
         # without an ack, the pages are safe once the job's deadline is past (see above)
@@ -432,18 +530,23 @@ class NixlTransport(KVTransport):
 
     # -- both ----------------------------------------------------------------------------------
     def fence_peer(self, rank: str) -> None:
-        for recv in self._recvs.values():
-            if recv.peer_rank == rank:
-                recv.error, recv.ack_deadline = PeerLost(recv.request_id, rank), 0.0  # fail now
-        for send in self._sends.values():
-            if send.peer.meta.rank == rank and send.error is None:
-                send.error = PeerLost(send.request_id, rank)  # drained, then failed
-        peer = self._peers.pop(rank, None)
-        if peer is not None:  # its connection closed; a new incarnation is fetched afresh
-            with contextlib.suppress(Exception):  # an agent NIXL already dropped
-                self.agent.remove_remote_agent(peer.meta.agent_name)
+        with self._lock:
+            for recv in self._recvs.values():
+                if recv.peer_rank == rank:
+                    recv.error, recv.ack_deadline = PeerLost(recv.request_id, rank), 0.0  # fail now
+            for send in self._sends.values():
+                if send.peer.meta.rank == rank and send.error is None:
+                    send.error = PeerLost(send.request_id, rank)  # drained, then failed
+            peer = self._peers.pop(rank, None)
+            if peer is not None:  # its connection closed; a new incarnation is fetched afresh
+                with contextlib.suppress(Exception):  # an agent NIXL already dropped
+                    self.agent.remove_remote_agent(peer.meta.agent_name)
 
     def poll(self) -> TransportEvents:
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> TransportEvents:
         events = TransportEvents()
         now = time.monotonic()
         for agent_name, messages in self.agent.get_new_notifs().items():
@@ -516,14 +619,26 @@ class NixlTransport(KVTransport):
         events.failed.append(TransferFailure(recv.request_id, "recv", recv.error))
 
     def in_flight(self) -> tuple[int, int]:
-        return len(self._sends), len(self._recvs)
+        with self._lock:
+            return len(self._sends), len(self._recvs)
 
     def close(self) -> None:
-        for send in self._sends.values():
-            self._release(send)
-        self._sends.clear()
-        self._recvs.clear()
-        self.agent.deregister_memory(self._registration)
+        """Stop the watcher, then drop every transfer and the pool's registration. A watcher still
+        blocked on an event after ``_WATCHER_JOIN_S`` (a device that never finishes) is left to
+        end by itself: once the event completes it sees the transport closed and posts nothing."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join(_WATCHER_JOIN_S)
+        with self._lock:
+            for send in self._sends.values():
+                self._release(send)
+            self._sends.clear()
+            self._recvs.clear()
+            self._watch.clear()
+            self.agent.deregister_memory(self._registration)
 
 
 def _seconds_until(deadline_unix_s: Any, grace_s: float) -> float:

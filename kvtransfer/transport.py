@@ -6,8 +6,9 @@ a receiver it is told what to expect and polls. Nothing here knows group sizes: 
 
 On a device whose kernels run asynchronously, the sender hands each layer over with a
 :class:`ReadyEvent` recorded after that layer's kernels; a write is posted only once its event
-completes (checked without blocking, at each call and each ``poll``), so no write reads KV the
-device has not produced yet, and nothing waits on the device.
+completes, so no write reads KV the device has not produced yet. The caller's thread never waits
+on the device: a transport that waits for events does so on a thread of its own (NIXL's watcher),
+so a layer's writes leave while the forward is still running.
 
 Pages are owned by the schedulers, not by the transport: a side may free a request's pages only
 once :meth:`KVTransport.poll` reports that request finished or failed on that side, which the
@@ -100,9 +101,15 @@ class KVTransport(ABC):
         compute_done_s: float,
         ready: ReadyEvent = READY,
     ) -> None:
-        """Every layer is queued (``compute_done_s``: when the last was); in whole-request mode
-        the writes are posted once ``ready`` completes. Notify the receiver once all writes have
-        landed."""
+        """Every layer is queued; in whole-request mode the writes are posted once ``ready``
+        completes. Notify the receiver once all writes have landed.
+
+        ``compute_done_s`` is when the host queued the last layer, and the notification's
+        ``timings.prefill_compute_s`` ends at that same moment. Where the last layer's event was
+        not complete then (a GPU's), the transport moves that end to the moment it saw the event
+        complete (the device's completion, on the host's monotonic clock): the compute figure
+        grows by the difference, and the exposed figure starts there. With events complete when
+        handed over (a CPU's), both figures are the caller's."""
 
     @abstractmethod
     def abort_send(self, request_id: str) -> None: ...

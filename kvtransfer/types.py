@@ -47,10 +47,17 @@ class PoolLayout:
 
 class ReadyEvent(Protocol):
     """Completes once the work queued before it on the device has run (a CUDA event recorded on
-    the compute stream); ``query`` never blocks. A write of a layer's pages is posted only once
-    the event recorded after that layer's kernels completes."""
+    the compute stream). A write of a layer's pages is posted only once the event recorded after
+    that layer's kernels completes.
+
+    ``query`` never blocks: whether it has completed. ``synchronize`` blocks the calling thread
+    until it has completed and releases the GIL meanwhile (``torch.cuda.Event`` does both), so a
+    transport may wait for it on a thread of its own while the forward goes on; it is called from
+    that thread, never from the step's. Once completed, an event stays completed."""
 
     def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 class _Ready:
@@ -58,6 +65,9 @@ class _Ready:
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        return None
 
     def __repr__(self) -> str:
         return "READY"
@@ -135,7 +145,8 @@ class KVNotification:
 class TransferStats:
     """One side's readings of one transfer, on that side's monotonic clock. Sender: ``start_s``
     its first post, ``end_s`` its last write completed, ``compute_done_s`` the last layer
-    computed, ``notified_s`` the notification sent. Receiver: ``start_s`` the expectation,
+    computed (when the host saw its ready event complete, where it was not at once),
+    ``notified_s`` the notification sent. Receiver: ``start_s`` the expectation,
     ``end_s`` the notification seen."""
 
     request_id: str

@@ -12,8 +12,17 @@ The job's figures, each on this rank's monotonic clock, travel in its notificati
 (received by the actor -> queued on the loop), queue (-> first chunk scheduled), compute (-> the
 last layer's KV in the pool); the transport adds the transfer's own. On a GPU a layer's writes
 are posted only once its kernels have run: the hook hands the transport a CUDA event recorded
-after them (``ModelRunner.kv_event``), which the transport polls; the forward never waits for it.
+after them (``ModelRunner.kv_event``), which the transport's own thread waits for, posting the
+layer's writes as soon as it completes while the forward goes on; the step never waits for it.
 On a CPU the forward is synchronous and the event is complete at once.
+
+Where the compute figure ends: the step knows only when the host queued the last layer (the
+hook's time), which on a GPU is well before the device ran it. The one who sees the device's
+completion is the transport's watcher, which stamps it before it posts that layer, and the
+notification is sent only after that. So the step hands the transport the host's time
+(``finish_send``'s ``compute_done_s``, where ``prefill_compute_s`` also ends) and the transport
+moves both to the stamp: no wait on the loop thread for a stamp that may not be taken yet, and
+on a CPU (events complete when handed over) the figures are the step's own.
 """
 
 from __future__ import annotations
@@ -281,14 +290,14 @@ class PrefillWorker(RankWorker):
             for request_id in finishing:
                 self.transport.send_all_layers(request_id)
         last_layer = self.runner.model.num_kv_layers - 1  # the MTP layer's, when it is computed
-        kv_done: list[float] = []  # when the last layer's KV was queued
+        kv_done: list[float] = []  # when the host queued the last layer's KV (see the docstring)
         last_ready: list[ReadyEvent] = []  # and its event, for whole-request writes
 
         def layer_kv(layer: int) -> None:
             if layer == last_layer:
                 kv_done.append(time.monotonic())
             if self.layerwise:
-                ready = self.runner.kv_event()  # the writes wait for it, the forward does not
+                ready = self.runner.kv_event()  # the writes wait for it (the transport's thread does)
                 for request_id in finishing:
                     self.transport.send_layer(request_id, layer, ready)
             elif layer == last_layer:

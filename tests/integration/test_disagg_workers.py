@@ -2,15 +2,19 @@
 disaggregated path gives the colocated engine's tokens, reuses prefixes, and survives a decode
 pool too small for all requests at once, with every page accounted for at the end. The bill's
 transfer figures are measured where the transfer happens: a known delay injected into NIXL's
-completion shows up in them, and layer-wise writes hide behind a known compute time."""
+completion shows up in them, and layer-wise writes hide behind a known compute time; with ready
+events that complete behind the host (a GPU's), each layer's writes leave while the forward still
+runs, and the compute figure ends at the last layer's completion."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import random
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ from tandem.prefill.worker import PrefillWorker
 from tandem.wire.messages import LoopStats, PrefillAttempt, RankId, RequestResult
 from tandem.wire.prefill_job import PrefillJob
 from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, SamplingParams
+from tests.kvtransfer.transfer_doubles import CountingAgent, HeldEvent, HeldWrites, hold, wait_until
 
 PAGE = 8
 PREFILL, DECODE = RankId("prefill", 0), RankId("decode", 0)
@@ -155,30 +160,6 @@ class _FaultyAgent:
             self.left -= 1
             raise RuntimeError("NIXL_ERR_BACKEND: no route")
         return self._agent.add_remote_agent(metadata)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
-
-
-class _Gate:
-    """A ready event that completes only when the test opens it."""
-
-    def __init__(self) -> None:
-        self.open = False
-
-    def query(self) -> bool:
-        return self.open
-
-
-class _CountingAgent:
-    """The sender's NIXL agent, counting the writes it posts."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent, self.posted = agent, 0
-
-    def transfer(self, handle: Any, *args: Any) -> Any:
-        self.posted += 1
-        return self._agent.transfer(handle, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
@@ -515,12 +496,12 @@ def test_no_write_is_posted_before_its_layers_ready_event_completes(tiny: Path, 
     prefill, decode = _workers(tiny, decode_pages=32, layerwise=layerwise)
     transport = prefill.transport
     assert isinstance(transport, NixlTransport)
-    counter = _CountingAgent(transport.agent)
+    counter = CountingAgent(transport.agent)
     transport.agent = counter
-    gates: list[_Gate] = []
+    gates: list[HeldEvent] = []
 
-    def held_event() -> _Gate:
-        gates.append(_Gate())
+    def held_event() -> HeldEvent:
+        gates.append(HeldEvent())
         return gates[-1]
 
     prefill.runner.kv_event = held_event  # type: ignore[method-assign]
@@ -542,19 +523,100 @@ def test_no_write_is_posted_before_its_layers_ready_event_completes(tiny: Path, 
         decode.tick()
     assert counter.posted == 0 and decode.scheduler.num_waiting_for_kv == 1
     if layerwise:
-        gates[1].open = True  # layer 1 is done, layer 0 not yet: nothing may go
-        prefill.tick()
-        assert counter.posted == 0
-        gates[0].open = True
-        prefill.tick()
-        assert counter.posted == 2
+        gates[1].open()  # layer 1 is done, layer 0 not yet: nothing may go
+        hold(0.2, lambda: counter.posted == 0, prefill.tick)
+        gates[0].open()  # the transport's watcher posts both, in order
+        wait_until(lambda: counter.posted == 2)
     for gate in gates:
-        gate.open = True
+        gate.open()
     done = _drive(prefill, decode, until=1)
     engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
     assert list(done["gated0"].token_ids) == engine.generate([prompt], [sampling])[0].token_ids
     assert counter.posted == (layers if layerwise else 1)
     decode.scheduler.check_integrity()
+    assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64
+    prefill.transport.close()
+    decode.transport.close()
+
+
+def test_layer_writes_leave_while_the_forward_runs_and_the_figures_end_at_the_device(tiny: Path) -> None:
+    """A GPU's case on the CPU: the runner's ready events complete behind the host, as a device's
+    do. A "device" thread opens each layer's event shortly after the hook for that layer ran, and
+    each layer's attention waits (up to 10 s) until the layers before it have been written,
+    nothing calling into the transport meanwhile: every layer but the last is posted by the
+    transport's watcher before ``runner.run`` returns. The last layer's event opens 0.3 s after
+    the forward returned: that time is in the compute figure, and the exposed figure starts
+    after it."""
+    prefill, decode = _workers(tiny, decode_pages=32, layerwise=True)
+    transport = prefill.transport
+    assert isinstance(transport, NixlTransport)
+    counter = CountingAgent(transport.agent)
+    transport.agent = counter
+    model, layers, held_s = prefill.runner.model, prefill.runner.model.num_kv_layers, 0.3
+    made: queue.Queue[HeldEvent] = queue.Queue()
+
+    def device_event() -> HeldEvent:
+        event = HeldEvent()
+        made.put(event)
+        return event
+
+    written_in_time: list[bool] = []  # per layer: the layers before it were written while it waited
+
+    def after_layers_written(count: int) -> Callable[..., None]:
+        def pre_hook(module: Any, args: Any) -> None:
+            deadline = time.monotonic() + 10.0
+            while counter.posted < count and time.monotonic() < deadline:
+                time.sleep(0.002)
+            written_in_time.append(counter.posted >= count)
+
+        return pre_hook
+
+    for layer in model.layers:
+        layer.self_attn.register_forward_pre_hook(after_layers_written(layer.index))
+    run, returned = prefill.runner.run, threading.Event()
+    called_s: list[float] = []
+    returned_s: list[float] = []
+
+    def timed_run(plan: Any, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
+        called_s.append(time.monotonic())
+        tokens = run(plan, on_layer_kv)
+        returned_s.append(time.monotonic())
+        returned.set()
+        return tokens
+
+    events: list[HeldEvent] = []
+
+    def device() -> None:
+        for index in range(layers):
+            events.append(made.get(timeout=30.0))
+            if index == layers - 1:  # the last layer's kernels end well after the forward returned
+                returned.wait(30.0)
+                time.sleep(held_s)
+            else:
+                time.sleep(0.01)  # a little behind the host
+            events[-1].open()
+
+    prefill.runner.kv_event = device_event  # type: ignore[method-assign]
+    prefill.runner.run = timed_run  # type: ignore[method-assign]
+    device_thread = threading.Thread(target=device, name="device")
+    device_thread.start()
+    prompt = [random.Random("device").randrange(256) for _ in range(20)]  # one chunk, one forward
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    done = _run(prefill, decode, _requests([prompt], [sampling], "device"))
+    device_thread.join(30.0)
+    (called_at,), (returned_at,) = called_s, returned_s
+    assert len(events) == counter.posted == layers
+    assert written_in_time == [True] * layers  # no call into the transport while each waited
+    assert all(posted < returned_at for posted in counter.posted_s[:-1])  # during the forward
+    assert counter.posted_s[-1] >= events[-1].opened_s >= returned_at + held_s
+    assert set(counter.posted_by) == {f"kv-watcher-{transport.agent_name}"}
+    (sent,) = prefill.sent
+    assert sent.compute_done_s >= events[-1].opened_s  # the exposed part starts after the wait
+    (attempt,) = done["device0"].bill.attempts
+    assert attempt.prefill_compute_s >= sent.compute_done_s - called_at >= returned_at + held_s - called_at
+    assert attempt.kv_sender_exposed_s == pytest.approx(sent.notified_s - sent.compute_done_s)
+    engine = ColocatedEngine(_model(tiny), EngineConfig(page_size=PAGE, num_pages=64))
+    assert list(done["device0"].token_ids) == engine.generate([prompt], [sampling])[0].token_ids
     assert decode.scheduler.num_free_pages == 32 and prefill.scheduler.num_free_pages == 64
     prefill.transport.close()
     decode.transport.close()
@@ -712,32 +774,6 @@ def test_a_resumed_request_is_checked_at_admission() -> None:
             resumed(outputs, **kwargs)  # type: ignore[arg-type]
 
 
-class _HeldWrites:
-    """The sender's NIXL agent, reporting every write posted while ``holding`` as still in
-    progress (``PROC``) until :meth:`release`: a write that is landing in the receiver's pages.
-    Everything else is the real agent."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent, self.holding = agent, True
-        self.held: set[int] = set()
-
-    def transfer(self, handle: Any, *args: Any) -> Any:
-        if self.holding:
-            self.held.add(id(handle))
-        return self._agent.transfer(handle, *args)
-
-    def check_xfer_state(self, handle: Any) -> str:
-        state = str(self._agent.check_xfer_state(handle))
-        return "PROC" if id(handle) in self.held else state
-
-    def release(self) -> None:
-        self.holding = False
-        self.held.clear()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
-
-
 @pytest.mark.parametrize("trigger", ["client-cancel", "kv-deadline"])
 def test_pages_of_an_aborted_transfer_stay_reserved_until_its_last_write_lands(
     tiny: Path, trigger: str
@@ -753,7 +789,7 @@ def test_pages_of_an_aborted_transfer_stay_reserved_until_its_last_write_lands(
     )
     transport = prefill.transport
     assert isinstance(transport, NixlTransport)
-    held = _HeldWrites(transport.agent)
+    held = HeldWrites(transport.agent)
     transport.agent = held
     rng = random.Random(f"held-{trigger}")
     prompt, other = ([rng.randrange(256) for _ in range(n)] for n in (30, 40))
