@@ -458,6 +458,7 @@ def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
                     "prefix_queried_tokens": s.prefix_queried_tokens,
                     "prefix_hit_tokens": s.prefix_hit_tokens,
                     "preemptions": s.preemptions,
+                    "weight_bytes": s.weight_bytes,
                     "transfer_failures": {f"{d}/{c}": n for d, c, n in s.transfer_failures},
                     "steps": s.loop.steps,
                     "step_s": s.loop.step_s,

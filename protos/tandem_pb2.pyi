@@ -284,7 +284,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity", "incarnation", "kv_cache_usage_ratio", "sends_in_flight", "receives_in_flight", "kv_bytes_sent", "kv_bytes_received", "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "transfer_failures", "steps", "step_s", "place")
+    __slots__ = ("name", "role", "queued", "running", "waiting_for_kv", "computing", "transferring", "free_pages", "total_pages", "cached_pages", "transfers_in_flight", "routed_prefill_tokens", "routed_requests", "indexed_blocks", "integrity", "incarnation", "kv_cache_usage_ratio", "sends_in_flight", "receives_in_flight", "kv_bytes_sent", "kv_bytes_received", "prefix_queried_tokens", "prefix_hit_tokens", "preemptions", "transfer_failures", "steps", "step_s", "place", "weight_bytes")
     class TransferFailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class RankStatus(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     PLACE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     queued: int
@@ -348,7 +349,8 @@ class RankStatus(_message.Message):
     steps: int
     step_s: float
     place: ProcessPlace
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ..., incarnation: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., sends_in_flight: _Optional[int] = ..., receives_in_flight: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transfer_failures: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., step_s: _Optional[float] = ..., place: _Optional[_Union[ProcessPlace, _Mapping]] = ...) -> None: ...
+    weight_bytes: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., waiting_for_kv: _Optional[int] = ..., computing: _Optional[int] = ..., transferring: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., routed_prefill_tokens: _Optional[int] = ..., routed_requests: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., integrity: _Optional[str] = ..., incarnation: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., sends_in_flight: _Optional[int] = ..., receives_in_flight: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., transfer_failures: _Optional[_Mapping[str, int]] = ..., steps: _Optional[int] = ..., step_s: _Optional[float] = ..., place: _Optional[_Union[ProcessPlace, _Mapping]] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ProcessPlace(_message.Message):
     __slots__ = ("node_id", "node_address", "node_labels", "pid")

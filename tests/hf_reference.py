@@ -79,3 +79,34 @@ def make_hf_checkpoint(
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(path)
     return model.to(dtype)
+
+
+def dequantised_hf_model(fp8_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float64) -> Any:
+    """``transformers`` on an FP8 checkpoint (``make_tiny_checkpoint(fp8_block=...)``) dequantised
+    to float32 into ``out_dir``, run in ``dtype`` (the reference DeepSeek gives)."""
+    import json
+
+    from transformers import DeepseekV3ForCausalLM
+
+    from tandem.model.checkpoint import load_checkpoint
+    from tandem.model.config import ModelConfig
+    from tandem.model.make_tiny import write_checkpoint
+
+    raw = json.loads((fp8_dir / "config.json").read_text())
+    raw.pop("quantization_config")
+    cfg = ModelConfig.from_dir(fp8_dir)
+    write_checkpoint(out_dir, raw, load_checkpoint(fp8_dir, cfg, torch.float32))
+    hf = DeepseekV3ForCausalLM.from_pretrained(out_dir).eval().to(dtype)
+    hf.config._attn_implementation = "sdpa"
+    hf.config._experts_implementation = "eager"
+    return hf
+
+
+def greedy_hf_tokens(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation by a ``transformers`` model, one prompt at a time."""
+    return [
+        hf.generate(
+            torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]

@@ -1,10 +1,12 @@
 """The disaggregated cluster on Ray with real NIXL: each preset gives the colocated engine's
-tokens (float64, greedy and seeded), prefixes are reused, a tiny decode pool leaks nothing, and a
-dying prefill rank never leaves a request hanging."""
+tokens (float64, greedy and seeded), prefixes are reused, a tiny decode pool leaks nothing, a
+dying prefill rank never leaves a request hanging, and an FP8 checkpoint stays FP8 on every rank
+and gives ``transformers``' tokens."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -17,10 +19,16 @@ from tandem.cluster.controller import Cluster
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.dep import ExpertParallelDispatcher
 from tandem.engine.engine_config import EngineConfig
+from tandem.model.config import ModelConfig
+from tandem.model.deepseek import DeepseekV3
+from tandem.model.kernels.fp8 import FP8_DTYPE
+from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.wire.messages import RankId, RankRequest, RankStats, RequestResult
 from tandem.wire.request_params import SamplingParams
 from tandem.wire.stream_summary import StreamSummary
+from tests.hf_reference import dequantised_hf_model, greedy_hf_tokens
 
 PAGE = 8
 
@@ -226,6 +234,80 @@ def test_large_presets_match_the_colocated_engine(tiny: Path, preset: str) -> No
     server = _serve(_topology(preset), tiny)
     try:
         _check(server, tiny, _chats(seed=3))
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tmp_path_factory: pytest.TempPathFactory, ray_started: None) -> Path:
+    """A tiny checkpoint in DeepSeek-V3's FP8 format (32 x 32 blocks), which ranks keep FP8."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "model", seed=5, fp8_block=(32, 32))
+
+
+@pytest.fixture(scope="module")
+def fp8_expected(fp8_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """``transformers``' greedy tokens on the FP8 checkpoint dequantised, for ``FP8_PROMPTS``."""
+    hf = dequantised_hf_model(fp8_tiny, tmp_path_factory.mktemp("dequantised") / "model")
+    return greedy_hf_tokens(hf, FP8_PROMPTS, FP8_TOKENS)
+
+
+FP8_TOKENS = 8
+FP8_PROMPTS = [[random.Random(n).randrange(2, 256) for _ in range(n)] for n in (5, 17, 30)]
+
+
+def _resident_bytes(model_dir: Path, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank`` of a DEP group of ``world_size``, in float64, built as ``load_rank_model``
+    builds it but on the meta device: its resident weight bytes, counted as 1 byte an FP8
+    weight and 4 a block scale, and what it would hold with the checkpoint dequantised."""
+    cfg = ModelConfig.from_dir(model_dir)
+    dispatcher = ExpertParallelDispatcher(rank, world_size, cfg.n_routed_experts)
+
+    def build(keep_fp8: bool) -> DeepseekV3:
+        return DeepseekV3(
+            cfg, torch.float64, "meta", experts=dispatcher.local, dispatcher=dispatcher, keep_fp8=keep_fp8
+        )
+
+    params = dict(build(keep_fp8=True).named_parameters())
+    scales = {n for n in params if n.endswith(("_scale_inv", "_scale"))}
+    fp8_weights = sum(p.numel() for p in params.values() if p.dtype == FP8_DTYPE)
+    scale_numbers = sum(params[n].numel() for n in scales)
+    # float64 everywhere else, but the MoE router's weight and bias (float32)
+    other_bytes = sum(
+        p.numel() * p.element_size() for n, p in params.items() if p.dtype != FP8_DTYPE and n not in scales
+    )
+    assert build(keep_fp8=False).weight_bytes() == 8 * fp8_weights + other_bytes
+    return fp8_weights + 4 * scale_numbers + other_bytes, 8 * fp8_weights + other_bytes
+
+
+@pytest.mark.parametrize("preset", ["local", pytest.param("dep16-dep2", marks=pytest.mark.slow)])
+def test_an_fp8_checkpoint_stays_fp8_on_the_ranks_and_gives_transformers_tokens(
+    fp8_tiny: Path, fp8_expected: list[list[int]], preset: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank keeps its share of the FP8 checkpoint FP8 (1 byte a weight, 4 a block scale),
+    reports those bytes to ``tandem client status``, and the cluster's greedy tokens are
+    ``transformers``' on the dequantised checkpoint."""
+    from tandem.cli.main import main
+
+    topology = _topology(preset)
+    server = _serve(topology, fp8_tiny)
+    try:
+        greedy = SamplingParams(max_tokens=FP8_TOKENS, ignore_eos=True)
+        done = server.generate(FP8_PROMPTS, [greedy] * len(FP8_PROMPTS))
+        assert [d.token_ids for d in done] == fp8_expected
+        stats = ray.get(server.controller.stats.remote())
+        deps = {"prefill": topology.prefill.dep, "decode": topology.decode.dep}
+        assert len(stats) == sum(deps.values())
+        reported = {}
+        for s in stats:
+            fp8_bytes, dequantised_bytes = _resident_bytes(fp8_tiny, s.rank.rank, deps[s.role])
+            assert s.weight_bytes == fp8_bytes < dequantised_bytes, s.rank
+            reported[s.rank.name] = s.weight_bytes
+        capsys.readouterr()
+        assert main(["client", "status", "--check-integrity", "--addr", f"127.0.0.1:{server.port}"]) == 0
+        out = capsys.readouterr().out  # after any line Ray's log monitor printed on this stdout
+        shown = json.loads(out[out.index("{\n") :])
+        assert {r["name"]: r["weight_bytes"] for g in shown["groups"] for r in g["ranks"]} == reported
+        _all_pages_free(server)
     finally:
         server.stop()
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from tandem.model.checkpoint import iter_checkpoint, load_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.kernels.fp8 import FP8_DTYPE
-from tandem.model.make_tiny import make_tiny_checkpoint, write_checkpoint
+from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.wire.request_params import SamplingParams
+from tests.hf_reference import dequantised_hf_model, greedy_hf_tokens
 
 BLOCK = (32, 32)
 GEN_TOKENS = 24
@@ -33,18 +33,7 @@ def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_dequantised(fp8_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``transformers`` on the checkpoint dequantised to float32 (the reference DeepSeek gives)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    raw = json.loads((fp8_dir / "config.json").read_text())
-    raw.pop("quantization_config")
-    out = tmp_path_factory.mktemp("dequantised") / "model"
-    cfg = ModelConfig.from_dir(fp8_dir)
-    write_checkpoint(out, raw, load_checkpoint(fp8_dir, cfg, torch.float32))
-    hf = DeepseekV3ForCausalLM.from_pretrained(out).eval().to(torch.float64)
-    hf.config._attn_implementation = "sdpa"
-    hf.config._experts_implementation = "eager"
-    return hf
+    return dequantised_hf_model(fp8_dir, tmp_path_factory.mktemp("dequantised") / "model")
 
 
 def _fp8_model(path: Path, dtype: torch.dtype, keep_fp8: bool = True) -> DeepseekV3:
@@ -104,12 +93,7 @@ def test_fp8_greedy_tokens_match_transformers_on_the_dequantised_checkpoint(
 ) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (1, 7, 16, 33)]
-    expected = [
-        hf_dequantised.generate(
-            torch.tensor([p]), max_new_tokens=GEN_TOKENS, do_sample=False, top_k=None, top_p=None
-        )[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    expected = greedy_hf_tokens(hf_dequantised, prompts, GEN_TOKENS)
     engine = ColocatedEngine(_fp8_model(fp8_dir, torch.float64), EngineConfig(page_size=8, num_pages=64))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=GEN_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
