@@ -64,9 +64,10 @@ class RankContext:
         gives its ``max_batch``, and its decode batches run at static shapes where that is on
         (``static_decode_enabled``: CUDA graphs on a GPU)."""
         static = None
-        if max_batch is not None and static_decode_enabled(self.device.type, self.dispatcher.world_size):
+        if max_batch is not None and static_decode_enabled(self.device.type):
             cfg = self.model_config
             static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
+            static.capture_all()  # at start, every rank of the group together (graphs on a GPU)
         return ModelRunner(
             self.model,
             pool,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.host_sync import no_host_sync
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.speculation import accept
 from tandem.engine.static_decode import StaticDecode
@@ -45,8 +48,13 @@ class ModelRunner:
         mtp_prefill: bool = False,
         keep_hidden: bool = False,
         guides: GuidedRows | None = None,
+        guard_syncs: bool | None = None,
     ) -> None:
-        """``guides``: the matchers of structured outputs (requests with a ``guide``).
+        """``guard_syncs``: every forward that is meant not to wait for the device (all but a DEP
+        group's split exchange: ``ExpertDispatcher.syncs_host``) runs under ``no_host_sync``, which
+        fails the step on any read of a device value before sampling (``TANDEM_SYNC_GUARD=1``;
+        off by default: a check, not a price to pay while serving).
+        ``guides``: the matchers of structured outputs (requests with a ``guide``).
         ``static``: decode batches run at their bucket's shape (CUDA graphs on a GPU).
         ``mtp_prefill``: each chunk's MTP-layer KV is computed after the model's (a prefill rank
         of a deployment that drafts with MTP), and the last hidden state of each sampling chunk
@@ -59,6 +67,10 @@ class ModelRunner:
         self.static = static
         self.stats = RunnerStats()
         self.guides = guides
+        self.guard_syncs = (
+            os.environ.get("TANDEM_SYNC_GUARD", "") == "1" if guard_syncs is None else guard_syncs
+        )
+        self.guarded_forwards = 0  # forwards run under the guard
         if mtp_prefill and model.mtp is None:
             raise ValueError("mtp_prefill needs a model built with its MTP layer")
         self.mtp_prefill = mtp_prefill
@@ -125,8 +137,16 @@ class ModelRunner:
         self._hidden, self._hidden_at = None, {}
         self.logprobs, self.prompt_logprobs = {}, {}
         prompt_rows = any(c.prompt_logprob_targets for c in plan.chunks)
-        if self.static is not None and on_layer_kv is None and not prompt_rows and self.static.applies(plan):
-            return self._sample(plan, self.static.run, start)
+        if self.static is not None:  # in a DEP group, every rank agrees on the bucket every step
+            size = self.static.step_bucket(plan, eligible=on_layer_kv is None and not prompt_rows)
+            if size is not None:
+                static = self.static
+
+                def static_forward(p: SchedulerOutput) -> torch.Tensor:
+                    with self._guarded():
+                        return static.run(p, size)
+
+                return self._sample(plan, static_forward, start)
         device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -158,7 +178,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
 
         def forward(_: SchedulerOutput) -> torch.Tensor:
-            hidden = self.model.forward(ids, pos, meta, self.pool, on_layer_kv)
+            with self._guarded():
+                hidden = self.model.forward(ids, pos, meta, self.pool, on_layer_kv)
             if self.mtp_prefill:
                 self._mtp_rows(plan, ids, pos, hidden, on_layer_kv)
             if prompt_rows:
@@ -166,6 +187,17 @@ class ModelRunner:
             return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
 
         return self._sample(plan, forward, start)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """The forward under ``no_host_sync`` when the guard is on and the forward is meant to
+        need none."""
+        if not self.guard_syncs or self.model.dispatcher.syncs_host:
+            yield
+            return
+        with no_host_sync(self.model.device):
+            yield
+        self.guarded_forwards += 1
 
     def _sample(
         self, plan: SchedulerOutput, forward: Callable[[SchedulerOutput], torch.Tensor], start: float

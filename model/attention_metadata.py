@@ -15,7 +15,7 @@ through plain extend attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,19 +34,45 @@ class AttentionMetadata:
     # a bound on seq_lens known before the step (a static-shape step's max_model_len): kernels
     # size their grids by it instead of by this batch, so one captured graph fits every step
     max_seq_len: int | None = None
+    # rows -> (their metadata, their tokens' indices in the batch): a mixed step's two parts,
+    # built from the host's lists before the forward, read by every layer
+    _parts: dict[tuple[int, ...], tuple[AttentionMetadata, torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    def rows(self, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The metadata of some requests and the indices of their tokens in the batch: the whole
+        batch as it is, or a part computed once from the host's lists (never from a device tensor:
+        a layer asking for it launches without waiting for the device)."""
+        key = tuple(rows)
+        part = self._parts.get(key)
+        if part is None:
+            if len(rows) == len(self.query_lens):
+                part = (self, torch.arange(self.num_tokens, device=self.slot_mapping.device))
+            else:
+                part = self._part(rows)
+            self._parts[key] = part
+        return part
+
+    def _part(self, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        index = torch.tensor(self._token_index(rows), dtype=torch.int64, device=self.slot_mapping.device)
+        return self.subset(rows), index
+
+    def _token_index(self, rows: list[int]) -> list[int]:
+        starts = [0, *_cumsum(self.query_lens)]
+        return [t for r in rows for t in range(starts[r], starts[r + 1])]
+
     def subset(self, rows: list[int]) -> AttentionMetadata:
-        """The metadata of some requests only (their tokens re-packed)."""
+        """The metadata of some requests only (their tokens re-packed), from the host's lists."""
         q = [self.query_lens[r] for r in rows]
         s = [self.seq_lens[r] for r in rows]
         device = self.page_table.device
         index = torch.tensor(rows, dtype=torch.int64, device=device)
-        starts = [int(self.query_start[r]) for r in rows]
-        token_index = [starts[i] + j for i, n in enumerate(q) for j in range(n)]
+        token_index = self._token_index(rows)
         return AttentionMetadata(
             page_size=self.page_size,
             query_lens=q,
@@ -75,7 +101,7 @@ class AttentionMetadata:
                 raise ValueError(f"request {i}: {s} tokens need more than its {len(pages)} pages")
             table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
             slots.extend(pages[j // page_size] * page_size + j % page_size for j in range(s - n, s))
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             page_size=page_size,
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
@@ -86,6 +112,10 @@ class AttentionMetadata:
             decode_rows=[i for i, n in enumerate(query_lens) if n == 1],
             extend_rows=[i for i, n in enumerate(query_lens) if n != 1],
         )
+        for part in (meta.extend_rows, meta.decode_rows):  # a mixed step's parts, before the launch
+            if part:
+                meta.rows(part)
+        return meta
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -36,6 +36,12 @@ class ExpertWeights(Protocol):
 
 
 class ExpertDispatcher(ABC):
+    @property
+    def syncs_host(self) -> bool:
+        """Whether a MoE layer reads values back to the host (then a step that must not wait
+        for the device cannot run through it as it is)."""
+        return False
+
     @abstractmethod
     def routed_experts(
         self,

@@ -131,27 +131,19 @@ class MLAttention(nn.Module):
         out = x.new_empty((x.shape[0], heads, cfg.v_head_dim))
         w_kv_b = self.kv_b_proj.weight
         if meta.extend_rows:
-            sub, idx = self._rows(meta, meta.extend_rows)
+            sub, idx = meta.rows(meta.extend_rows)
             q_ext = torch.cat([q_nope[idx], q_pe[idx]], dim=-1)
             out[idx] = ops.extend_attention(
                 q_ext, kv_layer, sub, w_kv_b, heads, nope, cfg.v_head_dim, cfg.softmax_scale
             )
         if meta.decode_rows:
-            sub, idx = self._rows(meta, meta.decode_rows)
+            sub, idx = meta.rows(meta.decode_rows)
             w = w_kv_b.view(heads, nope + cfg.v_head_dim, latent)
             w_uk, w_uv = w[:, :nope], w[:, nope:]
             q_latent = torch.einsum("bhn,hnl->bhl", q_nope[idx], w_uk)
             o_latent = ops.decode_attention(q_latent, q_pe[idx], kv_layer, sub, cfg.softmax_scale)
             out[idx] = torch.einsum("bhl,hvl->bhv", o_latent, w_uv)
         return self.o_proj(out.reshape(x.shape[0], heads * cfg.v_head_dim))
-
-    @staticmethod
-    def _rows(meta: AttentionMetadata, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
-        if len(rows) == len(meta.query_lens):
-            return meta, torch.arange(meta.num_tokens, device=meta.slot_mapping.device)
-        starts = meta.query_start.tolist()
-        idx = [t for r in rows for t in range(starts[r], starts[r + 1])]
-        return meta.subset(rows), torch.tensor(idx, dtype=torch.int64, device=meta.slot_mapping.device)
 
 
 class DenseMLP(nn.Module):

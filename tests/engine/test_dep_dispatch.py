@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
+from tandem.engine.host_sync import HostSyncError, no_host_sync
 from tandem.model.config import ModelConfig
 from tandem.model.expert_dispatch import LocalExperts
 from tandem.model.kernels.registry import get_backend
@@ -74,8 +75,11 @@ def _rank(rank: int, out_dir: str, case: str) -> None:
     out = moe(x, get_backend("cpu", "torch"), dispatcher)
     flags = [any_rank_has_work(rank == 2), any_rank_has_work(False)]
     received = dispatcher.stats.rows_received
+    sent = dispatcher.stats.rows_sent
+    with dispatcher.fixed_capacity(max(tokens)):  # a static step: every rank at the largest batch
+        fixed = moe(x, get_backend("cpu", "torch"), dispatcher)
     torch.save(
-        {"out": out, "flags": flags, "sent": dispatcher.stats.rows_sent, "received": received},
+        {"out": out, "fixed": fixed, "flags": flags, "sent": sent, "received": received},
         f"{out_dir}/{rank}.pt",
     )
     dist.destroy_process_group()
@@ -93,6 +97,7 @@ def test_expert_parallel_equals_one_process(tmp_path: Path, case: str) -> None:
         expected = moe(x, get_backend("cpu", "torch"), LocalExperts())
         assert result["out"].shape == (tokens[rank], cfg.hidden_size)
         torch.testing.assert_close(result["out"], expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["fixed"], expected, rtol=1e-12, atol=1e-12)
         assert result["flags"] == [True, False]
         assert result["sent"] == tokens[rank] * cfg.num_experts_per_tok
         received += result["received"]
@@ -133,3 +138,36 @@ def test_a_group_of_one_computes_its_experts_in_place_without_a_collective(tmp_p
     result = torch.load(tmp_path / "0.pt")
     assert torch.equal(result["out"], expected)
     assert result["flags"] == [True, False] and result["exchanged"] == 0
+
+
+def _guarded_rank(rank: int, out_dir: str) -> None:
+    """Two ranks with the Triton expert kernels (the GPU's path): a fixed-capacity exchange reads
+    nothing back to the host; the split exchange does, and the guard says where."""
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2)
+    cfg = _config(16)
+    experts = expert_slice(cfg.n_routed_experts, rank, 2)
+    moe = _moe(cfg, experts, _weights(cfg)).float()
+    dispatcher = ExpertParallelDispatcher(rank, 2, cfg.n_routed_experts)
+    x = _inputs(cfg, [5, 3])[rank].float()
+    ops = get_backend("cpu", "triton")
+    with dispatcher.fixed_capacity(5), no_host_sync(torch.device("cpu")):
+        fixed = moe(x, ops, dispatcher)
+    caught = ""
+    try:
+        with no_host_sync(torch.device("cpu")):
+            moe(x, ops, dispatcher)
+    except HostSyncError as error:
+        caught = error.where
+    # the other rank still waits in the split exchange's first all-to-all: finish it unguarded
+    if caught:
+        split = moe(x, ops, dispatcher)
+    torch.save({"fixed": fixed, "split": split, "caught": caught}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_fixed_capacity_exchange_never_reads_the_device_on_the_host(tmp_path: Path) -> None:
+    mp.spawn(_guarded_rank, args=(str(tmp_path),), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"{rank}.pt")
+        assert result["caught"].startswith("engine/dep.py:"), result["caught"]
+        torch.testing.assert_close(result["fixed"], result["split"], rtol=1e-5, atol=1e-5)

@@ -75,16 +75,15 @@ def test_buckets_and_the_switch() -> None:
     assert default_buckets(1) == (1,)
     assert default_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert default_buckets(100)[-2:] == (96, 100)
-    assert static_decode_enabled("cuda", 1) and not static_decode_enabled("cuda", 2)
-    assert not static_decode_enabled("cpu", 1)
+    assert static_decode_enabled("cuda") and not static_decode_enabled("cpu")
 
 
 def test_the_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_STATIC_DECODE", "1")
-    assert static_decode_enabled("cpu", 4)
+    assert static_decode_enabled("cpu")
     monkeypatch.setenv("TANDEM_STATIC_DECODE", "yes")
     with pytest.raises(ValueError, match="TANDEM_STATIC_DECODE: expected 0 or 1"):
-        static_decode_enabled("cpu", 1)
+        static_decode_enabled("cpu")
 
 
 def test_verify_steps_run_at_static_shapes_and_give_the_eager_tokens_and_pool() -> None:
