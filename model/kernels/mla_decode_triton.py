@@ -5,7 +5,8 @@ by all ``H`` query heads), so a program takes a block of ``BLOCK_H`` heads at on
 KV tile serves ``BLOCK_H`` rows of the score matmul. Stage 1 also cuts each request's KV length
 into ``num_kv_splits`` tile-aligned, contiguous splits so that a long request fills the GPU::
 
-    stage 1, grid (B, cdiv(H, BLOCK_H), num_kv_splits)
+    stage 1, grid (cdiv(H, BLOCK_H), B, num_kv_splits): the head blocks of one (request, split)
+    are launched side by side, so the later ones find its KV tiles in L2 rather than HBM
 
       request b:  tokens 0 ............................................ seq_len-1
                   | split 0        | split 1        | split 2    |   (split 3: empty)
@@ -46,14 +47,18 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.model.kernels.tuning import DEFAULT_MLA_DECODE, DecodeTiles, mla_decode_tiles
+
 if TYPE_CHECKING:
     from tandem.model.attention_metadata import AttentionMetadata
 
-BLOCK_H = 16  # heads per program: the M dimension of the score matmul (tl.dot needs >= 16)
-# KV tokens per tile and warps: 16-bit inputs, then float32/float64 (half the tile, twice the warps,
-# so that at L=512 neither spills registers on sm_90)
-BLOCK_N, NUM_WARPS = 32, 4
-BLOCK_N_WIDE, NUM_WARPS_WIDE = 16, 8
+# the default tiles (``model/kernels/tuning.py`` holds them per GPU kind): heads per program, the
+# M dimension of the score matmul (tl.dot needs >= 16); KV tokens per tile and warps for 16-bit
+# inputs, then float32/float64 (half the tile, twice the warps, so that at L=512 neither spills
+# registers on sm_90)
+BLOCK_H = DEFAULT_MLA_DECODE["narrow"].block_h
+BLOCK_N, NUM_WARPS = DEFAULT_MLA_DECODE["narrow"].block_n, DEFAULT_MLA_DECODE["narrow"].num_warps
+BLOCK_N_WIDE, NUM_WARPS_WIDE = DEFAULT_MLA_DECODE["wide"].block_n, DEFAULT_MLA_DECODE["wide"].num_warps
 MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 16
 PROGRAMS_PER_SM = 4
@@ -95,8 +100,8 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -207,10 +212,12 @@ def _decode_merge_kernel(
     )
 
 
-def choose_num_kv_splits(max_seq_len: int, batch_size: int, num_heads: int, num_sms: int) -> int:
+def choose_num_kv_splits(
+    max_seq_len: int, batch_size: int, num_heads: int, num_sms: int, block_h: int = BLOCK_H
+) -> int:
     """KV splits per request: fill ``PROGRAMS_PER_SM * num_sms`` programs, keep splits >= 256 tokens."""
     by_length = math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)
-    programs_per_split = max(1, batch_size * math.ceil(num_heads / BLOCK_H))
+    programs_per_split = max(1, batch_size * math.ceil(num_heads / block_h))
     by_occupancy = math.ceil(PROGRAMS_PER_SM * num_sms / programs_per_split)
     return max(1, min(by_length, by_occupancy, MAX_KV_SPLITS))
 
@@ -238,10 +245,17 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Absorbed MLA for single-token rows: ``q_latent [B, H, L]``, ``q_pe [B, H, R]`` -> ``[B, H, L]``."""
     batch_size, num_heads, _ = q_latent.shape
+    tiles = decode_tiles(q_latent)
+    max_seq_len = meta.max_seq_len or max(meta.seq_lens, default=0)
     splits = choose_num_kv_splits(
-        meta.max_seq_len or max(meta.seq_lens, default=0), batch_size, num_heads, _num_sms(q_latent.device)
+        max_seq_len, batch_size, num_heads, _num_sms(q_latent.device), tiles.block_h
     )
-    return decode_attention_splits(q_latent, q_pe, kv_layer, meta, scale, splits)
+    return decode_attention_splits(q_latent, q_pe, kv_layer, meta, scale, splits, tiles=tiles)
+
+
+def decode_tiles(q_latent: torch.Tensor) -> DecodeTiles:
+    """The tiles of this GPU kind for the queries' width (``tuning.mla_decode_tiles``)."""
+    return mla_decode_tiles(q_latent.element_size() <= 2)
 
 
 def decode_attention_splits(
@@ -252,8 +266,10 @@ def decode_attention_splits(
     scale: float,
     num_kv_splits: int,
     block_n: int | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
-    """:func:`decode_attention_triton` with a given split count (and KV tile size)."""
+    """:func:`decode_attention_triton` with a given split count (and tiles; ``block_n`` overrides
+    theirs)."""
     batch_size, num_heads, latent_dim = q_latent.shape
     pe_dim = q_pe.shape[-1]
     if kv_layer.shape[-1] != latent_dim + pe_dim:
@@ -268,9 +284,9 @@ def decode_attention_splits(
     block_dmodel = max(16, triton.next_power_of_2(latent_dim))
     page_table = meta.page_table
     dot_dtype, dot_precision = dot_operands(q_latent.dtype, device)
-    narrow = q_latent.element_size() <= 2
+    tiles = tiles or decode_tiles(q_latent)
     with on_device(device):
-        _decode_split_kernel[(batch_size, triton.cdiv(num_heads, BLOCK_H), num_kv_splits)](
+        _decode_split_kernel[(triton.cdiv(num_heads, tiles.block_h), batch_size, num_kv_splits)](
             q_latent,
             q_pe,
             kv_layer,
@@ -297,13 +313,13 @@ def decode_attention_splits(
             D_PE=pe_dim,
             BLOCK_DMODEL=block_dmodel,
             BLOCK_DPE=max(16, triton.next_power_of_2(pe_dim)),
-            BLOCK_H=BLOCK_H,
-            BLOCK_N=block_n or (BLOCK_N if narrow else BLOCK_N_WIDE),
+            BLOCK_H=tiles.block_h,
+            BLOCK_N=block_n or tiles.block_n,
             ACC_DTYPE=tl.float64 if acc_dtype == torch.float64 else tl.float32,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION=dot_precision,
-            num_warps=NUM_WARPS if narrow else NUM_WARPS_WIDE,
-            num_stages=2,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
         _decode_merge_kernel[(batch_size, num_heads)](
             part_out,

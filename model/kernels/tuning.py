@@ -79,3 +79,35 @@ def fp8_gemm_tiles(rows: int, n: int, k: int, scale_bi: int, mode: str) -> GemmT
 
 def _pow2_at_least_16(value: int) -> int:
     return max(16, 1 << max(0, value - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """MLA decode (``mla_decode_triton``): ``block_h`` query heads share each KV tile of
+    ``block_n`` tokens (the M and N of the score matmul)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+    measured: bool = False
+
+
+# per GPU kind: 16-bit inputs ("narrow") and float32/float64 ("wide"); a kind without an entry for
+# a width uses the default's. H100/H200: 64 heads a program (two head blocks for DeepSeek-V3's
+# 128, each KV tile read twice instead of eight times) with 16-token tiles, the largest head block
+# that compiles for sm_90 without spills (0 stack bytes, 128 KiB of shared memory at L=512;
+# 64 heads x 32 tokens spills 48 bytes); its speed against the 16-head default is unmeasured.
+DEFAULT_MLA_DECODE = {"narrow": DecodeTiles(16, 32, 4), "wide": DecodeTiles(16, 16, 8)}
+_MLA_DECODE: dict[str, dict[str, DecodeTiles]] = {
+    "default": DEFAULT_MLA_DECODE,
+    "H200": {"narrow": DecodeTiles(64, 16, 8)},
+    "H100": {"narrow": DecodeTiles(64, 16, 8)},
+}
+
+
+def mla_decode_tiles(narrow: bool, kind: str | None = None) -> DecodeTiles:
+    """The tiles for 16-bit (``narrow``) or wider queries on GPU ``kind`` (this process's)."""
+    width = "narrow" if narrow else "wide"
+    table = _MLA_DECODE.get(kind or gpu_kind(), {})
+    return table.get(width) or _MLA_DECODE["default"][width]

@@ -33,6 +33,7 @@ from tandem.model.kernels.mla_decode_triton import (
     decode_attention_splits,
     decode_attention_triton,
 )
+from tandem.model.kernels.tuning import mla_decode_tiles
 
 LATENT, ROPE, NOPE = 32, 8, 16  # the tiny model's kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim
 SCALE = (NOPE + ROPE) ** -0.5
@@ -133,6 +134,17 @@ def test_decode_long_request_over_several_splits(dtype: torch.dtype) -> None:
     """70 tokens in 3 tile-aligned splits, the fourth empty; the short requests fill split 0 only."""
     q_latent, q_pe, pool, meta = _decode_inputs([1, 70, 9], heads=4, page_size=4, dtype=dtype, seed=1)
     out = decode_attention_splits(q_latent, q_pe, pool, meta, SCALE, num_kv_splits=4, block_n=16)
+    _assert_matches(out, decode_attention_torch(q_latent, q_pe, pool, meta, SCALE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_the_h200_tiles(dtype: torch.dtype) -> None:
+    """The tuning table's H200 tiles (64 heads a program) on 80 heads: one full head block and one
+    partly masked, two requests over two splits."""
+    tiles = mla_decode_tiles(True, "H200")
+    assert tiles.block_h == 64
+    q_latent, q_pe, pool, meta = _decode_inputs([3, 40], heads=80, page_size=4, dtype=dtype, seed=5)
+    out = decode_attention_splits(q_latent, q_pe, pool, meta, SCALE, num_kv_splits=2, tiles=tiles)
     _assert_matches(out, decode_attention_torch(q_latent, q_pe, pool, meta, SCALE))
 
 
@@ -308,5 +320,11 @@ def test_decode_compiles_for_h200_without_spills(dtype: str) -> None:
             "num_stages": 1,
         },
     ]
+    if narrow:  # and the tiles the H100/H200 entries of the tuning table pick
+        for kind in ("H100", "H200"):
+            tiles = mla_decode_tiles(True, kind)
+            tuned = {"BLOCK_H": tiles.block_h, "BLOCK_N": tiles.block_n}
+            spec = specs[0] | {"constexprs": deepseek_constexprs(dtype) | tuned}
+            specs.append(spec | {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
     for stack, shared in sm90_resources(specs):
         assert stack == 0 and shared <= SM90_SHARED_BYTES
