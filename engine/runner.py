@@ -143,8 +143,7 @@ class ModelRunner:
                 static = self.static
 
                 def static_forward(p: SchedulerOutput) -> torch.Tensor:
-                    with self._guarded():
-                        return static.run(p, size)
+                    return static.run(p, size, self._guarded)
 
                 return self._sample(plan, static_forward, start)
         device = self.model.device

@@ -255,15 +255,21 @@ class StaticDecode:
         as_tensor = torch.tensor
         return as_tensor(ids, device=device), as_tensor(positions, device=device), meta
 
-    def run(self, plan: SchedulerOutput, size: int | None = None) -> torch.Tensor:
+    def run(
+        self,
+        plan: SchedulerOutput,
+        size: int | None = None,
+        launch_guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> torch.Tensor:
         """The hidden states ``[rows, hidden]`` of the batch's rows, a row a position, computed at
-        bucket ``size`` (by default the plan's own)."""
+        bucket ``size`` (by default the plan's own). ``launch_guard`` wraps the launch alone (the
+        forward or the replay), after the inputs are on the device."""
         ids, positions, meta = self.inputs(plan, size)
         batch = decode_rows(plan)
         size = ids.shape[0]
         self.padded_rows += size - batch
         if self.recorder is None:
-            with self._capacity(size):
+            with self._capacity(size), launch_guard():
                 return self.model.forward(ids, positions, meta, self.pool)[:batch]
         graph = self._captured.get(size) or self._capture(size)
         graph.ids.copy_(ids)
@@ -272,7 +278,8 @@ class StaticDecode:
         graph.meta.page_table.copy_(meta.page_table)
         graph.meta.slot_mapping.copy_(meta.slot_mapping)
         graph.meta.seq_lens = meta.seq_lens
-        graph.recording.replay()
+        with launch_guard():
+            graph.recording.replay()
         return graph.recording.output[:batch]
 
     def capture_all(self) -> tuple[int, ...]:
