@@ -205,6 +205,20 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
         apply_rope_torch(q_pe, k_pe, cos, sin, True), lambda: tri.rope(q_pe, k_pe, cos, sin, True),
         nbytes=2 * t * (s.heads + 1) * s.rope * item)  # fmt: skip
 
+    # latent norm + RoPE + KV store fused, on the strided views MLAttention passes, against the
+    # torch backend's three reference calls
+    q_full, kv_a = rand(t, s.heads, s.nope + s.rope), rand(t, s.latent + s.rope)
+    c, k_raw = kv_a.split([s.latent, s.rope], dim=-1)
+    fused = (q_full[..., s.nope :], k_raw, c, 1 + rand(s.latent, std=0.1), 1e-6, cos, sin, True)
+    pool_a = rand(-(-t // s.page_size) + 2, s.page_size, s.latent + s.rope)
+    pool_b = pool_a.clone()
+    out = tri.rope_kv_store(*fused, pool_a, slots)
+    ref = get_backend(device, "torch").rope_kv_store(*fused, pool_b, slots)
+    # q_pe read and written, latent and k_pe read, pool rows written, cos/sin read, slots read
+    fused_bytes = (2 * t * s.heads * s.rope + 2 * t * (s.latent + s.rope) + t * s.rope) * item + 8 * t
+    add("rope_kv_store", f"T={t} H={s.heads} R={s.rope} L={s.latent}", (out, pool_a), (ref, pool_b),
+        lambda: tri.rope_kv_store(*fused, pool_a, slots), nbytes=fused_bytes)  # fmt: skip
+
     # MoE routing
     logits = torch.randn(s.moe_tokens, s.experts, generator=gen).to(device)
     bias = (0.1 * torch.randn(s.experts, generator=gen)).to(device)

@@ -124,9 +124,10 @@ class MLAttention(nn.Module):
         q = q.view(-1, heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([nope, rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([latent, rope_dim], dim=-1)
-        c = ops.rms_norm(c, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)[0]
-        q_pe, k_pe = ops.rope(q_pe, k_pe, cos, sin, cfg.rope_interleave)
-        ops.kv_store(kv_layer, meta.slot_mapping, c, k_pe)
+        norm = self.kv_a_layernorm
+        q_pe = ops.rope_kv_store(
+            q_pe, k_pe, c, norm.weight, norm.eps, cos, sin, cfg.rope_interleave, kv_layer, meta.slot_mapping
+        )
 
         out = x.new_empty((x.shape[0], heads, cfg.v_head_dim))
         w_kv_b = self.kv_b_proj.weight

@@ -41,6 +41,29 @@ class KernelBackend(ABC):
     ) -> None:
         """Write ``[latent | k_pe]`` of each new token into its slot of one layer's pool."""
 
+    def rope_kv_store(
+        self,
+        q_pe: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_norm_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        interleave: bool,
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA's step from projections to pool: ``rms_norm`` the latent, ``rope`` ``q_pe`` and
+        ``k_pe``, ``kv_store`` ``[norm(latent) | rot(k_pe)]``; return the rotated ``q_pe``.
+
+        The inputs are not changed. This default makes the three calls; a backend may fuse them.
+        """
+        latent = self.rms_norm(latent, latent_norm_weight, eps)[0]
+        q_pe, k_pe = self.rope(q_pe, k_pe, cos, sin, interleave)
+        self.kv_store(kv_layer, slot_mapping, latent, k_pe)
+        return q_pe
+
     @abstractmethod
     def extend_attention(
         self,

@@ -11,6 +11,7 @@ from tandem.model.kernels.mla_extend_triton import extend_attention_triton
 from tandem.model.kernels.moe_experts_triton import fused_experts_triton
 from tandem.model.kernels.moe_route_triton import grouped_topk_triton
 from tandem.model.kernels.norm_triton import rms_norm_triton
+from tandem.model.kernels.rope_kv_store_triton import rope_kv_store_triton
 from tandem.model.kernels.rope_triton import apply_rope_triton
 
 
@@ -19,6 +20,7 @@ class TritonBackend(KernelBackend):
     rms_norm = staticmethod(rms_norm_triton)
     rope = staticmethod(apply_rope_triton)
     kv_store = staticmethod(kv_store_triton)
+    rope_kv_store = staticmethod(rope_kv_store_triton)
     extend_attention = staticmethod(extend_attention_triton)
     decode_attention = staticmethod(decode_attention_triton)
     moe_route = staticmethod(grouped_topk_triton)

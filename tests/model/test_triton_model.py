@@ -66,6 +66,7 @@ def test_gpu_check_runs_on_tiny_shapes(capsys: pytest.CaptureFixture[str]) -> No
         "kv_store",
         "rms_norm+residual",
         "rope",
+        "rope_kv_store",
         "moe_route",
         "moe_experts",
     ):
