@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.client.output import emit
 from tandem.model.config import ModelConfig, ModelConfigError
+from tandem.model.dtype_names import AUTO, resolved_dtype
 from tandem.model.rank_weights import DTYPE_BYTES
 from tandem.wire.request_params import InvalidRequestError
 
@@ -46,7 +47,10 @@ def add_plan_parsers(sub: Any) -> None:
         help="the fraction of it for weights, workspace and KV pages (default: the topology's, 0.9)",
     )
     mem.add_argument(
-        "--dtype", choices=list(DTYPE_BYTES), default="float32", help="the model dtype, as serve's --dtype"
+        "--dtype",
+        choices=[AUTO, *DTYPE_BYTES],
+        default=AUTO,
+        help="the model dtype, as serve's --dtype (auto: bfloat16, a GPU's)",
     )
     add_speculative_arguments(mem)
     mem.add_argument("--json", action="store_true", help="print one JSON object")
@@ -86,7 +90,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--utilization", f"must be in (0, 1], got {utilization}")
     if cfg.max_position_embeddings < 2:
         raise InvalidRequestError("--model", f"max_position_embeddings {cfg.max_position_embeddings} < 2")
-    plan = plan_memory(topology, cfg, args.dtype, gpu_gib, utilization)
+    plan = plan_memory(topology, cfg, resolved_dtype(args.dtype, on_gpu=True), gpu_gib, utilization)
     model = args.model.parent.name if args.model.is_file() else args.model.name
     if args.json:
         emit(json.dumps(plan_json(plan, model), indent=2))

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from tandem.client.output import emit
 from tandem.client.prompts import PromptSpec
 from tandem.frontend.limits import EdgeLimits
+from tandem.model.dtype_names import AUTO
+from tandem.model.dtype_names import NAMES as DTYPE_NAMES
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -42,7 +44,12 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/...) here; 0: a free port",
     )
     srv.add_argument("--http-host", default=None, help="address the HTTP API binds (default: --host)")
-    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
+    srv.add_argument(
+        "--dtype",
+        choices=[AUTO, *DTYPE_NAMES],
+        default=AUTO,
+        help="the model's activation dtype (auto: bfloat16 on GPU ranks, float32 on CPU ranks)",
+    )
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
     srv.add_argument(

@@ -19,6 +19,7 @@ from tandem.engine.rank_loop import RankLoop
 from tandem.model.checkpoint import iter_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.dtype_names import resolved_dtype
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import checkpoint_fingerprint
 
@@ -99,9 +100,10 @@ def start_rank(
     """Join the group through ``master``, load this rank's model, build its role's worker and
     the loop that will step it."""
     rank = spec.rank_id.rank
+    dtype = resolved_dtype(spec.dtype, on_gpu=device.type == "cuda")
     rendezvous.join(device, master, rank, spec.world_size, spec.collective_timeout_s)
     cfg, model, dispatcher = load_rank_model(
-        spec.model_dir, spec.dtype, device, rank, spec.world_size, spec.role.uses_mtp
+        spec.model_dir, dtype, device, rank, spec.world_size, spec.role.uses_mtp
     )
     ctx = RankContext(
         spec.rank_id,
@@ -110,7 +112,7 @@ def start_rank(
         model,
         dispatcher,
         device,
-        DTYPES[spec.dtype],
+        DTYPES[dtype],
         outbox,
         model_key=checkpoint_fingerprint(spec.model_dir),
         model_dir=spec.model_dir,

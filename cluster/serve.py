@@ -39,6 +39,7 @@ from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.prometheus_process import PrometheusProcess
 from tandem.model.config import ModelConfig
+from tandem.model.dtype_names import AUTO, resolved_dtype
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 from tandem.wire.routing_view import CONTROLLER_NAME
 from tandem.wire.stream_summary import StreamSummary
@@ -78,7 +79,7 @@ class ServeOptions:
     model_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 50051
-    dtype: str = "float32"
+    dtype: str = AUTO  # resolved on each rank (``model/dtype_names.py``)
     address: str | None = None
     model_name: str | None = None
     auth_token: str | None = None
@@ -144,7 +145,17 @@ class Server:
         if topology.gpu_memory_gib is None:
             return topology
         cfg = ModelConfig.from_dir(self.model_dir)
-        return sized_topology(topology, cfg, self.options.dtype)
+        return sized_topology(topology, cfg, self.rank_dtype)
+
+    @property
+    def rank_dtype(self) -> str:
+        """The dtype the ranks get: as given, except ``auto`` in a topology sized by GPU memory,
+        which is a GPU's (bfloat16) for the plan and the ranks alike; elsewhere ``auto`` goes to
+        the ranks, each resolving it by its own device."""
+        dtype = self.options.dtype
+        if self.options.topology.gpu_memory_gib is None:
+            return dtype
+        return resolved_dtype(dtype, on_gpu=True)
 
     def start(self) -> int:
         o = self.options
@@ -173,7 +184,7 @@ class Server:
         ).remote(
             topology,
             str(self.model_dir),
-            o.dtype,
+            self.rank_dtype,
             health_interval_s=o.health_interval_s,
             model_name=self.model_name,
             metrics_host=o.rank_metrics_host,

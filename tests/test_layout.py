@@ -87,6 +87,7 @@ TORCH_FREE = (
     "tandem.cli.plan",
     "tandem.cluster.memory_plan",
     "tandem.model.rank_weights",
+    "tandem.model.dtype_names",
     "tandem.frontend.core",
     "tandem.frontend.membership",
     "tandem.frontend.migration",

@@ -58,7 +58,8 @@ def test_topology_file_gives_the_gpu_memory(tmp_path: Path, capsys: pytest.Captu
         ["plan", "memory", "--model", str(DEEPSEEK_V3), "--topology", str(path), "--json"], capsys
     )
     plan = json.loads(out)
-    assert code == 0 and plan["fits"] is True and plan["dtype"] == "float32"
+    # no --dtype: serve's default, auto, which a plan of GPU memory reads as a GPU's bfloat16
+    assert code == 0 and plan["fits"] is True and plan["dtype"] == "bfloat16"
     assert plan["gpu_memory_bytes"] == 141 << 30 and plan["utilization"] == 0.9
 
 

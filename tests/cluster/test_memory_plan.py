@@ -121,7 +121,9 @@ def test_serve_sizes_every_pool_from_the_plan(tiny: Path, monkeypatch: pytest.Mo
     )
     server = Server(ServeOptions(topology=topology, model_dir=tiny))
     planned = server.planned_topology()
-    plan = plan_memory(topology, ModelConfig.from_dir(tiny), "float32", 0.05)
+    # serve's default dtype, auto, is a GPU's in a topology sized by GPU memory
+    assert server.rank_dtype == "bfloat16"
+    plan = plan_memory(topology, ModelConfig.from_dir(tiny), "bfloat16", 0.05)
     pages = plan.pool_pages(Role.PREFILL), plan.pool_pages(Role.DECODE)
     assert (planned.prefill.num_pages, planned.decode.num_pages) == pages
     assert min(pages) > 9  # far more than the topology gave
