@@ -18,9 +18,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.model.kernels.backend import KernelBackend
 
 H200_COPY_BYTES_S = 4.3e12
 H200_BF16_FLOP_S = 790e12
@@ -66,9 +69,14 @@ class Row:
     time_s: float
     bytes_moved: float = 0.0
     flops: float = 0.0
+    fp8_peak_flops: float = 0.0  # FP8 tensor-core work: the fraction is of this peak
 
     def cells(self) -> list[str]:
-        if self.flops:
+        if self.flops and self.fp8_peak_flops:
+            rate = self.flops / self.time_s
+            of_peak = f"{rate / self.fp8_peak_flops:.1%} of {self.fp8_peak_flops / 1e12:.0f} FP8"
+            achieved, peak = f"{rate / 1e12:.1f} TFLOP/s", of_peak
+        elif self.flops:
             rate = self.flops / self.time_s
             achieved, peak = f"{rate / 1e12:.1f} TFLOP/s", f"{rate / H200_BF16_FLOP_S:.1%} of 790 TFLOP/s"
         else:
@@ -242,6 +250,57 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     shape = f"T={s.moe_tokens} pairs={pairs} E_local={s.local_experts} D={s.hidden} I={s.moe_inter}"
     add("moe_experts", shape, out, ref, lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first),
         flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
+    rows += check_fp8_experts(s, tri, device, x, w_ref, ids_ref)
+    return rows
+
+
+def check_fp8_experts(
+    s: Shapes,
+    tri: KernelBackend,
+    device: torch.device,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> list[Row]:
+    """The same experts as FP8 with block scales (128x128 at DeepSeek-V3 shapes), in both
+    activation modes, each against its torch reference: ``dequant`` against the dequantised
+    experts, ``quant`` against the emulation that quantises as the kernels do. Timed as a
+    fraction of the GPU's dense FP8 peak (``roofline.PEAKS``; the H200's off a GPU)."""
+    from tandem.model.kernels.fp8 import FP8_MODES, quantize_fp8_block
+    from tandem.model.kernels.moe import ExpertScales, fused_experts_torch
+    from tandem.model.kernels.roofline import PEAKS
+    from tandem.model.kernels.tuning import gpu_kind
+
+    gen = torch.Generator().manual_seed(1)
+    block = (128, 128) if s.hidden >= 1024 else (32, 32)
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_block(torch.randn(rows, cols, generator=gen) * cols**-0.5, block)
+
+    w13, w2, s13, s2 = [], [], [], []
+    for _ in range(s.local_experts):  # gate and up quantised apart, as a checkpoint holds them
+        (gate, sg), (up, su) = fp8(s.moe_inter, s.hidden), fp8(s.moe_inter, s.hidden)
+        down, sd = fp8(s.hidden, s.moe_inter)
+        w13.append(torch.cat([gate, up]).to(device))
+        s13.append(torch.cat([sg, su]).to(device))
+        w2.append(down.to(device))
+        s2.append(sd.to(device))
+    experts = (torch.stack(w13), torch.stack(w2))
+    first = s.local_experts
+    pairs = int(((ids >= first) & (ids < first + s.local_experts)).sum())
+    shape = f"T={s.moe_tokens} pairs={pairs} E_local={s.local_experts} D={s.hidden} I={s.moe_inter} "
+    shape += f"block {block[0]}"
+    fp8_peak = PEAKS.get(gpu_kind(), PEAKS["H200"]).fp8_flops
+    rows = []
+    for mode in FP8_MODES:
+        scales = ExpertScales(torch.stack(s13), torch.stack(s2), block, mode)
+        args = (x, weights, ids, *experts, first, scales)
+        err = _rel_err(tri.moe_experts(*args), fused_experts_torch(*args))
+        seconds = _time(lambda args=args: tri.moe_experts(*args), device)  # type: ignore[misc]
+        # dequant mode multiplies in x's dtype: its fraction is of the bf16 peak, as above
+        flops = 6 * pairs * s.hidden * s.moe_inter
+        peak = fp8_peak if mode == "quant" else 0.0
+        rows.append(Row(f"moe_experts_fp8_{mode}", shape, err, seconds, flops=flops, fp8_peak_flops=peak))
     return rows
 
 

@@ -111,11 +111,23 @@ def fp8_linear_torch(
     lead, cols = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, cols)
     xq, xs = quantize_activation_groups(flat, block[1])
-    out = torch.zeros(flat.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    out = quantized_matmul(xq, xs, weight, scale_inv, block)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+def quantized_matmul(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``quant`` mode's product in float32, as the kernels form it: per ``bi``-wide step of K,
+    the FP8 x FP8 partial product scaled by the activation group's and the weight block's scales.
+
+    ``xq [M, K]`` and ``xs [M, ceil(K/bi)]`` come from :func:`quantize_activation_groups`."""
+    cols = xq.shape[1]
+    out = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float32, device=xq.device)
     row_scale = scale_inv.float().repeat_interleave(block[0], dim=0)[: weight.shape[0]]
     for kb, k0 in enumerate(range(0, cols, block[1])):
         part = xq[:, k0 : k0 + block[1]].float() @ weight[:, k0 : k0 + block[1]].float().T
         out += part * xs[:, kb, None] * row_scale[None, :, kb]
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).reshape(*lead, weight.shape[0])
+    return out

@@ -39,6 +39,19 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_group_rows(x, FP8_MAX_: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Each row of a float32 tile ``x [R, G]``, one ``1 x bi`` group a row (columns past the
+    group zero), to ``(q [R, G], scale [R])`` with ``x ~= q * scale``: ``q`` holds e4m3 values in
+    float32, for the caller's cast. ``ROUND_FIRST`` under Triton's interpreter (:func:`_round_to_e4m3`)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_MAX_, 1.0)
+    q = tl.clamp(x / scale[:, None], -FP8_MAX_, FP8_MAX_)
+    if ROUND_FIRST:
+        q = _round_to_e4m3(q)
+    return q, scale
+
+
+@triton.jit
 def _quantize_groups_kernel(
     x_ptr,
     q_ptr,
@@ -49,24 +62,24 @@ def _quantize_groups_kernel(
     s_stride,
     FP8_MAX_: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    offs = group * GROUP + tl.arange(0, GROUP)
-    ok = offs < cols
+    lane = tl.arange(0, GROUP_PAD)
+    offs = group * GROUP + lane
+    ok = (lane < GROUP) & (offs < cols)
     x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax / FP8_MAX_, 1.0)
-    q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
-    if ROUND_FIRST:
-        q = _round_to_e4m3(q)
-    tl.store(q_ptr + row * q_stride + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * s_stride + group, scale)
+    q, scale = quantize_group_rows(x[None, :], FP8_MAX_, ROUND_FIRST)
+    tl.store(q_ptr + row * q_stride + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok[None, :])
+    tl.store(s_ptr + row * s_stride + group + tl.arange(0, 1), scale)
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` per ``1 x group`` to ``(fp8 [M, K], float32 scale [M, ceil(K / group)])``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     rows, cols = x.shape
     groups = triton.cdiv(cols, group)
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
@@ -82,6 +95,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
             s.stride(0),
             FP8_MAX_=FP8_MAX,
             GROUP=group,
+            GROUP_PAD=triton.next_power_of_2(group),
             ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1",
         )
     return q, s

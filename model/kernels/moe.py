@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from tandem.model.kernels.fp8 import dequantize_fp8_block, dequantize_gate_up
+from tandem.model.kernels.fp8 import (
+    Fp8Mode,
+    dequantize_fp8_block,
+    dequantize_gate_up,
+    fp8_mode,
+    quantize_activation_groups,
+    quantized_matmul,
+)
 
 
 @dataclass(frozen=True)
 class ExpertScales:
     """The block scales of FP8 experts (``kernels/fp8.py``): ``gate_up [E, 2 * ceil(I/bo),
-    ceil(D/bi)]`` (gate's rows, then up's) and ``down [E, ceil(D/bo), ceil(I/bi)]``."""
+    ceil(D/bi)]`` (gate's rows, then up's) and ``down [E, ceil(D/bo), ceil(I/bi)]``; ``mode``,
+    how activations meet them (``TANDEM_FP8_ACTIVATIONS`` when these scales are made)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
+    mode: Fp8Mode = field(default_factory=fp8_mode)
 
 
 def grouped_topk_torch(
@@ -57,7 +67,8 @@ def fused_experts_torch(
     first_expert: int,
     scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """With ``scales`` the experts are FP8; each used one is dequantised into ``x``'s dtype."""
+    """With ``scales`` the experts are FP8: in ``dequant`` mode each used one is dequantised into
+    ``x``'s dtype; in ``quant`` mode see :func:`_quant_expert`."""
     out = torch.zeros_like(x)
     num_local, two_inter, _ = w_gate_up.shape
     local_ids = topk_ids - first_expert
@@ -65,13 +76,32 @@ def fused_experts_torch(
         if not 0 <= expert < num_local:
             continue
         token_idx, slot = torch.where(local_ids == expert)
-        w13, w2 = w_gate_up[expert], w_down[expert]
-        if scales is not None:
-            w13 = dequantize_gate_up(w13, scales.gate_up[expert], scales.block).to(x.dtype)
-            w2 = dequantize_fp8_block(w2, scales.down[expert], scales.block).to(x.dtype)
-        h = F.linear(x[token_idx], w13)
-        gate, up = h.split(two_inter // 2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)
+        if scales is not None and scales.mode == "quant":
+            y = _quant_expert(x[token_idx], w_gate_up[expert], w_down[expert], scales, expert)
+        else:
+            w13, w2 = w_gate_up[expert], w_down[expert]
+            if scales is not None:
+                w13 = dequantize_gate_up(w13, scales.gate_up[expert], scales.block).to(x.dtype)
+                w2 = dequantize_fp8_block(w2, scales.down[expert], scales.block).to(x.dtype)
+            gate, up = F.linear(x[token_idx], w13).split(two_inter // 2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2)
         y = y * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
+
+
+def _quant_expert(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, scales: ExpertScales, expert: int
+) -> torch.Tensor:
+    """One FP8 expert in ``quant`` mode, in float32, quantising where the Triton kernels do:
+    ``x`` per ``1 x bi`` group of D, then ``h = silu(gate) * up`` (float32, never rounded to
+    ``x``'s dtype) per ``1 x bi`` group of I; both products FP8 x FP8 per ``bi`` step."""
+    block = scales.block
+    inter = w_gate_up.shape[0] // 2
+    half = math.ceil(inter / block[0])
+    s_gate_up = scales.gate_up[expert]
+    xq, xs = quantize_activation_groups(x, block[1])
+    gate = quantized_matmul(xq, xs, w_gate_up[:inter], s_gate_up[:half], block)
+    up = quantized_matmul(xq, xs, w_gate_up[inter:], s_gate_up[half:], block)
+    hq, hs = quantize_activation_groups(gate * torch.sigmoid(gate) * up, block[1])
+    return quantized_matmul(hq, hs, w_down, scales.down[expert], block)

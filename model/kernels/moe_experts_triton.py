@@ -25,7 +25,10 @@ so every ``BLOCK_M`` block of sorted rows belongs to a single expert::
       out[t] = sum over j of y[t * top_k + j] where topk_ids[t, j] is local, else 0
 
 Accumulation is float32; ``h``, ``y`` and the output are in ``x``'s dtype. Routing weights are
-float32. A token none of whose experts is local gets a zero row.
+float32. A token none of whose experts is local gets a zero row. FP8 experts (``ExpertScales``)
+take one of two modes: ``dequant``, each weight tile dequantised into ``x``'s dtype (these
+kernels), or ``quant``, FP8 activations and FP8 x FP8 dots (``moe_experts_fp8_triton``, whose
+``h`` is FP8 with group scales).
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ import triton
 import triton.language as tl
 
 from tandem.model.kernels.moe import ExpertScales
+from tandem.model.kernels.moe_experts_fp8_triton import (
+    QUANT_BLOCK_M,
+    QUANT_NUM_WARPS,
+    QuantizedRows,
+    launch_quant_gate_up_down,
+)
 
 
 class ExpertDtypeMismatch(TypeError):
@@ -294,32 +303,22 @@ def _sum_local_pairs_kernel(
     tl.store(out_ptr + token * out_stride_t + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def launch_fused_experts(
+def _launch_gate_up_down(
     x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    weights: torch.Tensor,
+    aligned: AlignedPairs,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    first_expert: int,
+    scales: ExpertScales | None,
     blocks: ExpertBlocks,
     h: torch.Tensor,
     y: torch.Tensor,
-    out: torch.Tensor,
-    scales: ExpertScales | None = None,
+    top_k: int,
 ) -> None:
-    """Run the three kernels into caller-owned buffers: ``h [max_rows, I]`` (every row of a used
-    block is written), ``y [T * top_k, D]`` (rows of local pairs are written) and ``out [T, D]``
-    (every element is written). ``max_rows`` is ``padded_row_count``."""
-    num_tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    num_local, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    if num_tokens == 0:
-        return
-    aligned = align_pairs_to_blocks(topk_ids, first_expert, num_local, blocks.block_m)
+    """The gate/up and down kernels in ``x``'s dtype (FP8 experts dequantised per tile)."""
+    hidden = x.shape[1]
+    inter = w_gate_up.shape[1] // 2
     assert h.shape == (aligned.sorted_pair_ids.numel(), inter) and h.stride(-1) == 1
-    assert y.shape == (num_tokens * top_k, hidden) and y.stride(-1) == 1
-    assert out.shape == (num_tokens, hidden) and out.stride(-1) == 1
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # no TF32 rounding of float32 inputs
     # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; a GPU never upcasts
     upcast = x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -361,7 +360,6 @@ def launch_fused_experts(
         num_warps=blocks.num_warps,
         num_stages=3,
     )
-    weights = topk_weights.to(torch.float32).contiguous()
     _down_kernel[(num_blocks, triton.cdiv(hidden, blocks.down_block_n))](
         h,
         w_down,
@@ -391,6 +389,43 @@ def launch_fused_experts(
         num_warps=blocks.num_warps,
         num_stages=3,
     )
+
+
+def launch_fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    first_expert: int,
+    blocks: ExpertBlocks,
+    h: torch.Tensor | QuantizedRows,
+    y: torch.Tensor,
+    out: torch.Tensor,
+    scales: ExpertScales | None = None,
+) -> None:
+    """Run the three kernels into caller-owned buffers: ``h [max_rows, I]`` (every row of a used
+    block is written; ``QuantizedRows`` in ``quant`` mode), ``y [T * top_k, D]`` (rows of local
+    pairs are written) and ``out [T, D]`` (every element is written). ``max_rows`` is
+    ``padded_row_count``."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_local = w_gate_up.shape[0]
+    if num_tokens == 0:
+        return
+    aligned = align_pairs_to_blocks(topk_ids, first_expert, num_local, blocks.block_m)
+    assert y.shape == (num_tokens * top_k, hidden) and y.stride(-1) == 1
+    assert out.shape == (num_tokens, hidden) and out.stride(-1) == 1
+    weights = topk_weights.to(torch.float32).contiguous()
+    if scales is not None and scales.mode == "quant":
+        assert isinstance(h, QuantizedRows)
+        ids, block_expert = aligned.sorted_pair_ids, aligned.block_expert
+        launch_quant_gate_up_down(
+            x, weights, ids, block_expert, w_gate_up, w_down, scales, h, y, top_k, blocks.down_block_n
+        )
+    else:
+        assert isinstance(h, torch.Tensor)
+        _launch_gate_up_down(x, weights, aligned, w_gate_up, w_down, scales, blocks, h, y, top_k)
     block_d = min(1024, triton.next_power_of_2(hidden))
     _sum_local_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y,
@@ -418,7 +453,7 @@ def fused_experts_triton(
 ) -> torch.Tensor:
     """Sum over each token's local experts of ``weight * down(silu(gate(x)) * up(x))`` -> ``[T, D]``.
 
-    The experts are in ``x``'s dtype, or FP8 with their ``scales``."""
+    The experts are in ``x``'s dtype, or FP8 with their ``scales`` (in ``scales.mode``)."""
     if scales is None and not x.dtype == w_gate_up.dtype == w_down.dtype:
         raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
     if scales is not None and not w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn:
@@ -427,7 +462,10 @@ def fused_experts_triton(
     num_local, two_inter, _ = w_gate_up.shape
     num_pairs = topk_ids.numel()
     blocks = pick_expert_blocks(num_pairs, num_local, hidden, two_inter // 2, x.dtype)
-    if scales is not None:  # a reduction step must not straddle two scale columns
+    quant = scales is not None and scales.mode == "quant"
+    if quant:
+        blocks = replace(blocks, block_m=QUANT_BLOCK_M, num_warps=QUANT_NUM_WARPS)
+    elif scales is not None:  # a reduction step must not straddle two scale columns
         bi = scales.block[1]
         blocks = replace(
             blocks,
@@ -435,7 +473,12 @@ def fused_experts_triton(
             down_block_k=math.gcd(blocks.down_block_k, bi),
         )
     max_rows = padded_row_count(num_pairs, num_local, blocks.block_m)
-    h = torch.empty((max_rows, two_inter // 2), dtype=x.dtype, device=x.device)
+    inter = two_inter // 2
+    h: torch.Tensor | QuantizedRows
+    if scales is not None and quant:
+        h = QuantizedRows.empty(max_rows, inter, scales.block[1], x.device)
+    else:
+        h = torch.empty((max_rows, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     launch_fused_experts(

@@ -98,7 +98,7 @@ def test_fp8_experts_match_the_dequantised_experts() -> None:
         s13.append(torch.cat([sg, su]))
         w2.append(down)
         s2.append(sd)
-    scales = ExpertScales(torch.stack(s13), torch.stack(s2), block)
+    scales = ExpertScales(torch.stack(s13), torch.stack(s2), block, "dequant")
     fused13, fused2 = torch.stack(w13), torch.stack(w2)
     dense13 = torch.stack([dequantize_gate_up(w, s, block) for w, s in zip(w13, s13, strict=True)])
     dense2 = torch.stack([dequantize_fp8_block(w, s, block) for w, s in zip(w2, s2, strict=True)])
