@@ -22,11 +22,23 @@ from tandem.wire.request_params import SamplingParams
 PROMPTS = [[5, 9, 13], [100, 101], [7 + i % 50 for i in range(40)]]
 
 
-def _engine(tiny: Path, guard: bool) -> ColocatedEngine:
+def _engine(tiny: Path, guard: bool, device: str = "cpu") -> ColocatedEngine:
     config = EngineConfig(num_pages=16, page_size=8, max_num_seqs=4, max_num_batched_tokens=16)
-    engine = ColocatedEngine.from_model_dir(tiny, config=config)
+    engine = ColocatedEngine.from_model_dir(tiny, config=config, device=device)
     engine.runner = ModelRunner(engine.model, engine.pool, guard_syncs=guard)
     return engine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_on_a_gpu_no_launch_synchronises(tmp_path: Path) -> None:
+    """The same steps under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call
+    inside a launch raises."""
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    sampling = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in PROMPTS]
+    guarded = _engine(tiny, guard=True, device="cuda")
+    got = [o.token_ids for o in guarded.generate(PROMPTS, sampling)]
+    assert guarded.runner.guarded_forwards > 0
+    assert got == [o.token_ids for o in _engine(tiny, guard=False, device="cuda").generate(PROMPTS, sampling)]
 
 
 def test_mixed_and_decode_steps_read_nothing_on_the_host(
