@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the tiny model end to end with its kernels compiled (greedy tokens
 # against torch on the CPU), a layer-wise KV transfer between two VRAM pools (page for page), the
-# decode step at batch 1 and 64 eager against CUDA graphs (same tokens, step times), then
+# decode step at batch 1 and 64 eager against CUDA graphs (every bucket captured at start; same
+# tokens, step times; both again under CUDA's sync debug mode, mixed steps included), then
 # every Triton kernel compiled, checked against its torch reference and timed at DeepSeek-V3
-# shapes; the table comes last. Ends well inside 10 minutes.
+# shapes as a fraction of this GPU's roofline (model/kernels/roofline.py), with the targets met or
+# missed; the table comes last. Ends well inside 10 minutes.
 # Needs a CUDA build of torch (see README); runs from the repository root (the tandem/ links give
 # the package) whether or not Tandem is installed.
 # Every check runs, even after one failed, so the table still prints; the script then exits 1
