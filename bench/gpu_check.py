@@ -257,6 +257,7 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     route_s = _time(lambda: tri.moe_route(logits, bias, *route), device)
     rows.append(Row("moe_route", f"T={s.moe_tokens} E={s.experts} k={s.top_k}", err, route_s,
                     bytes_moved=s.moe_tokens * s.experts * 4))  # fmt: skip
+    rows += check_gate_route(s, tri, device, dtype)
 
     # fused experts on this rank's slice
     x = rand(s.moe_tokens, s.hidden)
@@ -320,6 +321,54 @@ def check_fp8_experts(
         rows.append(
             Row(f"moe_experts_fp8_{mode}", shape, err, seconds, flops=flops, fp8=quant, target=target)
         )
+    return rows
+
+
+def check_gate_route(s: Shapes, tri: KernelBackend, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """The router GEMM fused with the routing (``moe_gate_route``) against the torch backend's two
+    steps (float32 GEMM of the widened activations, then ``grouped_topk_torch``), at the MoE batch
+    and at the decode batch, and beside it those two steps with the Triton ``moe_route`` (what the
+    model ran before), timed on the same inputs. Ids sorted per row must agree on all but one row
+    in a thousand (two sums of ``D`` products in different orders can round a near-tie apart; the
+    shape cell counts such rows); weights are compared on the rows that agree. The dot is IEEE
+    float32 on CUDA cores, so its FLOPs are held against a tensor-core peak it cannot reach."""
+    from tandem.model.kernels.registry import get_backend
+
+    ref_ops = get_backend(device, "torch")
+    gen = torch.Generator().manual_seed(2)
+    gate_weight = (s.hidden**-0.5 * torch.randn(s.experts, s.hidden, generator=gen)).to(device)
+    bias = (0.1 * torch.randn(s.experts, generator=gen)).to(device)
+    route = (s.top_k, s.n_group, s.topk_group, True, 2.5)
+    item = torch.empty((), dtype=dtype).element_size()
+
+    def two_steps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tri.moe_route(torch.nn.functional.linear(x.float(), gate_weight), bias, *route)
+
+    rows = []
+    for tokens in sorted({s.decode_batch, s.moe_tokens}):
+        x = torch.randn(tokens, s.hidden, generator=gen).to(device, dtype)
+        w_tri, ids_tri = tri.moe_gate_route(x, gate_weight, bias, *route)
+        w_ref, ids_ref = ref_ops.moe_gate_route(x, gate_weight, bias, *route)
+        (ids_tri, order), (ids_ref, ref_order) = ids_tri.sort(-1), ids_ref.sort(-1)
+        same = (ids_tri == ids_ref).all(-1)
+        flips = int((~same).sum())
+        err = float("inf")
+        if flips <= tokens // 1000:
+            err = _rel_err(w_tri.gather(1, order)[same], w_ref.gather(1, ref_order)[same])
+        nbytes = tokens * s.hidden * item + s.experts * (s.hidden + 1) * 4 + tokens * s.top_k * (4 + 8)
+        flops = 2 * tokens * s.experts * s.hidden
+        shape = f"T={tokens} D={s.hidden} E={s.experts} k={s.top_k}"
+        fused_s = _time(lambda x=x: tri.moe_gate_route(x, gate_weight, bias, *route), device)  # type: ignore[misc]
+        rows.append(
+            Row("moe_gate_route", f"{shape} flips={flips}", err, fused_s, bytes_moved=nbytes, flops=flops)
+        )
+        # the two steps also write the float32 copy of x and the logits, and read both back
+        w_two, ids_two = two_steps(x)
+        same_two = torch.equal(ids_two.sort(-1).values, ids_ref)
+        err = _rel_err(w_two.sort(-1).values, w_ref.sort(-1).values) if same_two else float("inf")
+        two_steps_s = _time(lambda x=x: two_steps(x), device)  # type: ignore[misc]
+        nbytes += 2 * tokens * (s.hidden + s.experts) * 4
+        rows.append(Row("moe_gate_route_two_steps", shape, err, two_steps_s, bytes_moved=nbytes, flops=flops))
     return rows
 
 

@@ -206,10 +206,10 @@ class MoE(nn.Module):
         return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block)
 
     def route(self, x: torch.Tensor, ops: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.to(torch.float32), self.gate_weight)
         cfg = self.cfg
-        return ops.moe_route(
-            logits,
+        return ops.moe_gate_route(
+            x,
+            self.gate_weight,
             self.e_score_correction_bias,
             cfg.num_experts_per_tok,
             cfg.n_group,

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from tandem.model.attention_metadata import AttentionMetadata
@@ -101,6 +102,28 @@ class KernelBackend(ABC):
         routed_scaling_factor: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``noaux_tc`` grouped top-k: ``(weights [T, k] float32, expert ids [T, k])``."""
+
+    def moe_gate_route(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        correction_bias: torch.Tensor,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router GEMM, then ``moe_route``: logits ``x [T, D]`` widened to float32 times the
+        float32 ``gate_weight [E, D]`` transposed, at full float32 precision (as Hugging Face
+        computes them: one flipped expert changes the layer's output).
+
+        This default makes the two steps; a backend may fuse them.
+        """
+        logits = F.linear(x.to(torch.float32), gate_weight)
+        return self.moe_route(
+            logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor
+        )
 
     @abstractmethod
     def moe_experts(

@@ -34,14 +34,14 @@ class RoutingShapeError(ValueError):
 
 
 @triton.jit
-def _grouped_topk_kernel(
-    logits_ptr,
+def route_rows(
+    logits,
     bias_ptr,
     weights_ptr,
     ids_ptr,
+    offs_t,
     num_tokens,
     num_experts,
-    logits_stride,
     routed_scaling_factor,
     EXPERTS_PER_GROUP: tl.constexpr,
     N_GROUP: tl.constexpr,
@@ -53,7 +53,8 @@ def _grouped_topk_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Route the float32 logits ``[BLOCK_T, BLOCK_E]`` of tokens ``offs_t`` (columns past
+    ``num_experts`` are padding, whatever they hold) and store their weights and ids."""
     offs_e = tl.arange(0, BLOCK_E)
     offs_g = tl.arange(0, BLOCK_G)
     offs_k = tl.arange(0, BLOCK_K)
@@ -61,11 +62,6 @@ def _grouped_topk_kernel(
     e_ok = offs_e < num_experts
     group_of_e = offs_e // EXPERTS_PER_GROUP  # >= N_GROUP on padding columns: in no group
 
-    logits = tl.load(
-        logits_ptr + offs_t[:, None] * logits_stride + offs_e[None, :],
-        mask=t_ok[:, None] & e_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
     scores = tl.sigmoid(logits)
     bias = tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32)
     biased = scores + bias[None, :]
@@ -110,7 +106,57 @@ def _grouped_topk_kernel(
     tl.store(ids_ptr + out_offs, top_ids, mask=out_mask)
 
 
-def _check_shape(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    logits_stride,
+    routed_scaling_factor,
+    EXPERTS_PER_GROUP: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM_TOPK_PROB: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    t_ok = offs_t < num_tokens
+    e_ok = offs_e < num_experts
+    logits = tl.load(
+        logits_ptr + offs_t[:, None] * logits_stride + offs_e[None, :],
+        mask=t_ok[:, None] & e_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    route_rows(
+        logits,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        offs_t,
+        num_tokens,
+        num_experts,
+        routed_scaling_factor,
+        EXPERTS_PER_GROUP,
+        N_GROUP,
+        TOPK_GROUP,
+        TOP_K,
+        NORM_TOPK_PROB,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_G,
+        BLOCK_K,
+    )
+
+
+def check_routing_shape(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     if n_group < 1 or num_experts % n_group:
         raise RoutingShapeError(f"n_group={n_group} must divide the {num_experts} router logits")
     if not 1 <= topk_group <= n_group:
@@ -141,7 +187,7 @@ def launch_grouped_topk(
     """Route into ``weights_out [T, top_k]`` (float32) and ``ids_out [T, top_k]`` (int64), both
     contiguous; every element is written."""
     num_tokens, num_experts = router_logits.shape
-    _check_shape(num_experts, top_k, n_group, topk_group)
+    check_routing_shape(num_experts, top_k, n_group, topk_group)
     assert weights_out.shape == ids_out.shape == (num_tokens, top_k)
     assert weights_out.dtype == torch.float32 and ids_out.dtype == torch.int64
     assert weights_out.is_contiguous() and ids_out.is_contiguous()

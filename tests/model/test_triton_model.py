@@ -70,6 +70,8 @@ def test_gpu_check_runs_on_tiny_shapes(capsys: pytest.CaptureFixture[str]) -> No
         "rope",
         "rope_kv_store",
         "moe_route",
+        "moe_gate_route",
+        "moe_gate_route_two_steps",
         "moe_experts",
     ):
         assert f"| {kernel} " in table
