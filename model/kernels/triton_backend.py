@@ -3,6 +3,8 @@ Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
 
+import torch
+
 from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.fp8_gemm_triton import fp8_linear_triton
 from tandem.model.kernels.kv_store_triton import kv_store_triton
@@ -14,6 +16,7 @@ from tandem.model.kernels.moe_route_triton import grouped_topk_triton
 from tandem.model.kernels.norm_triton import rms_norm_triton
 from tandem.model.kernels.rope_kv_store_triton import rope_kv_store_triton
 from tandem.model.kernels.rope_triton import apply_rope_triton
+from tandem.model.kernels.tuning import fused_gate_route_min_tokens
 
 
 class TritonBackend(KernelBackend):
@@ -25,6 +28,32 @@ class TritonBackend(KernelBackend):
     extend_attention = staticmethod(extend_attention_triton)
     decode_attention = staticmethod(decode_attention_triton)
     moe_route = staticmethod(grouped_topk_triton)
-    moe_gate_route = staticmethod(gate_route_triton)
     moe_experts = staticmethod(fused_experts_triton)
     fp8_linear = staticmethod(fp8_linear_triton)
+
+    def moe_gate_route(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        correction_bias: torch.Tensor,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused kernel from this GPU kind's batch up (``tuning.fused_gate_route_min_tokens``);
+        a smaller batch keeps the two steps, whose GEMM spreads over every SM."""
+        args = (
+            x,
+            gate_weight,
+            correction_bias,
+            top_k,
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        )
+        if x.shape[0] < fused_gate_route_min_tokens():
+            return super().moe_gate_route(*args)
+        return gate_route_triton(*args)

@@ -111,3 +111,15 @@ def mla_decode_tiles(narrow: bool, kind: str | None = None) -> DecodeTiles:
     width = "narrow" if narrow else "wide"
     table = _MLA_DECODE.get(kind or gpu_kind(), {})
     return table.get(width) or _MLA_DECODE["default"][width]
+
+
+# the batch from which the Triton backend routes with the router GEMM fused in
+# (``moe_gate_route_triton``): a program takes 16 tokens and streams the whole float32 router
+# weight, so a decode batch would keep a few SMs busy where the two steps' GEMM uses them all.
+# H100/H200: from 1,024 tokens (64 programs), unmeasured; elsewhere (the interpreter) always.
+_FUSED_GATE_ROUTE_MIN_TOKENS = {"default": 0, "H100": 1024, "H200": 1024}
+
+
+def fused_gate_route_min_tokens(kind: str | None = None) -> int:
+    table = _FUSED_GATE_ROUTE_MIN_TOKENS
+    return table.get(kind or gpu_kind(), table["default"])

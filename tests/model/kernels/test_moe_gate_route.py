@@ -96,6 +96,30 @@ def test_default_is_the_two_steps() -> None:
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
 
 
+def test_the_triton_backend_fuses_from_its_gpu_kinds_batch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the tuning table's batch the two steps run (a decode batch's GEMM spreads over every
+    SM), from it the fused kernel; both give the reference's routing."""
+    from tandem.model.kernels import triton_backend
+    from tandem.model.kernels.tuning import fused_gate_route_min_tokens
+
+    assert fused_gate_route_min_tokens("H200") == 1024 and fused_gate_route_min_tokens("default") == 0
+    monkeypatch.setattr(triton_backend, "fused_gate_route_min_tokens", lambda: 16)
+    fused_calls: list[int] = []
+
+    def counted(x: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_calls.append(x.shape[0])
+        return gate_route_triton(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "gate_route_triton", counted)
+    backend = get_backend("cpu", "triton")
+    route = (TINY.top_k, TINY.n_group, TINY.topk_group, True, 2.5)
+    for num_tokens in (5, 37):
+        x, gate_weight, bias = _inputs(num_tokens, TINY, HIDDEN, torch.float32, seed=num_tokens)
+        weights, ids = backend.moe_gate_route(x, gate_weight, bias, *route)
+        _check(weights, ids, x @ gate_weight.T, bias, TINY, True, 2.5)
+    assert fused_calls == [37]
+
+
 def test_empty_batch() -> None:
     x, gate_weight, bias = _inputs(0, TINY, HIDDEN, torch.bfloat16, seed=4)
     weights, ids = gate_route_triton(
