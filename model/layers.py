@@ -189,6 +189,7 @@ class MoE(nn.Module):
         self.w_gate_up = _param(n, 2 * inter, h, dtype=expert_dtype, device=device)
         self.w_down = _param(n, h, inter, dtype=expert_dtype, device=device)
         self.fp8_block = fp8_block
+        self.fp8_mode = fp8_mode() if fp8_block else "dequant"  # read once, as Linear does
         self.w_gate_up_scale: nn.Parameter | None = None
         self.w_down_scale: nn.Parameter | None = None
         if fp8_block:
@@ -203,7 +204,7 @@ class MoE(nn.Module):
     def expert_scales(self) -> ExpertScales | None:
         if self.w_gate_up_scale is None or self.w_down_scale is None or self.fp8_block is None:
             return None
-        return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block)
+        return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.fp8_block, self.fp8_mode)
 
     def route(self, x: torch.Tensor, ops: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
