@@ -307,11 +307,14 @@ class PrefillWorker(RankWorker):
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         forward_start = time.monotonic()
         sampled = self.runner.run(plan, layer_kv if finishing else None)
-        compute_done = kv_done[0] if kv_done else time.monotonic()
+        # once a chunk samples, its token is on the host and the device has run the whole forward
+        # (a step of middle chunks only is the host's queueing time: the next step's waits cover it)
+        forward_done = time.monotonic()
+        compute_done = kv_done[0] if kv_done else forward_done
         for request_id, (_, entries) in self.runner.prompt_logprobs.items():  # chunks in order
             self._prompt_logprobs.setdefault(request_id, [None]).extend(entries)
-        if copier is not None and plan.num_batched_tokens:
-            copier.tiers.prices.observe("prefill", plan.num_batched_tokens, compute_done - forward_start)
+        if copier is not None and plan.num_batched_tokens:  # recompute's price: the device's time
+            copier.tiers.prices.observe("prefill", plan.num_batched_tokens, forward_done - forward_start)
         for done in self.scheduler.update(plan, sampled, compute_done):
             if done.request_id not in finishing:  # its transfer could not start
                 self.scheduler.transfer_over(done.request_id)
