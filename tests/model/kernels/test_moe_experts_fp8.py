@@ -274,10 +274,14 @@ def test_gpu_check_lists_both_fp8_expert_modes() -> None:
     """``bench/gpu_check.py``'s FP8 expert rows at tiny shapes (its GPU run uses DeepSeek-V3's)."""
     from tandem.bench.gpu_check import TINY, check_fp8_experts
     from tandem.model.kernels.registry import get_backend
+    from tandem.model.kernels.roofline import PEAKS
 
     gen = torch.Generator().manual_seed(5)
     x, weights, ids = _batch(TINY.moe_tokens, TINY.hidden, TINY.top_k, TINY.experts, torch.float32, gen)
     rows = check_fp8_experts(TINY, get_backend("cpu", "triton"), torch.device("cpu"), x, weights, ids)
     assert [row.kernel for row in rows] == ["moe_experts_fp8_dequant", "moe_experts_fp8_quant"]
     assert all(row.max_rel_err < 1e-5 for row in rows), rows
-    assert "FP8" in rows[1].cells()[4]
+    # the quant row is held against the FP8 peak, with its target; dequant's against bf16
+    assert rows[1].fp8 and not rows[0].fp8 and (rows[0].target, rows[1].target) == (None, 0.5)
+    peaks = PEAKS["H200"]
+    assert rows[1].cells(peaks)[3].endswith("FP8") and rows[1].cells(peaks)[5].startswith("0.50: ")
