@@ -38,14 +38,14 @@ class RayNodes:
             "TANDEM_CACHE_DIR": str(self.root / "cache"),
         }
         self.env.pop("RAY_ADDRESS", None)
-        port, dashboard_port = _free_port(), _free_port()
+        port, dashboard_port, *agents = _free_ports(6)  # held together: six different ports
         self.address = f"127.0.0.1:{port}"
         self.dashboard_url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
         self._ray(
             "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}",
             f"--include-dashboard={dashboard}", f"--dashboard-port={dashboard_port}",
             f"--temp-dir={self.root / 'ray'}",
-            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(),
+            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(agents),
         )  # fmt: skip
 
     def _ray(self, *args: str) -> str:
@@ -71,7 +71,7 @@ class RayNodes:
         label = ",".join(f"{k}={v}" for k, v in labels.items())
         self._ray(
             "start", f"--address={self.address}", f"--num-cpus={cpus}", f"--labels={label}",
-            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(),
+            "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(_free_ports(4)),
         )  # fmt: skip
 
     def nodes(self) -> list[dict[str, object]]:
@@ -154,18 +154,23 @@ class RayNodes:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _agent_ports() -> list[str]:
+def _agent_ports(ports: list[int]) -> list[str]:
+    listen, grpc, runtime_env, metrics = ports
     return [
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
+        f"--dashboard-agent-listen-port={listen}",
+        f"--dashboard-agent-grpc-port={grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
     ]
 
 
-def _free_port() -> int:
+def _free_ports(count: int) -> list[int]:
+    """``count`` different free ports: each socket stays bound until all are picked (one picked
+    and released at a time, the OS may hand the same port out twice, and Ray then refuses)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
