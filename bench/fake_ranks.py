@@ -181,6 +181,7 @@ class FakeDecodeRank:
             sampling=request.sampling,
             destination=KVDestination(self.rank.name, INCARNATION, tuple(range(pages))),
             deadline_s=time.time() + KV_DEADLINE_S,
+            cache_salt=request.cache_salt,
         )
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -328,19 +329,19 @@ class FakePrefillRank:
     def submit(self, jobs: list[PrefillJob]) -> None:
         with self._lock:
             for job in jobs:
-                self._prefill(job.prompt_token_ids)
+                self._prefill(job.prompt_token_ids, job.cache_salt)
                 self._jobs += 1
             self._publish()
 
-    def _prefill(self, prompt: tuple[int, ...]) -> None:
-        page_ids, _ = self.cache.match_prefix(prompt)
+    def _prefill(self, prompt: tuple[int, ...], cache_salt: str | None) -> None:
+        page_ids, _ = self.cache.match_prefix(prompt, cache_salt)
         matched = len(page_ids)
         fresh = self.cache.allocate(-(-len(prompt) // self.page_size) - matched)
         if fresh is None:  # longer than the whole pool: computed, not cached
             self.cache.free(page_ids)
             return
         page_ids += fresh
-        self.cache.cache_full_pages(prompt, page_ids, len(prompt), matched)
+        self.cache.cache_full_pages(prompt, page_ids, len(prompt), matched, cache_salt)
         self.cache.free(page_ids)
 
     def _publish(self) -> None:

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from tandem.decode.worker import PrefillDispatcher
-from tandem.engine.prefix_cache import block_hash
+from tandem.engine.prefix_cache import block_hash, chain_root
 from tandem.engine.request import Request
 from tandem.wire.messages import RankId
 from tandem.wire.prefill_job import PrefillJob
@@ -39,7 +39,7 @@ class RayPrefillDispatcher(PrefillDispatcher):
             raise NoPrefillRank(request.request_id)
         prompt = request.prompt_token_ids
         if len(prompt) > self.page_size:
-            return ranks[block_hash(None, prompt[: self.page_size]) % len(ranks)]
+            return ranks[block_hash(chain_root(request.cache_salt), prompt[: self.page_size]) % len(ranks)]
         return ranks[next(self._next) % len(ranks)]
 
     def send(self, prefill_rank: RankId, job: PrefillJob) -> None:

@@ -29,7 +29,7 @@ from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError
 from tandem.engine.admission import admit_new_request, resumed_outputs
 from tandem.engine.bill_builder import build_bill, delivered_cached_by_tier, delivered_prompt_tokens
 from tandem.engine.drafter import Drafter
-from tandem.engine.prefix_cache import ChainBlock, block_hash
+from tandem.engine.prefix_cache import prompt_chain
 from tandem.engine.rank_loop import RankDraining, RankWorker
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
@@ -200,6 +200,7 @@ class DecodeWorker(RankWorker):
             check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
             # the frontend seeds every request; one submitted without gets its own seed here
             request = Request(r.request_id, prompt, r.sampling.seeded(), eos, cfg.max_position_embeddings)
+            request.cache_salt = r.cache_salt
             admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
             if r.resume_output_ids:
                 request.output_token_ids = resumed_outputs(r, cfg.vocab_size, cfg.max_position_embeddings)
@@ -533,6 +534,7 @@ class DecodeWorker(RankWorker):
             output_index=len(request.output_token_ids),
             destination=reservation.destination(self.name, self.incarnation),
             deadline_s=time.time() + self.kv_timeout_s,
+            cache_salt=request.cache_salt,
         )
         self.dispatcher.send(prefill_rank, job)
 
@@ -559,13 +561,10 @@ class DecodeWorker(RankWorker):
         if copier is None or finished.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return
         size = self.scheduler.config.page_size
-        tokens = finished.request.all_token_ids[: finished.num_computed_tokens]
-        parent: int | None = None
-        for index, page_id in enumerate(finished.page_ids[: len(tokens) // size]):
-            block_tokens = tuple(tokens[index * size : (index + 1) * size])
-            block = block_hash(parent, block_tokens)
-            copier.tiers.computed(page_id, ChainBlock(block, parent, block_tokens))
-            parent = block
+        request = finished.request
+        chain = prompt_chain(request.all_token_ids[: finished.num_computed_tokens], size, request.cache_salt)
+        for page_id, link in zip(finished.page_ids, chain, strict=False):
+            copier.tiers.computed(page_id, link)
         copier.run(copier.tiers.take_ops())
 
     def _result(

@@ -90,6 +90,7 @@ class ColocatedWorker(RankWorker):
             prompt = list(r.prompt_token_ids)
             engine.validate_prompt(prompt, "prompt")
             request = Request(r.request_id, prompt, r.sampling.seeded(), eos, engine.max_model_len)
+            request.cache_salt = r.cache_salt
             admit_new_request(request, engine.max_model_len, config.page_size, config.num_pages)
             if r.resume_output_ids:
                 request.output_token_ids = resumed_outputs(r, cfg.vocab_size, engine.max_model_len)

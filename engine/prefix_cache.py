@@ -3,7 +3,10 @@
 A full page of token ids is named by a chained hash, so equal hashes mean equal prefixes::
 
     tokens   [t0 .. t63][t64 .. t127][t128 .. t150]
-    hashes   h0=H(None,p0) h1=H(h0,p1)   (partial page: no hash)
+    hashes   h0=H(root,p0) h1=H(h0,p1)   (partial page: no hash)
+
+A prompt's ``root`` is ``chain_root(cache_salt)``: ``None`` without a salt, else a hash of the
+salt, so only requests with the same salt share blocks, in every tier and at the router.
 
 ``PrefixCache`` is the one object a scheduler asks for pages. It wraps the allocator and keeps
 full, computed pages under their hash after their requests free them, so later requests with
@@ -39,6 +42,7 @@ from tandem.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, K
 
 _ROOT_MARKER = b"\x00"
 _CHILD_MARKER = b"\x01"
+_SALT_MARKER = b"\x02"
 
 
 def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -55,14 +59,32 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Chained hashes of the full pages of ``token_ids`` (a trailing partial page has none)."""
-    hashes: list[int] = []
-    parent: int | None = None
+def chain_root(cache_salt: str | None) -> int | None:
+    """The parent of a prompt's first block: ``None`` without a salt (the hashes every unsalted
+    deployment has always used), else a 64-bit hash of the salt, so that every block of the
+    chain differs from another salt's."""
+    if cache_salt is None:
+        return None
+    digest = hashlib.blake2b(_SALT_MARKER + cache_salt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def prompt_chain(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None) -> list[ChainBlock]:
+    """The full pages of ``token_ids`` as chain links, from the salt's root (a trailing partial
+    page has none). The one computation of a prompt's chain: every other walk starts where this
+    one does."""
+    chain: list[ChainBlock] = []
+    parent = chain_root(cache_salt)
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = block_hash(parent, token_ids[start : start + page_size])
-        hashes.append(parent)
-    return hashes
+        tokens = tuple(token_ids[start : start + page_size])
+        chain.append(ChainBlock(block_hash(parent, tokens), parent, tokens))
+        parent = chain[-1].block
+    return chain
+
+
+def block_hashes(token_ids: Sequence[int], page_size: int, cache_salt: str | None = None) -> list[int]:
+    """Chained hashes of the full pages of ``token_ids`` (``prompt_chain``'s blocks)."""
+    return [link.block for link in prompt_chain(token_ids, page_size, cache_salt)]
 
 
 @dataclass(frozen=True)
@@ -177,17 +199,18 @@ class PrefixCache:
             return page_hash
         return None
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[list[int], int]:
         """``match``'s pages and token count."""
-        found = self.match(token_ids)
+        found = self.match(token_ids, cache_salt)
         return found.page_ids, found.num_tokens
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
         """Take a reference on the longest cached run of leading full pages, in any tier.
 
         Returns the page ids (now owned by the caller: ``free`` them) and the tokens each tier
         held. At least one token is always left to compute, so the caller has logits to sample
-        from: at most ``(len(token_ids) - 1) // page_size`` pages match.
+        from: at most ``(len(token_ids) - 1) // page_size`` pages match. Only pages cached under
+        the same ``cache_salt`` match (``chain_root``).
         """
         self.num_queried_tokens += len(token_ids)
         if not self._enabled:
@@ -195,7 +218,7 @@ class PrefixCache:
         size = self._page_size
         num_blocks = (len(token_ids) - 1) // size
         page_ids: list[int] = []
-        parent: int | None = None
+        parent = chain_root(cache_salt)
         for index in range(num_blocks):
             block = block_hash(parent, token_ids[index * size : (index + 1) * size])
             page_id = self._hash_to_page.get(block)
@@ -308,13 +331,15 @@ class PrefixCache:
         page_ids: Sequence[int],
         num_computed_tokens: int,
         num_cached_pages_hint: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Register each page of ``page_ids`` that is full and computed under its chained hash.
 
         ``num_cached_pages_hint`` says how many leading pages earlier calls already saw (for a
         request: its computed-token count before this step, divided by the page size), so a
         step costs only the pages that filled since. A too-small hint is merely slower. A page
-        whose hash another page already holds stays uncached and is freed normally.
+        whose hash another page already holds stays uncached and is freed normally. The chain
+        starts at ``chain_root(cache_salt)``: the request's salt, as its ``match`` was given.
         """
         if not self._enabled:
             return
@@ -326,6 +351,8 @@ class PrefixCache:
         parent = self._page_hash.get(page_ids[start - 1]) if start > 0 else None
         if start > 0 and parent is None:  # the hint was wrong: walk the chain from the root
             start = 0
+        if start == 0:
+            parent = chain_root(cache_salt)
         run: list[int] = []
         run_parent = parent
         for index in range(start, num_full):

@@ -69,6 +69,9 @@ class Request:
     # prompt position's from its first computation (``[0]`` is ``None``: no logits precede it)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # mixed into its prompt's block chain (``prefix_cache.chain_root``): only requests with the
+    # same salt share cached pages; None: the unsalted chain
+    cache_salt: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -196,6 +196,7 @@ class Scheduler:
                     request.page_ids,
                     request.num_computed_tokens,
                     num_cached_pages_hint=chunk.start_position // size,
+                    cache_salt=request.cache_salt,
                 )
             if not chunk.sample:
                 continue
@@ -244,7 +245,8 @@ class Scheduler:
                 )
             for page_id in pages:
                 owners[page_id] = owners.get(page_id, 0) + 1
-            hashes = block_hashes(request.all_token_ids[: request.num_computed_tokens], size)
+            computed = request.all_token_ids[: request.num_computed_tokens]
+            hashes = block_hashes(computed, size, request.cache_salt)
             for page_id, expected in zip(pages, hashes, strict=False):
                 cached = cache.cached_hash(page_id)
                 if cached is not None and cached != expected:
@@ -267,7 +269,7 @@ class Scheduler:
         token_ids = request.all_token_ids
         # a prompt's logprobs need every position's logits, which its cached pages do not keep
         uncached = request.needs_prompt_logprobs
-        found = PrefixMatch() if uncached else self.kv_cache.match(token_ids)
+        found = PrefixMatch() if uncached else self.kv_cache.match(token_ids, request.cache_salt)
         page_ids, num_cached = found.page_ids, found.num_tokens
         num_new = min(len(token_ids) - num_cached, budget)
         num_pages = math.ceil((num_cached + num_new) / self.config.page_size)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.engine.admission import max_kv_pages
 from tandem.engine.prefix_cache import block_hashes
+from tandem.frontend.cache_salt import chain_salt
 from tandem.frontend.client_usage import UsageBook
 from tandem.frontend.detokenizer import PairCache
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
@@ -145,6 +146,7 @@ class FrontendCore:
         self.running: dict[RequestKey, Running] = {}  # by the client's request id
         self._per_client: dict[str, int] = {}  # running requests of each client
         self.usage = UsageBook([c.name for c in config.clients])  # each client's totals
+        self._clients = {c.name: c for c in config.clients}
         self._by_rank_id: dict[str, Running] = {}  # by the ranks' request id
         self.ready = False
         self.orphans_aborted = 0  # requests a decode rank streamed that no stream here waited for
@@ -320,7 +322,8 @@ class FrontendCore:
         prompt = [*spec.prompt_token_ids, *resumed_from]
         rank_request_id = f"{spec.request_id}@{uuid.uuid4().hex[:12]}"
         routed_at = time.monotonic()
-        hashes = block_hashes(prompt, view.page_size)  # once, however many routes it takes
+        salt = chain_salt(spec.cache_salt, self._clients.get(spec.client))
+        hashes = block_hashes(prompt, view.page_size, salt)  # once, however many routes it takes
         parent = (
             self.running.get(RequestKey(spec.client, spec.fork_of))
             if spec.fork_of and running is None
@@ -369,6 +372,7 @@ class FrontendCore:
             self.config.name,
             resume_output_ids=resumed_from,
             fork_of=parent.rank_request_id if parent is not None and parent.decode_rank == rank else None,
+            cache_salt=salt,
         )
         return running, self.membership.submit(channel, [request])
 
@@ -493,6 +497,11 @@ class FrontendCore:
                 )
         self.migration.resume_parked(list(self.running.values()))
         self.ready = self.membership.ready
+
+    def is_admin(self, client: str) -> bool:
+        """Whether the token file makes ``client`` an admin (it sees every client's usage)."""
+        token = self._clients.get(client)
+        return token is not None and token.admin
 
     async def status(self, check_integrity: bool) -> StatusView:
         view = await read_status(

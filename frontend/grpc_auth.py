@@ -10,11 +10,19 @@ per-client limits count by it. Without tokens every caller is the one :data:`ANO
 a per-connection identity would let anyone dodge the limits by reconnecting.
 
 A token file holds ``name:token`` lines (blank lines and ``#`` comments skipped); a file of one
-line without ``:`` is a single token, of the client ``default``.
+line without ``:`` is a single token, of the client ``default``. After the token a line may name,
+separated by spaces::
+
+    alice:tok-a                          private cache: a salt from its name and token
+    carol:tok-c cache_salt=team-7        clients naming the same salt share cached prefixes
+    ops:tok-ops admin                    ClusterStatus shows it every client's usage
+
+Each client's cached prefixes are its own unless the file says otherwise (``cache_salt``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import re
@@ -29,12 +37,28 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ANONYMOUS = ""  # the client of every call when no token is configured
 DEFAULT_CLIENT = "default"  # the client of a lone token
 _CLIENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_SALT_CHARS = 256  # of a token file's cache_salt (as of a request's)
 
 
 @dataclass(frozen=True)
 class ClientToken:
+    """A client of the token file. ``shared_salt``: the file's ``cache_salt`` (None: the client's
+    cache is private); ``admin``: ``ClusterStatus`` shows it every client's usage."""
+
     name: str
     token: str = field(repr=False)
+    shared_salt: str | None = field(default=None, repr=False)
+    admin: bool = False
+
+    @property
+    def cache_salt(self) -> str:
+        """The salt of this client's requests that send none (``frontend/cache_salt.py``): the
+        file's shared one, else one made from its name keyed by its token, which no other
+        client can name and every frontend with the same file makes alike."""
+        if self.shared_salt is not None:
+            return "shared:" + self.shared_salt
+        key = hmac.new(self.token.encode(), b"tandem-cache-salt\0" + self.name.encode(), hashlib.sha256)
+        return "private:" + key.hexdigest()
 
 
 def parse_client_tokens(text: str, source: str) -> tuple[ClientToken, ...]:
@@ -50,6 +74,7 @@ def parse_client_tokens(text: str, source: str) -> tuple[ClientToken, ...]:
         name, sep, token = line.partition(":")
         name, token = name.strip(), token.strip()
         where = f"{source}: line {n}"
+        token, *extra = token.split() or [""]
         if not sep or not token:
             raise ValueError(f"{where}: expected name:token")
         if not _CLIENT_NAME.fullmatch(name):
@@ -60,8 +85,35 @@ def parse_client_tokens(text: str, source: str) -> tuple[ClientToken, ...]:
             raise ValueError(f"{where}: client {name!r} is listed twice")
         if any(c.token == token for c in clients):
             raise ValueError(f"{where}: the token of {name!r} is another client's too")
-        clients.append(ClientToken(name, token))
+        clients.append(ClientToken(name, token, *_client_fields(extra, name, where)))
     return tuple(clients)
+
+
+def _client_fields(fields: list[str], name: str, where: str) -> tuple[str | None, bool]:
+    """A line's fields after the token: ``cache_salt=SALT`` and ``admin``, each at most once."""
+    salt: str | None = None
+    admin = False
+    for given in fields:
+        key, _, value = given.partition("=")
+        if key == "cache_salt" and "=" in given:
+            if salt is not None:
+                raise ValueError(f"{where}: cache_salt is given twice")
+            if not value:
+                raise ValueError(f"{where}: cache_salt of {name!r} is empty")
+            if len(value) > MAX_SALT_CHARS or not value.isprintable():
+                raise ValueError(
+                    f"{where}: cache_salt of {name!r} is longer than {MAX_SALT_CHARS} characters "
+                    "or holds an unprintable character"
+                )
+            salt = value
+        elif given == "admin" and not admin:
+            admin = True
+        else:
+            raise ValueError(
+                f"{where}: unknown field {given[:64]!r} after the token of {name!r}; expected "
+                "cache_salt=SALT or admin (a token holds no space)"
+            )
+    return salt, admin
 
 
 class BearerAuth:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -32,6 +33,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 
+from tandem.frontend.cache_salt import check_cache_salt
 from tandem.frontend.core import FrontendCore
 from tandem.frontend.grpc_auth import ANONYMOUS, BearerAuth, BearerTokenInterceptor, server_credentials
 from tandem.frontend.grpc_standard_services import add_health, add_reflection
@@ -216,7 +218,11 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         self, request: tandem_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> tandem_pb2.ClusterStatusResponse:
         request = await self._checked(request, context)
-        return _status(await self.core.status(request.check_integrity))
+        view = await self.core.status(request.check_integrity)
+        if self.auth is not None and not self.core.is_admin(client := self._client(context)):
+            # a client's usage (its cached tokens above all) is its own business
+            view = dataclasses.replace(view, clients=tuple(u for u in view.clients if u.client == client))
+        return _status(view)
 
     # ---- validation -----------------------------------------------------------------------
     async def _spec(self, request: tandem_pb2.GenerateRequest, arrival_s: float, client: str) -> GenerateSpec:
@@ -264,7 +270,8 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
                 f"{sampling.max_tokens} with a prompt of {len(prompt)} tokens passes the context of "
                 f"{context} tokens: at most {context - len(prompt)}",
             )
-        return GenerateSpec(request_id, prompt, sampling, arrival_s, client)
+        salt = check_cache_salt(request.cache_salt) if request.HasField("cache_salt") else None
+        return GenerateSpec(request_id, prompt, sampling, arrival_s, client, cache_salt=salt)
 
 
 def _check_request_id(request_id: str) -> None:

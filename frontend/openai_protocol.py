@@ -35,6 +35,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tandem.frontend.cache_salt import check_cache_salt
 from tandem.frontend.chat_template import ChatTemplate
 from tandem.frontend.grpc_auth import ANONYMOUS
 from tandem.frontend.openai_structured import GuideError, ResponseFormat, StructuredOutputs, guide_of
@@ -149,6 +150,7 @@ class _GenerateRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
     # OpenAI's, that do not change the output: checked, then ignored
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -445,6 +447,8 @@ def _check_common(request: _GenerateRequest, model: ServedModel) -> None:
     if request.stream_options is not None and not request.stream:
         raise OpenAIError.invalid("stream_options", "only applies with stream: true")
     _check_metadata(request.metadata)
+    if request.cache_salt is not None:
+        _edge(check_cache_salt, request.cache_salt)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -506,9 +510,9 @@ def _prepared(
         )
     if (request.n or 1) > 1 or getattr(request, "best_of", None):
         sampling = sampling.seeded()  # its choices' seeds follow from it
-    spec = GenerateSpec(request_id, token_ids, sampling, client=client)
+    spec = GenerateSpec(request_id, token_ids, sampling, client=client, cache_salt=request.cache_salt)
     if arrival_s is not None:
-        spec = GenerateSpec(request_id, token_ids, sampling, arrival_s, client)
+        spec = dataclasses.replace(spec, arrival_s=arrival_s)
     options = request.stream_options
     return Prepared(
         spec,

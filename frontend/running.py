@@ -25,6 +25,8 @@ class GenerateSpec:
     # a choice of a request for several: the client's request id of another choice with the same
     # prompt; while that one runs, this one goes to its decode rank and shares its prompt's KV
     fork_of: str = ""
+    # as the client sent it (``frontend/cache_salt.py``); None: its client's default
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

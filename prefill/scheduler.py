@@ -295,7 +295,11 @@ class PrefillScheduler:
             state.num_computed_tokens = end
             if end // size > chunk.start_position // size:
                 self.kv_cache.cache_full_pages(
-                    prompt, state.page_ids, end, num_cached_pages_hint=chunk.start_position // size
+                    prompt,
+                    state.page_ids,
+                    end,
+                    num_cached_pages_hint=chunk.start_position // size,
+                    cache_salt=state.job.cache_salt,
                 )
             if not chunk.sample:
                 continue
@@ -333,7 +337,7 @@ class PrefillScheduler:
         prompt = state.job.prompt_token_ids
         # a prompt's logprobs need every position's logits, which its cached pages do not keep
         uncached = _wants_prompt_logprobs(state.job)
-        found = PrefixMatch() if uncached else self.kv_cache.match(prompt)
+        found = PrefixMatch() if uncached else self.kv_cache.match(prompt, state.job.cache_salt)
         page_ids, num_cached = found.page_ids, found.num_tokens
         state.page_ids, state.num_computed_tokens, state.scheduled_end = page_ids, num_cached, num_cached
         chunk = self._next_chunk(state, budget)
@@ -434,7 +438,8 @@ class PrefillScheduler:
             raise PageAccountingError(f"job {rid}: {len(pages)} pages for {state.scheduled_end} tokens")
         if state.status == RequestStatus.SENDING_KV and computed != len(prompt):
             raise PageAccountingError(f"transferring job {rid} computed only {computed} of {len(prompt)}")
-        for page_id, expected in zip(pages, block_hashes(prompt[:computed], size), strict=False):
+        expected_hashes = block_hashes(prompt[:computed], size, state.job.cache_salt)
+        for page_id, expected in zip(pages, expected_hashes, strict=False):
             cached = cache.cached_hash(page_id)
             if cached is not None and cached != expected:
                 raise PageAccountingError(f"job {rid} uses cached page {page_id} of another prefix")

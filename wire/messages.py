@@ -85,6 +85,9 @@ class RankRequest:
     # prompt on the same decode rank, whose prompt KV this one shares if that one is running
     # there (no prefill job, no transfer); otherwise it is prefilled as any request
     fork_of: str | None = None
+    # mixed into the prompt's block chain on every rank (``engine/prefix_cache.py``
+    # ``chain_root``): only requests with the same salt share cached pages; None: unsalted
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class PrefillJob:
     output_index: int = 0
     destination: KVDestination
     deadline_s: float
+    # the request's cache salt: the prompt's pages are matched and cached under its chain
+    # (``engine/prefix_cache.py`` ``chain_root``)
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +84,10 @@ class PrefillJob:
                 f"{len(self.prompt_token_ids)} tokens a re-prefill carries",
             )
         self._validate_destination(page_size)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError(
+                "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
+            )
         if not isinstance(self.deadline_s, int | float) or not math.isfinite(self.deadline_s):
             raise InvalidRequestError(
                 "deadline_s", f"must be a finite number of seconds, got {self.deadline_s!r}"

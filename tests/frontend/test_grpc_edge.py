@@ -193,7 +193,7 @@ def test_token_files_name_their_clients() -> None:
         ("alice:a\nalice:b", "client 'alice' is listed twice"),
         ("alice:a\nbob:a", "another client's too"),
         ("al ice:a\nbob:b", "client name"),
-        ("alice:a b\nbob:c", "holds a space"),
+        ("alice:a b\nbob:c", "line 1: unknown field 'b'"),
     ]:
         with pytest.raises(ValueError, match=why):
             parse_client_tokens(text, "f")
@@ -202,6 +202,63 @@ def test_token_files_name_their_clients() -> None:
     assert auth.client_of([("authorization", b"Bearer tok-a")]) == "alice"
     assert auth.client_of([("authorization", "Bearer tok-c")]) is None
     assert auth.client_of([("authorization", "tok-a")]) is None and auth.client_of(None) is None
+
+
+def test_token_files_give_each_client_a_cache_salt_and_an_admin_flag(tmp_path: Path) -> None:
+    """``name:token [cache_salt=SALT] [admin]``: a client without ``cache_salt`` gets a private
+    salt of its own (from its name and its token: nobody else can name it), clients that name one
+    share it; the old lines keep their meaning."""
+    text = "alice:tok-a\nbob:tok-b admin\ncarol:tok-c cache_salt=team\ndave:tok-d cache_salt=team\n"
+    alice, bob, carol, dave = parse_client_tokens(text, "f")
+    assert (alice.admin, bob.admin, carol.admin) == (False, True, False)
+    assert carol.cache_salt == dave.cache_salt
+    assert len({alice.cache_salt, bob.cache_salt, carol.cache_salt}) == 3
+    again = parse_client_tokens("alice:tok-a", "g")[0]
+    assert alice.cache_salt == again.cache_salt  # every frontend with the file makes the same
+    assert alice.cache_salt != parse_client_tokens("alice:tok-new", "g")[0].cache_salt
+    assert "team" not in repr(carol) and "tok-a" not in (alice.cache_salt or "")
+    (lone,) = parse_client_tokens("just-a-token\n", "f")
+    assert lone.name == "default" and lone.cache_salt and not lone.admin
+    for bad, why in [
+        ("alice:a cache_salt=", "line 1: cache_salt of 'alice' is empty"),
+        ("alice:a cache_salt=x\nbob:b cache_salt=" + "y" * 300, "line 2: cache_salt of 'bob' is longer"),
+        ("alice:a admin=yes", "line 1: unknown field 'admin=yes'"),
+        ("alice:a cache_salt=x cache_salt=y", "line 1: cache_salt is given twice"),
+        ("alice:a salt=x", "line 1: unknown field 'salt=x'"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_client_tokens(bad, "f")
+    from tandem.cli.serving import read_auth_tokens
+    from tandem.wire.request_params import InvalidRequestError
+
+    path = tmp_path / "tokens"
+    path.write_text("alice:a cache_salt=\n")
+    with pytest.raises(InvalidRequestError) as error:
+        read_auth_tokens(path)
+    assert error.value.field == "--auth-token-file" and f"{path}: line 1: cache_salt" in error.value.message
+
+
+def test_cluster_status_shows_a_client_its_own_usage_unless_it_is_an_admin(tiny_dir: Path) -> None:
+    tokens = "alice:tok-a\nbob:tok-b\nops:tok-ops admin\n"
+
+    async def clients_seen(token: str | None, auth_token: str | None = tokens) -> list[str]:
+        async with (
+            _serving(tiny_dir, auth_token=auth_token) as addr,
+            grpc.aio.insecure_channel(addr) as channel,
+        ):
+            call = channel.unary_unary(
+                "/tandem.v1.Tandem/ClusterStatus",
+                request_serializer=tandem_pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=tandem_pb2.ClusterStatusResponse.FromString,
+            )
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            reply = await call(tandem_pb2.ClusterStatusRequest(), metadata=metadata, timeout=10)
+            return [c.client for c in reply.clients]
+
+    assert asyncio.run(clients_seen("tok-a")) == ["alice"]
+    assert asyncio.run(clients_seen("tok-b")) == ["bob"]
+    assert asyncio.run(clients_seen("tok-ops")) == ["alice", "bob", "ops"]
+    assert asyncio.run(clients_seen(None, None)) == []  # without auth: no table of clients to hide
 
 
 def test_serving_beyond_loopback_without_tls_or_tokens_is_warned_about() -> None:

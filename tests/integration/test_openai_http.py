@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on a real deployment (Ray, NIXL, uvicorn and gRPC on loopback),
 spoken to with the official ``openai`` client: one prefill and one decode rank, float64, pages of
-8 tokens, two clients' bearer tokens, metrics on. One server for the module.
+8 tokens, clients' bearer tokens (two with private caches, two sharing a cache salt, an admin),
+metrics on. One server for the module.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from tandem.wire.request_params import SamplingParams
 
 PAGE = 8
 TOKEN = "tok-alice"
-TOKENS = f"alice:{TOKEN}\nbob:tok-bob\n"
+TOKENS = (
+    f"alice:{TOKEN}\nbob:tok-bob\n"
+    "carol:tok-carol cache_salt=team\ndave:tok-dave cache_salt=team\nops:tok-ops admin\n"
+)
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -274,8 +278,9 @@ def test_usage_counts_under_the_client_whose_token_was_used(served: Served) -> N
 
 
 def _totals(served: Served) -> dict[str, dict[str, Any]]:
-    """``tandem client status``' per-client totals (over every frontend: this one)."""
-    options = ClientOptions(served.grpc_addr, TOKEN)
+    """``tandem client status``' per-client totals (over every frontend: this one), as the admin
+    sees them (a client sees its own row only)."""
+    options = ClientOptions(served.grpc_addr, "tok-ops")
     reply = asyncio.run(grpc_status(options))
     rows, reached, missed = asyncio.run(client_totals(options, reply))
     assert len(reached) == 1 and not missed
@@ -300,6 +305,45 @@ def test_client_status_gives_each_clients_totals_split_cached_and_new(served: Se
     assert grew["cached_prompt_tokens"] >= 4 * PAGE  # the second found the first's pages
     assert grew["new_prompt_tokens"] + grew["cached_prompt_tokens"] == grew["prompt_tokens"]
     assert after["alice"] == before["alice"]
+
+
+def test_cache_salts_keep_clients_prefixes_apart(served: Served) -> None:
+    """Two clients with different salts share no cached tokens, the same salt shares them; a
+    request without a salt uses its client's default: private to it, or the token file's shared
+    one. A client's status shows its own usage alone."""
+    model = served.server.model_name
+    clients = {name: served.client(f"tok-{name}") for name in ("bob", "carol", "dave")}
+    clients["alice"] = served.client()
+
+    def cached(client: str, prompt: list[int], salt: str | None = None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        reply = clients[client].completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=extra)
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    def prompt(seed: int) -> list[int]:  # 4 full pages + 1: a hit finds 4 pages
+        return [1 + (seed * 53 + i * 29) % 250 for i in range(4 * PAGE + 1)]
+
+    sent = prompt(1)
+    assert cached("alice", sent, "salt-1") == 0
+    assert cached("bob", sent, "salt-2") == 0  # different salts: nothing shared
+    assert cached("bob", sent, "salt-1") == 4 * PAGE  # the same salt: shared, across clients
+    assert cached("bob", sent) == 0  # bob's default is not the salt he sent
+
+    sent = prompt(2)
+    assert cached("alice", sent) == 0
+    assert cached("bob", sent) == 0  # each client's default is private
+    assert cached("alice", sent) == 4 * PAGE  # alice's requests without a salt share her default
+    assert cached("carol", sent) == 0
+
+    sent = prompt(3)
+    assert cached("carol", sent) == 0
+    assert cached("dave", sent) == 4 * PAGE  # the token file's shared salt
+
+    with grpc.insecure_channel(served.grpc_addr) as channel:
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        mine = stub.ClusterStatus(tandem_pb2.ClusterStatusRequest(), metadata=AUTH, timeout=30)
+    assert [c.client for c in mine.clients] == ["alice"]
 
 
 def test_errors_in_openais_shape(served: Served) -> None:
