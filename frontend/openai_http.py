@@ -18,6 +18,10 @@ it. Every response carries ``X-Request-Id``: the client's, when it sent a usable
 made here. Tokens are ``FrontendConfig.clients``' (``grpc_auth``), sent as
 ``Authorization: Bearer``; the client they name scopes request ids and limits as on gRPC.
 
+A stop string cuts every field of its choice at one token (``stop_cut.py`` states the rule):
+its text, ``token_ids``, logprobs, ``usage.completion_tokens`` and ``best_of``'s ranking cover
+the same tokens, those before the stop string, whatever a chunk held past it.
+
 Invariant: a request's generator is closed when its response ends, however it ends. A stop
 string aborts the request on its decode rank (its pages and the prefill rank's are freed) and the
 stream ends at once; a client that goes away mid-stream or while waiting for a whole response
@@ -62,7 +66,6 @@ from tandem.frontend.openai_protocol import (
     Prepared,
     ResponseShape,
     ServedModel,
-    StopMatcher,
     finish_reason,
     parse_request,
     prepare_chat,
@@ -71,6 +74,7 @@ from tandem.frontend.openai_protocol import (
 )
 from tandem.frontend.openai_tools import CallStream, parse_calls
 from tandem.frontend.request_stream import StreamChunk
+from tandem.frontend.stop_cut import Released, StopCut
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import Bill
 from tandem.wire.request_params import FinishReason, InvalidRequestError
@@ -547,7 +551,7 @@ async def _sse(
     prompt is the first chunk (with its logprobs, when asked: they came with the first tokens).
     With ``tail`` (one choice of several), the usage is put there instead of sent, and no
     ``[DONE]`` ends the events: the choices' merged stream sends them."""
-    stopper, ids = StopMatcher(prepared.stop), prepared.return_token_ids
+    stopper, ids = StopCut(prepared.stop, core.detokenizer_cache), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
     calls = CallStream() if prepared.tool_calls else None
 
@@ -577,17 +581,19 @@ async def _sse(
         if isinstance(item, StreamChunk) and prepared.prompt_only:
             pass  # its one computed token is not the client's
         elif isinstance(item, StreamChunk):
-            completion_tokens += len(item.token_ids)
-            text = stopper.feed(item.text)
+            released = stopper.feed(item.token_ids, item.text, item.logprobs)
+            completion_tokens += len(released.token_ids)  # none past a stop string
+            text = released.text
             called: list[dict[str, Any]] = []
             if calls is not None:
                 text, called = calls.feed(text)
-            entries = item.logprobs or [None] * len(item.token_ids)
-            body = _logprobs_body(names, prepared, shape.chat, item.token_ids, entries, text_offset=offset)
+            body = _logprobs_body(
+                names, prepared, shape.chat, released.token_ids, released.logprobs, text_offset=offset
+            )
             if body is not None and "tokens" in body:
                 offset += sum(len(t) for t in body["tokens"])
-            if text or (ids and item.token_ids) or (body is not None and item.token_ids):
-                token_ids = item.token_ids if ids else None
+            if text or (ids and released.token_ids) or (body is not None and released.token_ids):
+                token_ids = released.token_ids if ids else None
                 yield event(shape.chunk(shape.choice(text, None, token_ids, logprobs=body)))
             if called:
                 yield event(shape.chunk(shape.calls_choice(called)))
@@ -606,15 +612,23 @@ async def _sse(
                 if tail is None:
                     yield b"data: [DONE]\n\n"
                 return
-            finish = finish_reason(summary.finish_reason, False)
-            rest = stopper.flush()
+            # what the stop strings held back: the last tokens, their text and logprobs (a stop
+            # string in the text an incomplete character ended with cuts it too)
+            released = stopper.finish()
+            completion_tokens += len(released.token_ids)
+            finish = "stop" if stopper.stopped else finish_reason(summary.finish_reason, False)
+            rest = released.text
             if calls is not None:
                 rest, called = calls.feed(rest)
                 if called:
                     yield event(shape.chunk(shape.calls_choice(called)))
                 rest += calls.finish()
                 finish = "tool_calls" if calls.calls else finish
-            choice = shape.choice(rest, finish, [] if ids else None)
+            body = _logprobs_body(
+                names, prepared, shape.chat, released.token_ids, released.logprobs, text_offset=offset
+            )
+            token_ids = released.token_ids if ids else None
+            choice = shape.choice(rest, finish, token_ids, logprobs=body if released.token_ids else None)
             yield event(shape.chunk(choice, summary.bill.seed), summary.bill)
             break
         item = await anext(items)
@@ -637,16 +651,20 @@ async def _scored(
 ) -> tuple[dict[str, Any], float]:
     """The whole response, once the request has ended, and its tokens' cumulative logprob (0
     when none were computed)."""
-    stopper = StopMatcher(prepared.stop)
+    stopper = StopCut(prepared.stop, core.detokenizer_cache)
     text: list[str] = []
     token_ids: list[int] = []
     entries: list[TokenLogprobs | None] = []
     item: Any = first
     prompt_entries = item.prompt_logprobs if isinstance(item, StreamChunk) else ()
+
+    def take(released: Released) -> None:
+        text.append(released.text)
+        token_ids.extend(released.token_ids)
+        entries.extend(released.logprobs)
+
     while isinstance(item, StreamChunk):
-        token_ids += item.token_ids
-        entries += item.logprobs or [None] * len(item.token_ids)
-        text.append(stopper.feed(item.text))
+        take(stopper.feed(item.token_ids, item.text, item.logprobs))
         if stopper.stopped:
             break
         item = await anext(items)
@@ -660,8 +678,8 @@ async def _scored(
             failed = OpenAIError(503, body["message"], body["type"], None, body["code"])
             failed.counted = True  # the frontend counted the request's end
             raise failed
-        text.append(stopper.flush())
-        finish = finish_reason(summary.finish_reason, False)
+        take(stopper.finish())  # a stop string in an incomplete character's U+FFFD cuts too
+        finish = "stop" if stopper.stopped else finish_reason(summary.finish_reason, False)
     bill = summary.bill if summary is not None else Bill()
     if summary is not None and not prompt_entries:
         prompt_entries = summary.prompt_logprobs
