@@ -20,7 +20,9 @@ made here. Tokens are ``FrontendConfig.clients``' (``grpc_auth``), sent as
 
 A stop string cuts every field of its choice at one token (``stop_cut.py`` states the rule):
 its text, ``token_ids``, logprobs, ``usage.completion_tokens`` and ``best_of``'s ranking cover
-the same tokens, those before the stop string, whatever a chunk held past it.
+the same tokens, those before the stop string, whatever a chunk held past it. A tool call that
+``max_tokens`` (or an abort) cut short ends with that reason, not ``tool_calls``, and its text is
+the content.
 
 Invariant: a request's generator is closed when its response ends, however it ends. A stop
 string aborts the request on its decode rank (its pages and the prefill rank's are freed) and the
@@ -602,7 +604,7 @@ async def _sse(
                 seed = summary.bill.seed if summary is not None else None
                 bill = summary.bill if summary is not None else Bill()
                 rest = calls.finish() if calls is not None else ""
-                finish = "tool_calls" if calls is not None and calls.calls else "stop"
+                finish = _with_calls("stop", calls is not None and calls.calls > 0)
                 yield event(shape.chunk(shape.choice(rest, finish, [] if ids else None), seed), bill)
                 break
         else:
@@ -622,8 +624,8 @@ async def _sse(
                 rest, called = calls.feed(rest)
                 if called:
                     yield event(shape.chunk(shape.calls_choice(called)))
-                rest += calls.finish()
-                finish = "tool_calls" if calls.calls else finish
+                rest += calls.finish(cut=finish != "stop")
+                finish = _with_calls(finish, calls.calls > 0)
             body = _logprobs_body(
                 names, prepared, shape.chat, released.token_ids, released.logprobs, text_offset=offset
             )
@@ -691,10 +693,17 @@ async def _scored(
     content: str | None = (prepared.echo or "") + "".join(text)
     calls: list[dict[str, Any]] = []
     if prepared.tool_calls:
-        content, calls = parse_calls(content or "")
-        finish = "tool_calls" if calls else finish
+        content, calls = parse_calls(content or "", cut=finish != "stop")
+        finish = _with_calls(finish, bool(calls))
     body = shape.response(content, finish, ids, used, bill.seed, logprobs, calls or None)
     return body, sum(e.logprob for e in entries if e is not None)
+
+
+def _with_calls(finish: str, called: bool) -> str:
+    """The finish reason of an output with ``called`` complete tool calls: ``tool_calls`` only
+    when the model ended it (``stop``); one cut short (``length``, ``abort``) keeps its reason,
+    and the call it was cut in is returned as content (``parse_calls``, ``CallStream.finish``)."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def _logprobs_body(

@@ -172,16 +172,19 @@ def _called(match: re.Match[str]) -> dict[str, Any]:
     }
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_calls(text: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """The output's content (what comes before its calls; ``None`` when empty and there are
-    calls) and its calls in OpenAI's shape. Text without the calls' marker is all content."""
+    calls) and its calls in OpenAI's shape. Text without the calls' marker is all content.
+    ``cut``: the output was cut short (``max_tokens``): the text after its last complete call
+    (the call it was cut in) is content too, after the text before the calls, never dropped."""
     at = text.find(CALLS_BEGIN)
     if at < 0:
         return text, []
-    calls = [_called(m) for m in _CALL.finditer(text, at)]
-    if not calls:  # a marker and no complete call (cut by max_tokens): left as text
+    matches = list(_CALL.finditer(text, at))
+    if not matches:  # a marker and no complete call (cut by max_tokens): left as text
         return text, []
-    return (text[:at] or None), calls
+    content = text[:at] + (text[matches[-1].end() :] if cut else "")
+    return (content or None), [_called(m) for m in matches]
 
 
 class CallStream:
@@ -216,14 +219,17 @@ class CallStream:
             self._held = self._held[match.end() :]
         return content, calls
 
-    def finish(self) -> str:
+    def finish(self, cut: bool = False) -> str:
         """What is left as content when the output ends: held text; after complete calls
-        nothing (their separators and end marker); a marker with no complete call, all of it
-        (as ``parse_calls`` has it)."""
+        nothing (their separators and end marker), or with ``cut`` (``max_tokens`` ended it)
+        the text after the last call, the call it was cut in; a marker with no complete call,
+        all of it (as ``parse_calls`` has it)."""
         held, self._held = self._held, ""
         if not self._in_calls:
             return held
-        return "" if self.calls else CALLS_BEGIN + held
+        if self.calls:
+            return held if cut else ""
+        return CALLS_BEGIN + held
 
 
 def held_back(text: str, marker: str) -> int:

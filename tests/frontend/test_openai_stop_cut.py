@@ -1,6 +1,7 @@
-"""Stop strings cut every field of a choice, not only its text: the OpenAI app over a core
-that answers each request with scripted chunks (no cluster), and ``StopCut`` on a tokenizer
-with merged tokens.
+"""Stop strings cut every field of a choice, not only its text, and a tool call cut by
+``max_tokens`` ends as ``length`` with its text kept: the OpenAI app over a core that answers
+each request with scripted chunks (no cluster), and ``StopCut`` on a tokenizer with merged
+tokens.
 
 The stop cases put a whole output in one chunk, as a speculative verify step, a stream interval
 above 1 or a slow client makes it: the tokens past the stop string must not leak into
@@ -23,6 +24,7 @@ from tandem.cluster.serve import demo_model_dir
 from tandem.frontend.core import FrontendConfig, FrontendCore
 from tandem.frontend.detokenizer import PairCache, StreamDetokenizer
 from tandem.frontend.grpc_auth import ANONYMOUS
+from tandem.frontend.openai_tools import ARGS_BEGIN, ARGS_END, CALL_BEGIN, CALL_END, CALLS_BEGIN, SEP
 from tandem.frontend.request_stream import StreamChunk
 from tandem.frontend.running import GenerateSpec
 from tandem.frontend.stop_cut import StopCut
@@ -194,6 +196,38 @@ def test_best_of_ranks_choices_by_the_tokens_before_the_stop_string() -> None:
             by_choice[choice["index"]] += (choice["logprobs"] or {}).get("tokens", [])
     assert texts == {0: KEPT, 1: steady.text}
     assert {i: "".join(t) for i, t in by_choice.items()} == texts
+
+
+def test_a_cut_tool_call_ends_as_length_with_its_text_kept() -> None:
+    """``tool_choice: required`` and ``max_tokens`` ending the output in the middle of a second
+    call: one complete call, ``finish_reason: length`` and the partial call's text as content."""
+    first = f'{CALL_BEGIN}function{SEP}get_weather{ARGS_BEGIN}{{"city": "Paris"}}{ARGS_END}{CALL_END}'
+    partial = f'\n{CALL_BEGIN}function{SEP}get_weather{ARGS_BEGIN}{{"ci'
+    core = ScriptedCore([Script(CALLS_BEGIN + first + partial, chunk_tokens=5)])
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [tool], "tool_choice": "required"}
+    whole = _post(core, "/v1/chat/completions", {**body, "max_tokens": 200})
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city": "Paris"}']
+    assert choice["message"]["content"] == partial  # the unparsed call, not dropped
+
+    *chunks, _ = _post(core, "/v1/chat/completions", {**body, "max_tokens": 200, "stream": True,
+                                                      "stream_options": {"include_usage": True}})  # fmt: skip
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+    calls = [c for e in chunks for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert content == partial
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    ended = ScriptedCore([Script(CALLS_BEGIN + first + "<｜tool▁calls▁end｜>", finish=FinishReason.STOP)])
+    assert _post(ended, "/v1/chat/completions", body)["choices"][0]["finish_reason"] == "tool_calls"
 
 
 # ---- StopCut on its own, with tokens of several characters --------------------------------
