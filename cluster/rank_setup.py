@@ -21,7 +21,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.dtype_names import resolved_dtype
 from tandem.model.dtypes import DTYPES
-from tandem.model.fingerprint import checkpoint_fingerprint
+from tandem.model.fingerprint import kv_model_key
 
 if TYPE_CHECKING:
     from tandem.cluster.outbox import ChannelOutbox
@@ -114,7 +114,7 @@ def start_rank(
         device,
         DTYPES[dtype],
         outbox,
-        model_key=checkpoint_fingerprint(spec.model_dir),
+        model_key=kv_model_key(spec.model_dir, model.ops.name),
         model_dir=spec.model_dir,
     )
     worker = spec.role.build(ctx)

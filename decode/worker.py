@@ -418,6 +418,10 @@ class DecodeWorker(RankWorker):
             tiers=self.writeback.tiers.stats() if self.writeback is not None else TierStats(),
         )
 
+    def close(self) -> None:
+        if self.writeback is not None:
+            self.writeback.tiers.close()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

@@ -209,6 +209,10 @@ class ColocatedWorker(RankWorker):
             moe_rows_received=ep.rows_received,
         )
 
+    def close(self) -> None:
+        if self.engine.copier is not None:
+            self.engine.copier.tiers.close()
+
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()
 

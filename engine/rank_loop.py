@@ -106,6 +106,10 @@ class RankWorker(ABC):
     def check_integrity(self) -> None:
         """Raise ``PageAccountingError`` unless the rank's pages and requests agree."""
 
+    def close(self) -> None:  # noqa: B027  (a role with nothing to release keeps this)
+        """The loop has ended (stopped or failed): release what the worker holds outside the
+        process's memory (its store client, its tiers' threads). Bounded: it must not hang."""
+
     def transfers_in_flight(self) -> bool:
         """KV transfers this rank sends or awaits: the loop then polls its transport often (a
         transfer progresses, and is noticed complete, only when the transport is polled)."""
@@ -260,6 +264,8 @@ class RankLoop:
             self._publish(worker.fail_all(reason))
             worker.publish()
             raise
+        finally:
+            worker.close()
 
     def _run_calls(self) -> None:
         with self._lock:

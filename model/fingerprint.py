@@ -26,3 +26,13 @@ def checkpoint_fingerprint(model_dir: str | Path) -> str:
                 handle.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
                 digest.update(handle.read(_EDGE_BYTES))
     return digest.hexdigest()
+
+
+def kv_model_key(model_dir: str | Path, kernels: str) -> str:
+    """What names a rank's KV blocks in the shared store: the checkpoint's fingerprint, the FP8
+    activation mode (``TANDEM_FP8_ACTIVATIONS``: ``quant`` rounds the activations that meet FP8
+    weights, so the KV differs) and the kernel backend (``kernels``: each rounds in its own way).
+    Ranks that differ in any of them never read each other's blocks."""
+    from tandem.model.kernels.fp8 import fp8_mode  # torch: only ranks ask for this
+
+    return f"{checkpoint_fingerprint(model_dir)}-{fp8_mode()}-{kernels}"

@@ -238,6 +238,10 @@ class PrefillWorker(RankWorker):
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.tiers.close()
+
     def tick(self) -> None:
         """Poll the transport: a finished or failed send gives its pages back."""
         events = self.transport.poll()

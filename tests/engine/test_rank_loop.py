@@ -4,6 +4,7 @@ iteration is timed where it runs."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -94,3 +95,43 @@ def test_each_piece_of_an_iteration_is_timed_where_it_runs() -> None:
     assert stats.steps == 3 and stats.idle_waits == 0 and stats.idle_s == 0
     assert stats.step_s >= 0.003 and stats.publish_s >= 0.15
     assert stats.step_s < 0.15  # the publishes' 150 ms are not in the steps'
+
+
+class _Closing(_Worker):
+    def __init__(self, plan: list[tuple[bool, bool]], stop: threading.Event, fail: bool = False) -> None:
+        super().__init__(plan, stop)
+        self.fail, self.closed = fail, 0
+
+    def step(self) -> None:
+        if self.fail:
+            raise RuntimeError("a peer is gone")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_loop_that_stops_or_fails_closes_its_worker_and_each_role_closes_its_tiers() -> None:
+    stop = threading.Event()
+    worker = _Closing([(False, False)] * 2, stop)
+    RankLoop(worker, "w", agree=lambda has_work: has_work).run(stop)
+    assert worker.closed == 1
+    failing = _Closing([(True, False)] * 2, threading.Event(), fail=True)
+    with contextlib.suppress(RuntimeError):
+        RankLoop(failing, "w", agree=lambda has_work: has_work).run(threading.Event())
+    assert failing.closed == 1
+
+    from types import SimpleNamespace
+
+    from tandem.decode.worker import DecodeWorker
+    from tandem.engine.colocated_worker import ColocatedWorker
+    from tandem.prefill.worker import PrefillWorker
+
+    closed: list[str] = []
+
+    def tiers(name: str) -> SimpleNamespace:
+        return SimpleNamespace(tiers=SimpleNamespace(close=lambda: closed.append(name)))
+
+    PrefillWorker.close(SimpleNamespace(copier=tiers("prefill")))  # type: ignore[arg-type]
+    DecodeWorker.close(SimpleNamespace(writeback=tiers("decode")))  # type: ignore[arg-type]
+    ColocatedWorker.close(SimpleNamespace(engine=SimpleNamespace(copier=tiers("colocated"))))  # type: ignore[arg-type]
+    assert closed == ["prefill", "decode", "colocated"]
