@@ -28,6 +28,7 @@ from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank
 from tandem.cluster.kv_store_master import StoreMaster
 from tandem.cluster.placement import RankResources
 from tandem.cluster.rank_spec import MetricsSpec
+from tandem.cluster.store_secret import store_secret
 from tandem.cluster.topology import PoolSpec, StoreSpec, Topology
 from tandem.decode.role import DecodeRole
 from tandem.engine.colocated_role import ColocatedRole
@@ -103,6 +104,7 @@ class Cluster:
         self.starting: set[str] = set()  # groups ``Controller.add_group`` starts outside the lock
         self.store_master: StoreMaster | None = None
         store = self._store_config(topology.store)
+        secret = store_secret(topology.store)  # in the roles only: never logged, never in status
         self.colocated = topology.colocated is not None
         if topology.colocated is not None:  # one pool that prefills and decodes: held as `decode`
             c = topology.colocated
@@ -113,7 +115,9 @@ class Cluster:
                 max_num_batched_tokens=c.max_num_batched_tokens,
             )
             self.prefill: list[RankGroup] = []
-            tiers = ColocatedRole(engine=engine, host_cache_pages=c.host_cache_pages, store=store)
+            tiers = ColocatedRole(
+                engine=engine, host_cache_pages=c.host_cache_pages, store=store, store_secret=secret
+            )
             self.decode = groups("colocated", c, tiers)
             return
         p, d = topology.prefill, topology.decode
@@ -130,6 +134,7 @@ class Cluster:
                 mtp=topology.speculative.tokens > 0 and topology.speculative.drafter == "mtp",
                 host_cache_pages=p.host_cache_pages,
                 store=store,
+                store_secret=secret,
             ),
         )
         decode = DecodeRole(
@@ -139,6 +144,7 @@ class Cluster:
             kv_timeout_s=topology.kv_timeout_s,
             speculative=topology.speculative.config(),
             store=store,
+            store_secret=secret,
         )
         self.decode = groups("decode", d, decode)
 

@@ -97,6 +97,12 @@ class StoreSpec(BaseModel):
         "127.0.0.1", description="address the deployment's own master binds (a node address on a cluster)"
     )
     segment_mb: int = Field(256, ge=1, description="MiB of memory each rank's client lends the store")
+    secret_file: str | None = Field(
+        None,
+        description="a file holding the secret that signs and keys the store's blocks (16 bytes or more); "
+        "deployments that share a store name the same one (default: $TANDEM_KV_STORE_SECRET, else a "
+        "random secret of this deployment's own)",
+    )
 
     @model_validator(mode="after")
     def _metadata_with_master(self) -> StoreSpec:

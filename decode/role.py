@@ -48,5 +48,5 @@ class DecodeRole(PooledRole):
             ctx.runner(pool, self.max_num_seqs * (1 + spec.num_tokens), keep_hidden=self.uses_mtp),
             ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
             speculative=spec, drafter=drafter,
-            writeback=ctx.tiers(pool, 0, self.store, self.model_key),
+            writeback=ctx.tiers(pool, 0, self.store, self.model_key, self.store_secret),
         )  # fmt: skip

@@ -23,6 +23,7 @@ class ColocatedRole(RoleSpec):
     host_cache_pages: int = 0  # the rank's host tier (see ``PooledRole``)
     store: StoreConfig | None = None  # the shared store
     model_key: str = ""
+    store_secret: bytes = field(default=b"", repr=False)  # signs and keys its blocks
 
     def build(self, ctx: RankContext) -> RankWorker:
         from tandem.engine.colocated import ColocatedEngine
@@ -31,7 +32,7 @@ class ColocatedRole(RoleSpec):
 
         guides = guided_rows(ctx.model_dir, ctx.model_config.vocab_size)
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True, guides=guides)
-        copier = ctx.tiers(engine.pool, self.host_cache_pages, self.store, self.model_key)
+        copier = ctx.tiers(engine.pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
         if copier is not None:
             engine.attach_tiers(copier)
         return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher, ctx.outbox)

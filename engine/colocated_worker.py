@@ -124,7 +124,7 @@ class ColocatedWorker(RankWorker):
         pass
 
     def has_work(self) -> bool:
-        return self.engine.scheduler.has_unfinished_requests()
+        return self.engine.scheduler.has_work()
 
     def step(self) -> None:
         scheduler = self.engine.scheduler

@@ -1,30 +1,39 @@
-"""One KV block as the shared store holds it: a checked header, then the page's bytes.
+"""One KV block as the shared store holds it: an authenticated header, the page's bytes, a tag.
 
 ::
 
-    | magic b"TKVB1" | header length: 4 bytes, big-endian | header: JSON | payload |
+    key   = tandem/{model}/{layers}x{page_size}x{dim}-{dtype}/{HMAC(secret, model, layout, hash)}
+    value = | magic b"TKVB2" | header length: 4 bytes, big-endian | header: JSON | payload | tag |
 
-    header = {model, layout: [layers, page_size, token_dim, dtype], hash, parent, tokens,
-              payload_bytes, crc32}
+    header = {model, layout: [layers, page_size, token_dim, dtype], tokens, payload_bytes}
+    tokens = HMAC-SHA256(secret, parent hash, token ids)   (hex: the ids themselves are not kept)
+    tag    = HMAC-SHA256(secret, key, magic .. payload)    (32 bytes)
 
-A block read back is used only if every check holds: the magic, the model and layout this rank
-expects, the hash the rank asked for, the chain (``block_hash(parent, tokens) == hash``, and the
-parent is the previous block of the prompt), the payload's length and its CRC-32. Anything else
-is ``BlockRejected`` with the reason: a miss, counted, never garbage KV. The payload is the
-page's KV, layer-major, as the rank's pool lays it out. This module is torch-free.
+``secret`` is the deployment's (``store_secret``: the controller makes it, or the topology names
+it, and every rank of the deployment holds it; a deployment that shares a store with another names
+the same one). Without it nobody can write a block a rank accepts, tell which prompt a block
+holds, or find a guessed prompt's key.
+
+A block read back is used only if every check holds, in this order: the magic, the tag (before
+anything of the header is parsed), the model and layout this rank expects, the tokens: the
+digest of the request's own tokens (and their parent) equals the block's, the payload's length.
+Anything else is ``BlockRejected`` with the reason: a miss, counted, never garbage KV. The
+payload is the page's KV, layer-major, as the rank's pool lays it out. This module is torch-free.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
-import zlib
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.engine.prefix_cache import block_hash
-
-MAGIC = b"TKVB1"
+MAGIC = b"TKVB2"
 _LENGTH_BYTES = 4
+_TAG_BYTES = 32
 
 
 class BlockRejected(ValueError):
@@ -43,44 +52,85 @@ class BlockLayout:
     def as_list(self) -> list[object]:
         return [self.num_layers, self.page_size, self.token_dim, self.dtype]
 
+    @property
+    def shape(self) -> str:
+        return f"{self.num_layers}x{self.page_size}x{self.token_dim}-{self.dtype}"
 
-def store_key(model: str, layout: BlockLayout, block: int) -> str:
-    """The store's key of one block: the model, the layout and the block's chained hash."""
-    shape = f"{layout.num_layers}x{layout.page_size}x{layout.token_dim}-{layout.dtype}"
-    return f"tandem/{model}/{shape}/{block:016x}"
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "big") + part)  # framed: no two part lists collide
+    return mac.digest()
+
+
+def _hash_bytes(block: int | None) -> bytes:
+    return b"" if block is None else block.to_bytes(8, "little")
+
+
+def tokens_digest(secret: bytes, parent: int | None, tokens: Sequence[int]) -> str:
+    """What a block keeps of its tokens: a keyed digest, comparable only by a holder of ``secret``."""
+    packed = array("q", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return _mac(secret, b"tokens", _hash_bytes(parent), packed.tobytes()).hex()
+
+
+def store_key(secret: bytes, model: str, layout: BlockLayout, block: int) -> str:
+    """The store's key of one block: the model and layout (readable), and the block's chained hash
+    under the secret (a guessed prompt's hash does not give its key)."""
+    name = _mac(secret, b"key", model.encode(), layout.shape.encode(), _hash_bytes(block))
+    return f"tandem/{model}/{layout.shape}/{name[:16].hex()}"
 
 
 def encode_block(
-    model: str, layout: BlockLayout, block: int, parent: int | None, tokens: Sequence[int], payload: bytes
+    secret: bytes,
+    key: str,
+    model: str,
+    layout: BlockLayout,
+    parent: int | None,
+    tokens: Sequence[int],
+    payload: bytes,
 ) -> bytes:
+    """The value stored under ``key`` for a page of ``tokens`` (child of ``parent``)."""
     header = {
         "model": model,
         "layout": layout.as_list(),
-        "hash": block,
-        "parent": parent,
-        "tokens": list(tokens),
+        "tokens": tokens_digest(secret, parent, tokens),
         "payload_bytes": len(payload),
-        "crc32": zlib.crc32(payload),
     }
     head = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + len(head).to_bytes(_LENGTH_BYTES, "big") + head + payload
+    body = MAGIC + len(head).to_bytes(_LENGTH_BYTES, "big") + head + payload
+    return body + _mac(secret, b"block", key.encode(), body)
 
 
 def decode_block(
-    raw: bytes, *, model: str, layout: BlockLayout, block: int, parent: int | None, payload_bytes: int
+    raw: bytes,
+    *,
+    secret: bytes,
+    key: str,
+    model: str,
+    layout: BlockLayout,
+    parent: int | None,
+    tokens: Sequence[int],
+    payload_bytes: int,
 ) -> bytes:
-    """The payload of ``raw`` if it is ``block`` (child of ``parent``) of ``model`` in ``layout``
-    with ``payload_bytes`` of KV; ``BlockRejected`` naming the failed check otherwise."""
+    """The payload of ``raw``, read under ``key``, if it holds ``tokens`` (child of ``parent``) of
+    ``model`` in ``layout`` with ``payload_bytes`` of KV, written by a holder of ``secret``;
+    ``BlockRejected`` naming the failed check otherwise."""
     if not raw.startswith(MAGIC):
-        raise BlockRejected("not a KV block (bad magic)")
+        raise BlockRejected("not a KV block of this format (bad magic)")
     start = len(MAGIC) + _LENGTH_BYTES
-    if len(raw) < start:
-        raise BlockRejected("truncated header")
+    if len(raw) < start + _TAG_BYTES:
+        raise BlockRejected("truncated block")
+    body, tag = raw[:-_TAG_BYTES], raw[-_TAG_BYTES:]
+    if not hmac.compare_digest(tag, _mac(secret, b"block", key.encode(), body)):
+        raise BlockRejected("bad tag: forged, corrupt, or written under another deployment's secret")
     head_len = int.from_bytes(raw[len(MAGIC) : start], "big")
-    if len(raw) < start + head_len:
+    if len(body) < start + head_len:
         raise BlockRejected("truncated header")
     try:
-        header = json.loads(raw[start : start + head_len])
+        header = json.loads(body[start : start + head_len])
     except (ValueError, UnicodeDecodeError) as error:
         raise BlockRejected(f"unreadable header: {error}") from None
     if not isinstance(header, dict):
@@ -89,19 +139,10 @@ def decode_block(
         raise BlockRejected(f"model {header.get('model')!r}, expected {model!r}")
     if header.get("layout") != layout.as_list():
         raise BlockRejected(f"layout {header.get('layout')!r}, expected {layout.as_list()!r}")
-    if header.get("hash") != block or header.get("parent") != parent:
-        raise BlockRejected("block or parent hash differs from the one asked for")
-    tokens = header.get("tokens")
-    if (
-        not isinstance(tokens, list)
-        or len(tokens) != layout.page_size
-        or not all(type(t) is int for t in tokens)
-        or block_hash(parent, tokens) != block
-    ):
-        raise BlockRejected("its tokens do not hash to its block hash")
-    payload = raw[start + head_len :]
+    digest = header.get("tokens")
+    if not isinstance(digest, str) or not hmac.compare_digest(digest, tokens_digest(secret, parent, tokens)):
+        raise BlockRejected("its tokens (or their parent) differ from the request's")
+    payload = body[start + head_len :]
     if header.get("payload_bytes") != payload_bytes or len(payload) != payload_bytes:
         raise BlockRejected(f"{len(payload)} payload bytes, expected {payload_bytes}")
-    if zlib.crc32(payload) != header.get("crc32"):
-        raise BlockRejected("payload checksum mismatch")
     return payload

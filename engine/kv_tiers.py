@@ -22,20 +22,29 @@ background thread; a block this rank read from the store is not written back. A 
 writes a finished request's pages (prompt and output) the same way. The store may fail at any
 call: a failure is a miss (the tokens are computed), counted, and the store is not asked again
 for ``store_retry_s``.
+
+The loop thread never calls the store. Reads go through a thread of their own (``StoreReader``)::
+
+    scheduler: prefetch(chain) -> False ...... a fetch is queued; the request waits, others step
+    reader:    exists, price, get_many, decode_block ... the checked payloads, or why not
+    scheduler: prefetch(chain) -> True ....... answered (or overdue: a miss); the request is admitted
+               lookup(chain) ................. the fetched payloads -> fill ops, as for the host tier
+
+A fetch not answered within its price (recomputing the blocks it asks for, ``TierPrices``) or
+``store_timeout_s``, whichever is shorter, is a miss, counted, and the store is backed off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from tandem.engine.kv_block_codec import BlockLayout, BlockRejected, decode_block, encode_block, store_key
 from tandem.engine.prefix_cache import ChainBlock, LowerMatch
@@ -46,7 +55,6 @@ from tandem.wire.messages import TierStats
 log = logging.getLogger(__name__)
 
 OpKind = Literal["save", "load", "fill", "write"]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -187,9 +195,16 @@ class StoreWriter:
             time.sleep(0.005)
         return not self._queue.unfinished_tasks
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10.0)
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread once what is queued is written, waiting at most ``timeout_s`` in all:
+        a full queue before a hung store call never holds the caller (the daemon thread, and
+        what it still holds, are left behind)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("KV store writer: %d writes still queued at close, left", self._queue.qsize())
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:
@@ -225,10 +240,119 @@ class StoreWriter:
                 self._queue.task_done()
 
 
+@dataclass(eq=False)
+class StoreFetch:
+    """One run of a chain asked of the store (from its first block on neither the device nor the
+    host), and the reader's answer. The reader thread writes the answer fields, then ``done``;
+    the loop reads them only once ``done`` is set."""
+
+    chain: tuple[ChainBlock, ...]
+    keys: tuple[str, ...]
+    asked_s: float  # when the loop asked
+    deadline_s: float  # an answer later than this is a miss, and the store is backed off
+    done: threading.Event = field(default_factory=threading.Event)
+    answered_s: float = 0.0
+    payloads: list[bytes] = field(default_factory=list)  # the checked leading run
+    raw_bytes: int = 0
+    exists_s: float = 0.0  # the ``exists`` round trip
+    get_s: float = 0.0  # the ``get_many`` of the run
+    recomputed: int = 0  # blocks there but priced slower than computing
+    rejected: int = 0
+    error: str | None = None
+    skipped: bool = False  # not asked: the store was backed off when the reader got to it
+
+    def settled(self) -> bool:
+        """Answered, or past its deadline: the request waiting on it may go on."""
+        return self.done.is_set() or time.monotonic() > self.deadline_s
+
+
+class StoreReader:
+    """Answers ``StoreFetch``es from a thread of its own, in the order asked: ``exists`` for the
+    run's keys, the price of the blocks there (``TierPrices.worth_loading``), one ``get_many``,
+    and ``decode_block`` of each against the request's own tokens. The loop only submits and
+    reads answers: a slow or hung store holds this thread, never the loop."""
+
+    def __init__(self, store: KVStore, tiers: KVTiers) -> None:
+        self._store = store
+        self._tiers = tiers
+        self._queue: queue.Queue[StoreFetch | None] = queue.Queue()
+        self.busy_since = 0.0  # when the call under way began (0: none)
+        self._thread = threading.Thread(target=self._run, name="kv-store-reader", daemon=True)
+        self._thread.start()
+
+    def submit(self, fetch: StoreFetch) -> None:
+        self._queue.put(fetch)
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            fetch = self._queue.get()
+            if fetch is None:
+                return
+            try:
+                if time.monotonic() < self._tiers.store_down_until:
+                    fetch.skipped = True
+                else:
+                    self.busy_since = time.monotonic()
+                    self._answer(fetch)
+            except StoreError as error:
+                fetch.error = str(error)
+            except Exception as error:  # a bug here must not leave the request waiting
+                log.exception("KV store read failed")
+                fetch.error = f"{type(error).__name__}: {error}"
+            finally:
+                self.busy_since = 0.0
+                fetch.answered_s = time.monotonic()
+                fetch.done.set()
+
+    def _answer(self, fetch: StoreFetch) -> None:
+        tiers, c = self._tiers, self._tiers.config
+        start = time.monotonic()
+        present = self._store.exists(list(fetch.keys))
+        fetch.exists_s = time.monotonic() - start
+        run = 0
+        while run < len(present) and present[run]:
+            run += 1
+        if run == 0:
+            return
+        if not tiers.prices.worth_loading("store", run, c.page_bytes, tiers.page_size):
+            fetch.recomputed = run
+            return
+        start = time.monotonic()
+        values = self._store.get_many(list(fetch.keys[:run]))
+        fetch.get_s = time.monotonic() - start
+        for block, key, raw in zip(fetch.chain[:run], fetch.keys[:run], values, strict=True):
+            if raw is None:  # evicted from the store since ``exists``
+                break
+            try:
+                payload = decode_block(
+                    raw,
+                    secret=tiers.secret,
+                    key=key,
+                    model=c.model,
+                    layout=c.layout,
+                    parent=block.parent,
+                    tokens=block.tokens,
+                    payload_bytes=c.page_bytes,
+                )
+            except BlockRejected as error:
+                log.warning("KV store block %s rejected: %s", key, error)
+                fetch.rejected += 1
+                break
+            fetch.payloads.append(payload)
+            fetch.raw_bytes += len(raw)
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """A rank's lower tiers: ``host_pages`` slots (0: none), the store client (``None``: none),
-    the model's name in store keys, and the pool's layout (``page_bytes`` a page, all layers)."""
+    the model's name in store keys, and the pool's layout (``page_bytes`` a page, all layers).
+    ``secret`` authenticates the store's blocks and keys them (``engine/kv_block_codec.py``):
+    the deployment's, the same on every rank; empty, a random one of this process's own (its
+    blocks are then readable by nobody else)."""
 
     host_pages: int
     store: KVStore | None
@@ -236,8 +360,10 @@ class TierConfig:
     layout: BlockLayout
     page_bytes: int
     store_retry_s: float = 5.0
-    store_timeout_s: float = 2.0  # a lookup's store call that takes longer is a failure
+    store_timeout_s: float = 2.0  # the longest a request waits for the store's answer
     prices: TierPrices = field(default_factory=TierPrices)
+    secret: bytes = field(default=b"", repr=False)
+    fetched_bytes: int = 256 << 20  # answered fetches held for their requests, at most
 
 
 class KVTiers:
@@ -246,6 +372,7 @@ class KVTiers:
     def __init__(self, config: TierConfig) -> None:
         self.config = config
         self.prices = config.prices
+        self.secret = config.secret or os.urandom(32)
         self.host = HostTier(config.host_pages) if config.host_pages > 0 else None
         self.store = config.store
         self.writer = (
@@ -254,13 +381,16 @@ class KVTiers:
         self._ops: list[TierOp] = []
         self._events: list[KVEvent] = []
         self._in_store: OrderedDict[int, None] = OrderedDict()  # blocks known to be there
-        self._store_down_until = 0.0
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-store-reader") if config.store else None
-        self._pending: Future[Any] | None = None  # a read that timed out and may still run
+        self.store_down_until = 0.0
         self.page_size = config.layout.page_size
+        self.reader = StoreReader(config.store, self) if config.store is not None else None
+        # (first block asked, last block) -> its fetch, oldest first
+        self._fetches: OrderedDict[tuple[int, int], StoreFetch] = OrderedDict()
         self.host_load_bytes = self.store_load_bytes = 0
         self.host_load_s = self.store_load_s = 0.0
         self.store_errors = self.store_rejected = self.recomputed_tokens = 0
+        self.store_slow = 0  # of the errors: fetches answered after their deadline, or never
+        self._closed = False
 
     # -- decisions (loop thread) ----------------------------------------------------------------
 
@@ -289,13 +419,40 @@ class KVTiers:
             TierOp("write", page_id, block=chain.block, parent=chain.parent, tokens=chain.tokens)
         )
 
+    def prefetch(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> StoreFetch | None:
+        """``None`` when ``lookup`` of ``chain`` may run now: the store answered for the run past
+        the device and the host, or was too slow (a miss, the store backed off), or there is
+        nothing to ask. Else the fetch under way (asked here, once), for the caller to wait on
+        and ask again once it is ``settled``."""
+        index = self._first_for_store(chain, on_device)
+        if index is None or self.reader is None:
+            return None
+        key = (chain[index].block, chain[-1].block)
+        fetch = self._fetches.get(key)
+        if fetch is None:
+            wanted = len(chain) - index
+            if not self._store_up() or not self.prices.worth_loading(
+                "store", wanted, self.config.page_bytes, self.page_size
+            ):
+                return None  # down, or slower than computing even if it held every block
+            return self._ask(key, tuple(chain[index:]))
+        if fetch.done.is_set():
+            return None
+        if time.monotonic() < self.store_down_until:  # backed off since: no use waiting
+            del self._fetches[key]
+            return None
+        if time.monotonic() > fetch.deadline_s:
+            self._overdue(key, fetch)
+            return None
+        return fetch
+
     def lookup(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> LowerMatch:
         """The leading run of ``chain`` that the device (``on_device``), the host tier or the
-        store holds and that is worth loading; store blocks are read and checked here."""
+        store holds and that is worth loading; store blocks only as ``prefetch`` fetched and
+        checked them (this never calls the store)."""
         match = LowerMatch()
         page, size = self.config.page_bytes, self.page_size
         load_host = self.host is not None and self.prices.worth_loading("host", 1, page, size)
-        wanted: list[int] = []  # indexes of blocks to ask the store for
         for index, (block, device) in enumerate(zip(chain, on_device, strict=True)):
             if device:
                 match.order.append("device")
@@ -305,10 +462,8 @@ class KVTiers:
                     break
                 match.order.append("host")
             else:
-                wanted = list(range(index, len(chain)))
+                self._take_fetched(chain[index:], match)
                 break
-        if wanted and self.store is not None and self._store_up():
-            self._read_store(chain, wanted, match)
         for block, kind in zip(chain, match.order, strict=False):
             if kind == "host":
                 assert self.host is not None
@@ -392,96 +547,118 @@ class KVTiers:
             kv_bytes_per_token=self.config.page_bytes // self.page_size,
         )
 
+    def key(self, block: int) -> str:
+        """The store key of ``block`` in this deployment (keyed by its secret)."""
+        return store_key(self.secret, self.config.model, self.config.layout, block)
+
     def encode(self, op: TierOp, payload: bytes) -> tuple[str, bytes]:
-        c = self.config
-        return store_key(c.model, c.layout, op.block), encode_block(
-            c.model, c.layout, op.block, op.parent, op.tokens, payload
-        )
+        c, key = self.config, self.key(op.block)
+        return key, encode_block(self.secret, key, c.model, c.layout, op.parent, op.tokens, payload)
 
     def close(self) -> None:
+        """Stop the writer (bounded) and the reader, and leave the store; once."""
+        if self._closed:
+            return
+        self._closed = True
         if self.writer is not None:
             self.writer.close()
-        if self._reader is not None:
-            self._reader.shutdown(wait=False)
+        if self.reader is not None:
+            self.reader.close()
         if self.store is not None:
             self.store.close()
 
     # -- the store ------------------------------------------------------------------------------
 
-    def _store_up(self) -> bool:
-        if self._pending is not None and not self._pending.done():
-            return False  # the reader is still stuck in a call that timed out
-        self._pending = None
-        return time.monotonic() >= self._store_down_until
-
-    def _call(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the reader thread, at most ``store_timeout_s``: a slow store fails
-        the lookup (a miss) instead of holding the rank's loop."""
-        assert self._reader is not None
-        future = self._reader.submit(fn, *args)
-        try:
-            return future.result(timeout=self.config.store_timeout_s)
-        except FutureTimeout:
-            self._pending = future
-            raise StoreError(f"no answer within {self.config.store_timeout_s} s") from None
-
-    def _store_failed(self, error: StoreError) -> None:
-        log.warning(
-            "KV store unavailable, computing instead for %.0f s: %s", self.config.store_retry_s, error
+    def _first_for_store(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> int | None:
+        """Where the store's part of ``chain`` begins (``lookup``'s walk): ``None`` when the run
+        ends before it (a host block not worth loading) or when the store has no part."""
+        load_host = self.host is not None and self.prices.worth_loading(
+            "host", 1, self.config.page_bytes, self.page_size
         )
-        self.store_errors += 1
-        self._store_down_until = time.monotonic() + self.config.store_retry_s
+        for index, (block, device) in enumerate(zip(chain, on_device, strict=True)):
+            if device:
+                continue
+            if self.host is not None and block.block in self.host:
+                if not load_host:
+                    return None
+                continue
+            return index
+        return None
 
-    def _read_store(self, chain: Sequence[ChainBlock], wanted: list[int], match: LowerMatch) -> None:
-        """Ask the store for the run's blocks (one ``exists``), price the run, read it (one
-        batched ``get``) and check each block; the run stops at the first missing or bad one."""
-        assert self.store is not None
-        c = self.config
-        keys = [store_key(c.model, c.layout, chain[i].block) for i in wanted]
-        start = time.monotonic()
-        try:
-            present = self._call(self.store.exists, keys)
-        except StoreError as error:
-            self._store_failed(error)
+    def _store_up(self) -> bool:
+        busy = self.reader.busy_since if self.reader is not None else 0.0
+        if busy and time.monotonic() - busy > self.config.store_timeout_s:
+            return False  # the reader is still stuck in a call that timed out
+        return time.monotonic() >= self.store_down_until
+
+    def _ask(self, key: tuple[int, int], chain: tuple[ChainBlock, ...]) -> StoreFetch:
+        assert self.reader is not None
+        c, now = self.config, time.monotonic()
+        recompute_s = len(chain) * self.page_size / self.prices.prefill_tokens_per_s
+        fetch = StoreFetch(
+            chain,
+            tuple(self.key(b.block) for b in chain),
+            asked_s=now,
+            deadline_s=now + min(c.store_timeout_s, recompute_s),
+        )
+        self._trim()
+        self._fetches[key] = fetch
+        self.reader.submit(fetch)
+        return fetch
+
+    def _trim(self) -> None:
+        """Answered fetches nobody took (their request left, or its lookup went another way)
+        are dropped, oldest first, beyond ``fetched_bytes`` of payloads."""
+        held = 0
+        for key, fetch in reversed(list(self._fetches.items())):
+            if not fetch.done.is_set():
+                continue
+            held += fetch.raw_bytes
+            if held > self.config.fetched_bytes or len(self._fetches) > 4096:
+                del self._fetches[key]
+
+    def _overdue(self, key: tuple[int, int], fetch: StoreFetch) -> None:
+        """No answer by the deadline: a miss; the store, slower than its price, is backed off."""
+        del self._fetches[key]
+        self.store_slow += 1
+        self._store_failed(f"no answer within {fetch.deadline_s - fetch.asked_s:.3f} s")
+
+    def _take_fetched(self, chain: Sequence[ChainBlock], match: LowerMatch) -> None:
+        """The answered fetch of ``chain``'s run, settled once: its checked payloads into
+        ``match``, its figures into the counters and prices."""
+        key = (chain[0].block, chain[-1].block)
+        fetch = self._fetches.get(key)
+        if fetch is None:
             return
-        asked = time.monotonic()
-        self.prices.observe("latency", 1, asked - start)
-        run = 0
-        while run < len(present) and present[run]:
-            run += 1
-        if run == 0:
+        if not fetch.done.is_set():
+            if time.monotonic() > fetch.deadline_s:
+                self._overdue(key, fetch)
+            return  # asked for a request still waiting on it: this lookup goes without
+        del self._fetches[key]
+        self.store_rejected += fetch.rejected
+        self.recomputed_tokens += fetch.recomputed * self.page_size
+        if fetch.error is not None:
+            self._store_failed(fetch.error)
             return
-        if not self.prices.worth_loading("store", run, c.page_bytes, self.page_size):
-            self.recomputed_tokens += run * self.page_size
+        if fetch.skipped:
             return
-        try:
-            values = self._call(self.store.get_many, keys[:run])
-        except StoreError as error:
-            self._store_failed(error)
+        if fetch.answered_s > fetch.deadline_s:
+            self.store_slow += 1
+            self._store_failed(f"answered in {fetch.answered_s - fetch.asked_s:.3f} s, past its price")
             return
-        got = 0
-        for index, key, raw in zip(wanted[:run], keys[:run], values, strict=True):
-            block = chain[index]
-            if raw is None:  # evicted from the store since ``exists``
-                break
-            try:
-                payload = decode_block(
-                    raw,
-                    model=c.model,
-                    layout=c.layout,
-                    block=block.block,
-                    parent=block.parent,
-                    payload_bytes=c.page_bytes,
-                )
-            except BlockRejected as error:
-                log.warning("KV store block %s rejected: %s", key, error)
-                self.store_rejected += 1
-                break
+        self.prices.observe("latency", 1, fetch.exists_s)
+        if fetch.payloads:
+            self.observe_load("store", fetch.raw_bytes, fetch.get_s)
+        for block, payload in zip(chain, fetch.payloads, strict=False):
             match.order.append("store")
             match.store.append((block, payload))
-            got += len(raw)
-        if got:
-            self.observe_load("store", got, time.monotonic() - asked)
+
+    def _store_failed(self, reason: str) -> None:
+        log.warning(
+            "KV store unavailable, computing instead for %.0f s: %s", self.config.store_retry_s, reason
+        )
+        self.store_errors += 1
+        self.store_down_until = time.monotonic() + self.config.store_retry_s
 
     def _remember_in_store(self, block: int) -> None:
         self._in_store[block] = None

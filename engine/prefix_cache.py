@@ -106,11 +106,18 @@ class LowerMatch:
     order: list[str] = field(default_factory=list)
 
 
+class PendingFetch(Protocol):
+    """A store fetch a request waits on: ``settled`` once answered or past its deadline."""
+
+    def settled(self) -> bool: ...
+
+
 class LowerTiers(Protocol):
     """The tiers below the device (``engine/kv_tiers.py`` ``KVTiers``), as the cache calls them."""
 
     def evicted(self, page_id: int, block: int) -> None: ...
     def computed(self, page_id: int, chain: ChainBlock) -> None: ...
+    def prefetch(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> PendingFetch | None: ...
     def lookup(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> LowerMatch: ...
     def still_in_host(self, block: int, slot: int) -> bool: ...
     def end_lookup(self) -> None: ...
@@ -232,6 +239,23 @@ class PrefixCache:
             found = self._match_lower(token_ids, page_ids, parent, num_blocks)
         self.num_hit_tokens += found.num_tokens
         return found
+
+    def prefetch(self, token_ids: Sequence[int]) -> PendingFetch | None:
+        """``None`` when ``match`` of ``token_ids`` may run now; else the fetch of its blocks
+        from the store, under way off this thread: the request waits (ask again once it is
+        ``settled``) while other requests step. Takes nothing."""
+        if self.tiers is None or not self._enabled:
+            return None
+        size = self._page_size
+        chain: list[ChainBlock] = []
+        parent: int | None = None
+        for index in range((len(token_ids) - 1) // size):
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            chain.append(ChainBlock(block_hash(parent, tokens), parent, tokens))
+            parent = chain[-1].block
+        if not chain:
+            return None
+        return self.tiers.prefetch(chain, [c.block in self._hash_to_page for c in chain])
 
     def _take(self, page_ids: Sequence[int]) -> None:
         for page_id in page_ids:

@@ -79,10 +79,16 @@ class RankContext:
         )
 
     def tiers(
-        self, pool: KVPool, host_pages: int, store: StoreConfig | None, model_key: str = ""
+        self,
+        pool: KVPool,
+        host_pages: int,
+        store: StoreConfig | None,
+        model_key: str = "",
+        secret: bytes = b"",
     ) -> TierCopier | None:
-        """The host tier and the store client over ``pool`` (``None`` with neither). A store
-        that cannot be reached at start is logged and left out: the rank serves without it."""
+        """The host tier and the store client over ``pool`` (``None`` with neither), its blocks
+        signed with the deployment's ``secret``. A store that cannot be reached at start is
+        logged and left out: the rank serves without it."""
         if host_pages <= 0 and store is None:
             return None
         client = None
@@ -99,6 +105,7 @@ class RankContext:
             model=model_key or self.model_key,
             layout=pool_block_layout(pool),
             page_bytes=page_bytes(pool),
+            secret=secret,
         )
         return build_tiers(pool, config)[1]
 

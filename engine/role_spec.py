@@ -6,7 +6,7 @@ controller and the CLI can describe prefill, decode and colocated ranks without 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from tandem.kvtransfer.kv_store import StoreConfig
@@ -47,3 +47,5 @@ class PooledRole(RoleSpec, ABC):
     host_cache_pages: int = 0
     store: StoreConfig | None = None
     model_key: str = ""
+    # signs and keys the store's blocks (``engine/kv_block_codec.py``); never shown
+    store_secret: bytes = field(default=b"", repr=False)

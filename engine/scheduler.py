@@ -10,7 +10,8 @@ tokens. Policy, per step, under a token budget and a cap on running requests::
        to be recomputed later.
     2. if nothing was preempted: waiting requests, in order, while pages and budget last.
        Admission looks the request's tokens up in the prefix cache first; a request whose
-       pages are not available waits (admission never preempts).
+       pages are not available waits (admission never preempts). One whose blocks the store
+       is being asked for is passed over until the answer comes (``PrefixCache.prefetch``).
 
 The scheduler owns its requests' state; everything else only reads it.
 """
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 from tandem.engine.admission import admit_new_request
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import PrefixCache, PrefixMatch, block_hashes
+from tandem.engine.prefix_cache import PendingFetch, PrefixCache, PrefixMatch, block_hashes
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
 from tandem.wire.logprobs import TokenLogprobs
@@ -70,6 +71,8 @@ class Scheduler:
         self._counter = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # sorted by arrival
+        # waiting requests the last plan passed over, with the store fetch each waits on
+        self._held_for_store: dict[str, PendingFetch] = {}
 
     @property
     def num_running(self) -> int:
@@ -81,6 +84,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_work(self) -> bool:
+        """Something to plan: unfinished requests, unless all are waiting on the store's answer."""
+        held = self._held_for_store
+        return bool(self._running) or any(
+            r.request_id not in held or held[r.request_id].settled() for r in self._waiting
+        )
 
     def unfinished_requests(self) -> list[Request]:
         """Every request this scheduler still owns (waiting, running or preempted)."""
@@ -142,15 +152,24 @@ class Scheduler:
             index += 1
 
         max_num_seqs = self.config.max_num_seqs
-        while not preempted and self._waiting and budget > 0 and len(self._running) < max_num_seqs:
-            request = self._waiting[0]
+        self._held_for_store = {}
+        held = 0  # waiting requests passed over: the store is being asked for their blocks
+        while (
+            not preempted and held < len(self._waiting) and budget > 0 and len(self._running) < max_num_seqs
+        ):
+            request = self._waiting[held]
+            pending = None if request.needs_prompt_logprobs else self.kv_cache.prefetch(request.all_token_ids)
+            if pending is not None:
+                self._held_for_store[request.request_id] = pending
+                held += 1
+                continue
             if not self._admit(request, budget):
                 if not self._running:
                     raise PageAccountingError(
                         f"request {request.request_id} cannot be admitted though no request holds pages"
                     )
                 break
-            self._waiting.popleft()
+            del self._waiting[held]
             bisect.insort(self._running, request, key=lambda r: self._arrival[r.request_id])
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, num_new))

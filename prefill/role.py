@@ -31,7 +31,7 @@ class PrefillRole(PooledRole):
 
         cfg = ctx.model_config
         pool = ctx.kv_pool(self.num_pages, self.page_size)
-        copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key)
+        copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
         scheduler = PrefillScheduler(
             PrefillSchedulerConfig(
                 num_pages=self.num_pages,

@@ -6,7 +6,8 @@ Each step, ``schedule`` plans one batch under ``max_num_batched_tokens`` and ret
     1. queued jobs whose deadline passed are dropped (``take_expired`` reports them)
     2. the job mid-prefill, if any, gets its next chunk
     3. queued jobs in arrival order: match the prompt against the prefix cache, take pages
-       for the first chunk
+       for the first chunk. A job whose blocks the store is being asked for is passed over
+       until the answer (or the store's deadline) comes; the loop never waits on the store
     A chunk is as long as the budget, the prompt and the pages left allow; only the chunk that
     completes a prompt samples. A chunk that does not complete its prompt ends the plan.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import LowerTiers, PrefixCache, PrefixMatch, block_hashes
+from tandem.engine.prefix_cache import LowerTiers, PendingFetch, PrefixCache, PrefixMatch, block_hashes
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
 from tandem.wire.kv_events import KVEvent
@@ -132,6 +133,8 @@ class PrefillScheduler:
         self._computing: dict[str, _JobState] = {}
         self._transferring: dict[str, _JobState] = {}
         self._expired: list[PrefillExpired] = []
+        # queued jobs the last plan passed over, with the store fetch each waits on
+        self._held_for_store: dict[str, PendingFetch] = {}
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -173,8 +176,18 @@ class PrefillScheduler:
 
     def has_work(self) -> bool:
         """Whether anything is queued or computing; a plan may still be empty while pages are held
-        by transfers, so the caller keeps polling its transport."""
-        return bool(self._queued or self._computing)
+        by transfers, so the caller keeps polling its transport. Queued jobs that all wait on
+        the store are no work until it answers (the loop idles instead of stepping empty)."""
+        held = self._held_for_store
+        return bool(self._computing) or any(
+            request_id not in held or held[request_id].settled() for request_id in self._queued
+        )
+
+    def _store_fetch(self, state: _JobState) -> PendingFetch | None:
+        """The store fetch ``state``'s prefix lookup waits on (``None``: it may run now)."""
+        if _wants_prompt_logprobs(state.job):
+            return None
+        return self.kv_cache.prefetch(state.job.prompt_token_ids)
 
     def status(self, request_id: str) -> RequestStatus | None:
         state = self._find(request_id)
@@ -262,8 +275,15 @@ class PrefillScheduler:
             completes = chunk.sample
             if not completes:
                 break
-        while completes and self._queued and budget > 0 and len(chunks) < self.config.max_num_seqs:
-            chunk = self._admit(next(iter(self._queued.values())), budget, now)
+        self._held_for_store = {}
+        for state in list(self._queued.values()):
+            if not (completes and budget > 0 and len(chunks) < self.config.max_num_seqs):
+                break
+            pending = self._store_fetch(state)
+            if pending is not None:  # its blocks are being fetched: the others go on
+                self._held_for_store[state.job.request_id] = pending
+                continue
+            chunk = self._admit(state, budget, now)
             if chunk is None:
                 break
             chunks.append(chunk)

@@ -34,7 +34,9 @@ def _engine(
     )
     if host_pages or store is not None:
         pool = engine.pool
-        config = TierConfig(host_pages, store, "tiny", pool_block_layout(pool), page_bytes(pool))
+        config = TierConfig(
+            host_pages, store, "tiny", pool_block_layout(pool), page_bytes(pool), secret=b"the deployment's"
+        )
         engine.attach_tiers(build_tiers(pool, config)[1])
     return engine
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.engine.kv_block_codec import BlockLayout, encode_block, store_key
+import time
+
+from tandem.engine.kv_block_codec import BlockLayout, encode_block
 from tandem.engine.kv_tiers import KVTiers, TierConfig, TierPrices
 from tandem.engine.page_allocator import PageAllocator
 from tandem.engine.prefix_cache import PrefixCache, block_hashes
@@ -12,13 +14,16 @@ from tests.kv_store_double import DictStore
 PAGE = 4
 LAYOUT = BlockLayout(num_layers=2, page_size=PAGE, token_dim=3, dtype="float32")
 PAGE_BYTES = 2 * PAGE * 3 * 4
+SECRET = b"the deployment's secret"
 
 
 def payload_of(block: int) -> bytes:
     return block.to_bytes(8, "little") * (PAGE_BYTES // 8)
 
 
-def tiered_cache(num_pages: int, host_pages: int = 0, store: DictStore | None = None, prices=None):
+def tiered_cache(
+    num_pages: int, host_pages: int = 0, store: DictStore | None = None, prices=None, secret=SECRET
+):
     tiers = KVTiers(
         TierConfig(
             host_pages=host_pages,
@@ -29,14 +34,24 @@ def tiered_cache(num_pages: int, host_pages: int = 0, store: DictStore | None = 
             # a prefill this slow makes every load worth it, whatever round trip a lookup
             # measures on a loaded machine: tests of the price rule pass prices of their own
             prices=prices or TierPrices(prefill_tokens_per_s=1.0),
+            secret=secret,
         )
     )
     return PrefixCache(PageAllocator(num_pages), PAGE, tiers=tiers), tiers
 
 
+def fetched_match(cache: PrefixCache, tokens: list[int]):
+    """``match`` as a scheduler runs it: once the store's answer for ``tokens`` is in."""
+    deadline = time.monotonic() + 5
+    while cache.prefetch(tokens) is not None:
+        assert time.monotonic() < deadline, "the store's fetch never ended"
+        time.sleep(0.001)
+    return cache.match(tokens)
+
+
 def compute(cache: PrefixCache, tokens: list[int]) -> list[int]:
     """Take pages for ``tokens`` as a prefill would, compute them, free them (cached)."""
-    found = cache.match(tokens)
+    found = fetched_match(cache, tokens)
     pages = found.page_ids + (cache.allocate(-(-len(tokens) // PAGE) - len(found.page_ids)) or [])
     cache.cache_full_pages(tokens, pages, len(tokens))
     cache.free(pages)
@@ -93,12 +108,12 @@ def test_a_block_computed_on_one_rank_is_read_from_the_store_by_another():
     compute(first, prompt)
     write_through(first_tiers, store)
     blocks = block_hashes(prompt, PAGE)
-    assert all(store_key("m", LAYOUT, b) in store.values for b in blocks)
+    assert all(first_tiers.key(b) in store.values for b in blocks)
     written = [e for e in first.take_events() if isinstance(e, BlockStored) and e.tier == "store"]
     assert {h for e in written for h in e.block_hashes} == set(blocks)
 
     second, second_tiers = tiered_cache(num_pages=8, store=store)
-    found = second.match(prompt)
+    found = fetched_match(second, prompt)
     assert (found.device_tokens, found.host_tokens, found.store_tokens) == (0, 0, 12)
     fills = [op for op in second_tiers.take_ops() if op.kind == "fill"]
     assert [op.payload for op in fills] == [payload_of(b) for b in blocks]
@@ -118,19 +133,18 @@ def test_a_corrupt_or_foreign_block_is_a_counted_miss_and_the_run_stops_there():
     parents = [None, *blocks[:-1]]
     for i, (block, parent) in enumerate(zip(blocks, parents, strict=False)):
         tokens = prompt[i * PAGE : (i + 1) * PAGE]
-        store.values[store_key("m", LAYOUT, block)] = encode_block(
-            "m", LAYOUT, block, parent, tokens, payload_of(block)
-        )
-    key = store_key("m", LAYOUT, blocks[1])
+        key = tiers.key(block)
+        store.values[key] = encode_block(SECRET, key, "m", LAYOUT, parent, tokens, payload_of(block))
+    key = tiers.key(blocks[1])
     good = store.values[key]
-    store.values[key] = good[:-1] + bytes([good[-1] ^ 1])  # one flipped bit of KV
-    found = cache.match(prompt)
+    store.values[key] = good[:-40] + bytes([good[-40] ^ 1]) + good[-39:]  # one flipped bit of KV
+    found = fetched_match(cache, prompt)
     assert found.store_tokens == PAGE and tiers.store_rejected == 1
     cache.free(found.page_ids)
     store.values[key] = encode_block(
-        "other-model", LAYOUT, blocks[1], blocks[0], prompt[4:8], payload_of(blocks[1])
+        SECRET, key, "other-model", LAYOUT, blocks[0], prompt[4:8], payload_of(blocks[1])
     )
-    found = cache.match(prompt)
+    found = fetched_match(cache, prompt)
     assert found.num_tokens == PAGE and tiers.store_rejected == 2  # block 0 now on the device
     cache.free(found.page_ids)
     cache.check_integrity()
@@ -141,26 +155,31 @@ def test_a_store_that_is_down_is_a_miss_counted_and_not_asked_again_for_a_while(
     cache, tiers = tiered_cache(num_pages=8, store=store)
     store.down = True
     prompt = list(range(500, 509))
-    found = cache.match(prompt)
+    found = fetched_match(cache, prompt)
     assert found.num_tokens == 0 and tiers.store_errors == 1
     cache.free(found.page_ids)
+    assert cache.prefetch(list(range(600, 609))) is None  # backing off: not asked, nothing to wait for
     cache.match(list(range(600, 609)))
-    assert tiers.store_errors == 1  # backing off: not asked
+    assert tiers.store_errors == 1
     assert tiers.stats().store_errors == 1
 
 
 def test_a_tier_priced_slower_than_computing_is_not_loaded_and_the_recompute_is_counted():
     store = DictStore()
-    slow = TierPrices(store_bytes_per_s=1.0, prefill_tokens_per_s=1e6)
     first, first_tiers = tiered_cache(num_pages=8, store=store)
-    prompt = list(range(700, 709))
-    compute(first, prompt)
+    compute(first, list(range(700, 705)))  # the store holds the first block only
     write_through(first_tiers, store)
+    prompt = list(range(700, 713))  # asks for 3 blocks: worth a round trip; 1 is not
+    slow = TierPrices(store_bytes_per_s=1e12, prefill_tokens_per_s=100.0, store_latency_s=0.06)
     second, second_tiers = tiered_cache(num_pages=8, store=store, prices=slow)
     store.gets = 0
-    found = second.match(prompt)
+    found = fetched_match(second, prompt)
     assert found.num_tokens == 0 and store.gets == 0
-    assert second_tiers.recomputed_tokens == 8
+    assert second_tiers.recomputed_tokens == 4 and second_tiers.store_errors == 0
+    # a run not worth a round trip even if the store held all of it is not asked at all
+    never = TierPrices(store_bytes_per_s=1.0, prefill_tokens_per_s=1e6)
+    third, third_tiers = tiered_cache(num_pages=8, store=store, prices=never)
+    assert third.prefetch(prompt) is None and not third_tiers._fetches
 
 
 def test_the_evictions_a_host_load_causes_never_take_the_blocks_it_loads():

@@ -23,8 +23,8 @@ from tandem.decode.dispatch import PrefillDispatcher
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, Routing
-from tandem.engine.kv_block_codec import encode_block, store_key
-from tandem.engine.kv_tiers import TierConfig
+from tandem.engine.kv_block_codec import encode_block
+from tandem.engine.kv_tiers import TierConfig, TierPrices
 from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
@@ -100,6 +100,21 @@ class _To(PrefillDispatcher):
         raise AssertionError("fixed ranks")
 
 
+SECRET = b"the test deployment's store secret"
+
+
+class _SlowPrefill(TierPrices):
+    """Recomputing priced at 100 tokens/s whatever the tiny model's forward measures: a store
+    answer on a loaded machine is never slower than that, so a miss here is a real one."""
+
+    def __init__(self) -> None:
+        super().__init__(prefill_tokens_per_s=100.0)
+
+    def observe(self, what: str, amount: float, seconds: float) -> None:
+        if what != "prefill":
+            super().observe(what, amount, seconds)
+
+
 def _tiers(pool: KVPool, store: StoreConfig, host_pages: int) -> TierCopier:
     config = TierConfig(
         host_pages=host_pages,
@@ -109,6 +124,8 @@ def _tiers(pool: KVPool, store: StoreConfig, host_pages: int) -> TierCopier:
         page_bytes=page_bytes(pool),
         store_retry_s=0.5,
         store_timeout_s=30.0,  # a loaded 2-core machine must not turn a slow answer into a miss here
+        prices=_SlowPrefill(),
+        secret=SECRET,
     )
     return build_tiers(pool, config)[1]
 
@@ -184,11 +201,9 @@ class _Cluster:
     def close(self) -> None:
         for worker in self.prefill.values():
             worker.transport.close()
-            assert worker.copier is not None
-            worker.copier.tiers.close()
+            worker.close()
         self.decode.transport.close()
-        assert self.decode.writeback is not None
-        self.decode.writeback.tiers.close()
+        self.decode.close()
 
 
 @pytest.fixture
@@ -258,16 +273,17 @@ def test_a_corrupt_block_is_a_counted_miss_and_a_stopped_master_loses_no_request
         layout = pool_block_layout(pool)
         # block 2 is in the store before anyone computes it, with one byte of its KV flipped
         # (the store keeps a key's first value, so A's write of the good block is a no-op)
+        b_tiers = cluster.prefill[B].copier.tiers  # type: ignore[union-attr]
+        key = b_tiers.key(blocks[2])
         bad = bytearray(
-            encode_block(MODEL_KEY, layout, blocks[2], blocks[1], prompt[16:24], bytes(page_bytes(pool)))
+            encode_block(SECRET, key, MODEL_KEY, layout, blocks[1], prompt[16:24], bytes(page_bytes(pool)))
         )
-        bad[-1] ^= 0xFF
+        bad[-40] ^= 0xFF  # a byte of its KV
         # the block lives in this client's segment: it stays open to the end (closing it takes its
         # blocks out of the store)
         writer = MooncakeStore(config)
-        writer.put(store_key(MODEL_KEY, layout, blocks[2]), bytes(bad))
+        writer.put(key, bytes(bad))
         cluster.run([prompt], on=A)
-        b_tiers = cluster.prefill[B].copier.tiers  # type: ignore[union-attr]
         (read,) = cluster.run([[*prompt, 5, 6]], on=B)
         assert list(read.token_ids) == _golden(hf, [*prompt, 5, 6])
         assert _tiers_of(read) == (0, 0, 2 * PAGE)  # blocks 0 and 1; block 2 was rejected
