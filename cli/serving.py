@@ -114,6 +114,13 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         "more: fewer, larger messages and more streams per frontend core",
     )
     srv.add_argument(
+        "--grammar-compile-limit",
+        type=float,
+        default=limits.grammar_compile_limit_s,
+        help="seconds a structured output's grammar may take to compile at the frontend; "
+        "longer: the request is refused (400 naming response_format or tools)",
+    )
+    srv.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -285,6 +292,7 @@ def edge_limits(args: argparse.Namespace) -> EdgeLimits:
         max_connection_age_grace_s=args.max_connection_age_grace,
         min_ping_interval_s=args.min_ping_interval,
         stream_interval=args.stream_interval,
+        grammar_compile_limit_s=args.grammar_compile_limit,
     )
     try:
         limits.check()

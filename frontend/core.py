@@ -173,22 +173,23 @@ class FrontendCore:
 
     async def check_guide(self, guide: Guide, field: str) -> None:
         """Compile a structured output's guide (xgrammar is loaded at the first, on a thread:
-        a frontend that serves none never imports it); a spec that does not compile raises
-        ``InvalidRequestError`` naming ``field``."""
+        a frontend that serves none never imports it) on the compiler's pool, several specs at
+        once, each once (cached); a spec that does not compile, or not within
+        ``limits.grammar_compile_limit_s``, raises ``InvalidRequestError`` naming ``field``."""
         compiler = self._grammar
         if compiler is None:
             compiler = await asyncio.to_thread(self._grammar_compiler)
-        try:
-            await asyncio.wrap_future(compiler.prepare(guide))
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(field, exc.message) from None
+        await compiler.check(guide, field)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammar_lock:
             if self._grammar is None:
                 from tandem.model.grammar import GrammarCompiler
 
-                self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                limit_s = self.config.limits.grammar_compile_limit_s
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, limit_s)
+                compiler.setup()  # here, on a thread: not in the first spec's time
+                self._grammar = compiler
             return self._grammar
 
     @property

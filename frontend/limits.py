@@ -1,5 +1,6 @@
 """The operator's limits at the gRPC edge: how much one client may run, how large a request may be,
-how long connections live, and how often a stream's tokens go out.
+how long connections live, how often a stream's tokens go out, and how long a structured
+output's grammar may take to compile.
 
 Limits that follow from the model (prompt and output lengths within its context, stop ids within
 its vocabulary) are not settings: ``grpc_service`` derives them from the model's config.
@@ -33,6 +34,9 @@ class EdgeLimits:
     # a stream's message goes to its client once it holds this many new tokens (the first token
     # and the end go at once): fewer, larger messages for a frontend that serves many streams
     stream_interval: int = 1
+    # a structured output's grammar compiles within this, or the request is refused naming its
+    # field (a typical schema takes milliseconds; the client waits for the check)
+    grammar_compile_limit_s: float = 10.0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -53,6 +57,7 @@ class EdgeLimits:
             "max_connection_age_s",
             "max_connection_age_grace_s",
             "min_ping_interval_s",
+            "grammar_compile_limit_s",
         ):
             value = getattr(self, name)
             if value is not None and not 0 < value * 1000 <= INT32_MAX:

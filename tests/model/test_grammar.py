@@ -131,15 +131,18 @@ def test_an_output_the_grammar_refuses_leaves_only_eos(
         (Guide(GuideKind.STRUCTURAL_TAG, '{"type": "nope"}'), "structural_tag does not compile"),
     ],
 )
-def test_a_spec_that_does_not_compile_names_the_field_and_is_not_kept(
+def test_a_spec_that_does_not_compile_names_the_field_and_is_remembered(
     compiler: GrammarCompiler, guide: Guide, says: str
 ) -> None:
     with pytest.raises(InvalidRequestError) as info:
         compiler.compile(guide, "response_format.json_schema.schema")
     assert info.value.field == "response_format.json_schema.schema"
     assert says in info.value.message and "/project/" not in info.value.message
-    with pytest.raises(InvalidRequestError):  # asked again: compiled again, failing again
-        compiler.compile(guide)
+    compiled = compiler.compiled
+    with pytest.raises(InvalidRequestError) as again:  # asked again: the same error, not compiled again
+        compiler.compile(guide, "tools")
+    assert again.value.field == "tools" and again.value.message == info.value.message
+    assert compiler.compiled == compiled
 
 
 def test_a_guide_is_compiled_once_and_off_the_callers_thread(tokenizer: Tokenizer) -> None:
