@@ -560,7 +560,7 @@ def _generate(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             name = f"--{flag.replace('_', '-')}"
             raise InvalidRequestError(name, "runs on decode ranks: give --preset or --topology")
-    for flag in ("host_cache_pages", "device_cache_pages", "kv_store"):
+    for flag in ("host_cache_pages", "device_cache_pages", "kv_store", "kv_store_secret_file"):
         if getattr(args, flag) is not None:
             name = f"--{flag.replace('_', '-')}"
             raise InvalidRequestError(

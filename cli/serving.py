@@ -202,6 +202,14 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         help="share KV across ranks in a Mooncake store: auto starts mooncake_master with the deployment, "
         "HOST:PORT uses a running master (default: the topology's store:)",
     )
+    parser.add_argument(
+        "--kv-store-secret-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the secret that signs the store's blocks; deployments that share a store "
+        "name the same one (default: the topology's store.secret_file, $TANDEM_KV_STORE_SECRET, or a "
+        "random one)",
+    )
 
 
 def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
@@ -209,7 +217,8 @@ def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
     from tandem.cluster.topology import StoreSpec
 
     host, device, store = args.host_cache_pages, args.device_cache_pages, args.kv_store
-    if host is None and device is None and store is None:
+    secret_file = args.kv_store_secret_file
+    if host is None and device is None and store is None and secret_file is None:
         return topology
     for flag, value in (("--host-cache-pages", host), ("--device-cache-pages", device)):
         if value is not None and (value < 0 or (flag == "--device-cache-pages" and value < 1)):
@@ -226,6 +235,13 @@ def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
             update["store"] = StoreSpec() if store == "auto" else StoreSpec(master=store)
         except ValueError:
             raise InvalidRequestError("--kv-store", f"auto or HOST:PORT, got {store!r}") from None
+    if secret_file is not None:
+        spec = update.get("store", topology.store)
+        if not isinstance(spec, StoreSpec):
+            raise InvalidRequestError(
+                "--kv-store-secret-file", "signs the store's blocks: give --kv-store too"
+            )
+        update["store"] = spec.model_copy(update={"secret_file": secret_file})
     return topology.model_copy(update=update)
 
 

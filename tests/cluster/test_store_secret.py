@@ -39,3 +39,23 @@ def test_a_role_spec_carries_the_secret_but_never_shows_it() -> None:
     )
     assert role.store_secret == secret and "do-not-print" not in repr(role)
     assert "do-not-print" not in repr(ColocatedRole(store_secret=secret))
+
+
+def test_the_cli_names_the_secret_file_of_the_store_it_turns_on(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from tandem.cli.serving import with_tiers
+    from tandem.cluster.topology import Topology
+    from tandem.wire.request_params import InvalidRequestError
+
+    local = Topology.preset("local")
+    path = str(tmp_path / "secret")
+
+    def args(**given: object) -> Namespace:
+        flags = {"host_cache_pages": None, "device_cache_pages": None, "kv_store": None}
+        return Namespace(**(flags | {"kv_store_secret_file": None} | given))
+
+    topology = with_tiers(args(kv_store="auto", kv_store_secret_file=path), local)
+    assert topology.store is not None and topology.store.secret_file == path
+    with pytest.raises(InvalidRequestError, match="--kv-store-secret-file"):
+        with_tiers(args(kv_store_secret_file=path), local)
