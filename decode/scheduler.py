@@ -31,7 +31,9 @@ into (``_growth_pages``): it waits for them rather than preempt them back, so th
 makes progress.
 
 Requests reach RUNNING whenever their KV arrives; each step decodes the first ``max_num_seqs``
-of them in arrival order, so reservations can fetch KV ahead while the batch is full.
+of them in arrival order, so reservations can fetch KV ahead while the batch is full. A guided
+request whose grammar still compiles sits steps out while RUNNING (``schedule``'s ``held``: the
+step never waits for a compile), and ``fail`` ends one whose grammar did not compile.
 
 Speculative decoding: a step may give a request its last token plus drafts, with pages for
 every draft's position; the verify step's tokens are appended in order until a stop condition,
@@ -46,7 +48,7 @@ import dataclasses
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.decode.types import (
@@ -330,6 +332,15 @@ class DecodeScheduler:
             self._queue.remove(entry)
         return AbortResult(AbortAction.DONE, self._finish(entry, FinishReason.ABORT))
 
+    def fail(self, request_id: str, error: str) -> DecodeFinished | None:
+        """End a RUNNING request with ``error`` (e.g. its grammar did not compile here); its
+        pages are freed. Other phases and unknown ids: ``None``, nothing changed."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.request.status is not RequestStatus.RUNNING:
+            return None
+        self._running.remove(entry)
+        return self._finish(entry, FinishReason.ERROR, error)
+
     # -- decode steps ----------------------------------------------------------------------------
 
     def running_requests(self) -> list[Request]:
@@ -343,10 +354,14 @@ class DecodeScheduler:
         left = min(request.sampling.max_tokens - len(request.output_token_ids), max_len - request.num_tokens)
         return max(0, min(k, left - 1))
 
-    def schedule(self, draft_room: Mapping[str, int] | None = None) -> SchedulerOutput:
+    def schedule(
+        self, draft_room: Mapping[str, int] | None = None, held: Container[str] = frozenset()
+    ) -> SchedulerOutput:
         """Plan one decode step: one token for each of the first ``max_num_seqs`` running requests,
         in arrival order. A request whose next token needs a page when none is free preempts the
         newest running request (perhaps itself, never one scheduled earlier in this step).
+        ``held``: running requests that sit this step out (their grammar still compiles); they
+        keep their pages and take no place in the batch.
 
         Speculative decoding: each scheduled request then gets pages for up to
         ``draft_room[request_id]`` drafts (cut to ``draft_limit``) from those left free, its
@@ -356,9 +371,12 @@ class DecodeScheduler:
         preempted: list[str] = []
         scheduled: list[_Entry] = []
         index = 0
-        while index < min(len(self._running), self.config.max_num_seqs):
+        while index < len(self._running) and len(scheduled) < self.config.max_num_seqs:
             entry = self._running[index]
             request = entry.request
+            if request.request_id in held:
+                index += 1
+                continue
             new_pages = self._pages_for(request, request.num_tokens)
             while new_pages is None:
                 victim = self._running.pop()  # the newest; the scheduled ones sit before ``index``

@@ -12,7 +12,8 @@ gathered per frontend and pushed in :meth:`publish`, one batch per frontend per 
 Requests without a frontend report through :meth:`take_results`.
 
 ``tick`` takes the KV that arrived, the transfers that failed, the reservations past their
-deadline, then sends prefill jobs for new reservations; ``step`` runs one decode batch.
+deadline, then sends prefill jobs for new reservations, and holds out of the next step the
+running guided requests whose grammar still compiles; ``step`` runs one decode batch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tandem.engine.bill_builder import build_bill, delivered_cached_by_tier, del
 from tandem.engine.drafter import Drafter
 from tandem.engine.prefix_cache import prompt_chain
 from tandem.engine.rank_loop import RankDraining, RankWorker
-from tandem.engine.request import Request
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner
 from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
@@ -112,6 +113,7 @@ class _Track:
     attempts: list[PrefillAttempt] = field(default_factory=list)
     token_at: list[float] = field(default_factory=list)  # when each output token was known
     speculation: Speculation = field(default_factory=Speculation)
+    guide_error: str | None = None  # its grammar did not compile here: it ends once running
 
     def stop_running(self, now: float) -> None:
         if self.running_at is not None:
@@ -180,6 +182,8 @@ class DecodeWorker(RankWorker):
         self.forks = 0  # requests started on another's prompt KV (``_fork``)
         self.failure_counts = FailureCounts()
         self._schedule_s = self._update_s = self._draft_s = 0.0
+        self._guided: set[str] = set()  # requests whose grammar is not known to be ready yet
+        self._held: frozenset[str] = frozenset()  # running ones it keeps out of the next step
 
     # -- requests in (admit on the caller's thread, the rest on the loop's) ----------------------
     def admit(self, items: list[RankRequest]) -> list[tuple[Request, Routing, float]]:
@@ -226,6 +230,8 @@ class DecodeWorker(RankWorker):
                 continue
             self._tracks[request.request_id] = track
             self.runner.prepare_guide(request.sampling)  # compiled while its KV is computed
+            if request.sampling.guide is not None:
+                self._guided.add(request.request_id)
 
     def _fork(self, request: Request, parent_id: str, track: _Track, now: float) -> bool:
         """Start ``request`` on the prompt KV of ``parent_id`` (``DecodeScheduler.fork``): its
@@ -286,8 +292,9 @@ class DecodeWorker(RankWorker):
 
     # -- the loop ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        """A batch to decode this step; requests only waiting for their KV need no step."""
-        return self.scheduler.num_running > 0
+        """A batch to decode this step; requests only waiting for their KV, or for their
+        grammar, need no step."""
+        return self.scheduler.num_running > len(self._held)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -299,10 +306,37 @@ class DecodeWorker(RankWorker):
         self._abort_expired(now)
         for reservation in self.scheduler.reserve(now):
             self._send_prefill_job(reservation)
+        self._held = self._grammars_held()
+
+    def _grammars_held(self) -> frozenset[str]:
+        """Running guided requests whose grammar still compiles: they sit the next step out (a
+        step never waits for a compile, nor does the DEP group) and join once it is ready. One
+        whose grammar did not compile, or not within the limit, ends with the error once its
+        KV is here, its pages freed."""
+        held = set()
+        for request_id in list(self._guided):
+            request, track = self.scheduler.get(request_id), self._tracks.get(request_id)
+            if request is None or track is None:
+                self._guided.discard(request_id)
+                continue
+            if track.guide_error is None:
+                try:
+                    if self.runner.guide_ready(request_id, request.sampling, track.arrival):
+                        self._guided.discard(request_id)
+                        continue
+                except InvalidRequestError as error:
+                    track.guide_error = str(error)
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            if track.guide_error is None:
+                held.add(request_id)
+            elif (finished := self.scheduler.fail(request_id, track.guide_error)) is not None:
+                self._finish(finished)
+        return frozenset(held)
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self._draft_room())
+        plan = self.scheduler.schedule(self._draft_room(), self._held)
         self._schedule_s += time.perf_counter() - t0
         preempted_at = time.monotonic()
         for request_id in plan.preempted_request_ids:  # back in the queue, to be recomputed
@@ -386,6 +420,7 @@ class DecodeWorker(RankWorker):
             if self.drafter is not None:
                 self.drafter.forget(request_id)
         self._tracks.clear()
+        self._guided.clear()
         return self.take_results()
 
     def transfers_in_flight(self) -> bool:
@@ -549,6 +584,7 @@ class DecodeWorker(RankWorker):
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
         self.runner.forget_guide(request.request_id)
+        self._guided.discard(request.request_id)
         if track.transfer is not None:
             self._transfers.pop(track.transfer.key, None)
         self._stream_new_tokens(request, track, time.time())

@@ -38,7 +38,7 @@ from tandem.wire.messages import (
     Role,
     TierStats,
 )
-from tandem.wire.request_params import FinishReason
+from tandem.wire.request_params import FinishReason, InvalidRequestError
 
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
@@ -72,6 +72,9 @@ class ColocatedWorker(RankWorker):
         self.kv_events = KVEventPublisher(rank_id, engine.scheduler.config.page_size, incarnation)
         self._schedule_s = self._update_s = 0.0
         self._tracks: dict[str, _Track] = {}
+        # guided requests whose grammar still compiles: they join the scheduler once it is ready
+        # (a step, and so the DEP group, never waits for a compile)
+        self._grammar_wait: dict[str, tuple[Request, bool]] = {}
         self.streams = StreamPublisher(rank_id)
 
     # ---- requests -------------------------------------------------------------------------
@@ -102,12 +105,41 @@ class ColocatedWorker(RankWorker):
         for request, frontend, received in admitted:
             request.arrival_s = now
             resumed = bool(request.output_token_ids)
-            self.engine.scheduler.add_request(request, resumed=resumed)
+            rid = request.request_id
+            if rid in self._grammar_wait or self.engine.scheduler.get_request(rid) is not None:
+                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+            if request.sampling.guide is None:
+                self.engine.scheduler.add_request(request, resumed=resumed)
+            else:
+                self._grammar_wait[request.request_id] = (request, resumed)
             self.engine.runner.prepare_guide(request.sampling)
             track = _Track(received, frontend, queued_at=now, streamed=len(request.output_token_ids))
             self._tracks[request.request_id] = track
+        self._queue_ready_grammars()
+
+    def _queue_ready_grammars(self) -> None:
+        """Guided requests join the scheduler once their grammar is compiled; one whose grammar
+        did not compile, or not within the limit, ends with the error."""
+        for request_id, (request, resumed) in list(self._grammar_wait.items()):
+            try:
+                if not self.engine.runner.guide_ready(
+                    request_id, request.sampling, self._tracks[request_id].received
+                ):
+                    continue
+            except InvalidRequestError as error:
+                del self._grammar_wait[request_id]
+                self.engine.runner.forget_guide(request_id)
+                self._finish(request, FinishReason.ERROR, str(error))
+                continue
+            del self._grammar_wait[request_id]
+            self.engine.scheduler.add_request(request, resumed=resumed)
 
     def abort(self, request_id: str) -> None:
+        held = self._grammar_wait.pop(request_id, None)
+        if held is not None:
+            self.engine.runner.forget_guide(request_id)
+            self._finish(held[0], FinishReason.ABORT)
+            return
         request = self.engine.scheduler.get_request(request_id)
         if request is not None and self.engine.abort(request_id):
             self._finish(request, request.finish_reason or FinishReason.ABORT)
@@ -121,7 +153,7 @@ class ColocatedWorker(RankWorker):
 
     # ---- the loop ---------------------------------------------------------------------------
     def tick(self) -> None:
-        pass
+        self._queue_ready_grammars()
 
     def has_work(self) -> bool:
         return self.engine.scheduler.has_work()
@@ -185,6 +217,9 @@ class ColocatedWorker(RankWorker):
         for request in scheduler.unfinished_requests():
             scheduler.abort_request(request.request_id)
             self._finish(request, FinishReason.ERROR, reason, rank_failure=True)
+        for request, _ in self._grammar_wait.values():
+            self._finish(request, FinishReason.ERROR, reason, rank_failure=True)
+        self._grammar_wait.clear()
         return self.take_results()  # pushed results leave with the loop's last publish
 
     def stats(self, loop: LoopStats) -> RankStats:

@@ -22,7 +22,7 @@ from tandem.model.kv_pool import KVPool
 from tandem.model.sampler import History, logprobs_of, sample
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.messages import StepSplit
-from tandem.wire.request_params import SamplingParams
+from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 _LOGIT_ROWS = 256  # prompt positions whose logits are computed together (prompt logprobs)
 
@@ -92,7 +92,23 @@ class ModelRunner:
     def prepare_guide(self, sampling: SamplingParams) -> None:
         """Start compiling a request's guide (if it has one) off the step's thread."""
         if sampling.guide is not None and self.guides is not None:
-            self.guides.compiler.prepare(sampling.guide)
+            with contextlib.suppress(InvalidRequestError):  # a full queue: ``guide_ready`` says so
+                self.guides.compiler.prepare(sampling.guide)
+
+    def guide_ready(self, request_id: str, sampling: SamplingParams, asked_s: float) -> bool:
+        """Whether a step may sample ``request_id`` under its guide now: compiled, or none to
+        compile; never waits (``GrammarCompiler.poll``, ``asked_s`` when the request arrived).
+        A guide that does not compile here, or not within the limit, raises
+        ``InvalidRequestError`` naming ``guide``, and the request's rows get only EOS from then
+        on (a step that samples it ends it)."""
+        guide = sampling.guide
+        if guide is None or self.guides is None:
+            return True
+        try:
+            return self.guides.compiler.poll(guide, asked_s) is not None
+        except InvalidRequestError:
+            self.guides.mark_broken(request_id, guide)
+            raise
 
     def forget_guide(self, request_id: str) -> None:
         if self.guides is not None:

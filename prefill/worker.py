@@ -4,7 +4,9 @@ Jobs come from decode ranks, checked on the caller's thread (``admit``). One ``s
 batch (:class:`PrefillScheduler`), opens a transfer for every job whose last chunk is in it, runs
 the model with a per-layer hook that posts each layer's writes as soon as that layer's KV is in
 the pool (layer-wise mode), samples the first tokens and hands the notifications to the
-transport. ``tick`` polls the transport and gives a job's pages back once its transfer is over.
+transport. ``tick`` polls the transport and gives a job's pages back once its transfer is over;
+it also queues a guided job once its grammar is compiled (until then it holds no page and the
+jobs behind it go first: a step never waits for a compile).
 With ``whole`` transfers every layer goes at the end, in one transfer. ``publish`` pushes the
 prefix cache's KV events to the frontends that subscribed.
 
@@ -88,6 +90,9 @@ class PrefillWorker(RankWorker):
         self.cancelled_jobs = 0  # jobs dropped uncomputed because their decode rank gave up
         self._jobs: dict[str, PrefillJob] = {}
         self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
+        # guided jobs whose grammar still compiles -> when they reached the loop: they join the
+        # scheduler's queue once it is ready (the step never waits for a compile)
+        self._grammar_wait: dict[str, float] = {}
         # job -> its prompt positions' logprobs so far, chunk by chunk (a job that asked for them)
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.sent: list[TransferStats] = []
@@ -114,14 +119,43 @@ class PrefillWorker(RankWorker):
                 self.transport.confirm_cancelled(job.request_id)
                 continue
             job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
-            try:
-                self.scheduler.add_job(job, now)
-            except InvalidRequestError as error:  # e.g. a duplicate id: its decode rank times out
-                log.warning("prefill job %s refused: %s", job.request_id, error)
+            if job.request_id in self._jobs:  # a duplicate id: its decode rank times out
+                log.warning("prefill job %s refused: its id is in use on this rank", job.request_id)
                 continue
+            self.runner.prepare_guide(job.sampling)  # compiled while its prompt waits or runs
             self._jobs[job.request_id] = job
             self._pickup_s[job.request_id] = now - received
-            self.runner.prepare_guide(job.sampling)  # compiled while its prompt waits or runs
+            if job.sampling.guide is None:
+                self._queue(job, now)
+            else:
+                self._grammar_wait[job.request_id] = now
+        self._queue_ready_grammars()
+
+    def _queue(self, job: PrefillJob, now: float) -> None:
+        try:
+            self.scheduler.add_job(job, now)
+        except InvalidRequestError as error:  # e.g. too long for the pool: its decode rank times out
+            log.warning("prefill job %s refused: %s", job.request_id, error)
+            self._forget(job.request_id)
+
+    def _queue_ready_grammars(self) -> None:
+        """Guided jobs join the scheduler's queue once their grammar is compiled. One whose
+        grammar did not compile, or not within the limit, joins too, its first token then EOS
+        only (its decode rank ends the request with the error); one past its deadline is
+        dropped (its decode rank gives up)."""
+        now = time.monotonic()
+        for request_id, queued_at in list(self._grammar_wait.items()):
+            job = self._jobs[request_id]
+            try:
+                ready = self.runner.guide_ready(request_id, job.sampling, queued_at)
+            except InvalidRequestError as error:
+                log.warning("prefill job %s: %s; it samples EOS", request_id, error)
+                ready = True
+            if ready:
+                del self._grammar_wait[request_id]
+                self._queue(job, queued_at)
+            elif now >= job.deadline_s:
+                self._forget(request_id)
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is AbortAction.ABORT_TRANSFER:
@@ -149,6 +183,7 @@ class PrefillWorker(RankWorker):
 
     def _forget(self, request_id: str) -> None:
         self._jobs.pop(request_id, None)
+        self._grammar_wait.pop(request_id, None)
         self._pickup_s.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.runner.forget_guide(request_id)
@@ -258,13 +293,15 @@ class PrefillWorker(RankWorker):
                 self._forget(failure.request_id)
                 self._failed(failure)
         for request_id in events.cancelled:  # its decode rank gave up before the send began
-            if self.scheduler.abort(request_id) in (AbortAction.DEQUEUED, AbortAction.STOPPED):
+            held = request_id in self._grammar_wait
+            if held or self.scheduler.abort(request_id) in (AbortAction.DEQUEUED, AbortAction.STOPPED):
                 self._forget(request_id)
                 self.cancelled_jobs += 1
                 self.transport.confirm_cancelled(request_id)
             # not here yet: refused on arrival (``submit``)
         for expired in self.scheduler.take_expired():
             self._forget(expired.request_id)
+        self._queue_ready_grammars()
 
     def _failed(self, failure: TransferFailure) -> None:
         self.failures.append(failure)
