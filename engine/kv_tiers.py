@@ -23,7 +23,8 @@ writes a finished request's pages (prompt and output) the same way. The store ma
 call: a failure is a miss (the tokens are computed), counted, and the store is not asked again
 for ``store_retry_s``.
 
-The loop thread never calls the store. Reads go through a thread of their own (``StoreReader``)::
+The loop thread never calls the store. Reads go through a thread of their own (``StoreReader``,
+which answers the fetches queued together in one ``exists`` and one ``get_many``)::
 
     scheduler: prefetch(chain) -> False ...... a fetch is queued; the request waits, others step
     reader:    exists, price, get_many, decode_block ... the checked payloads, or why not
@@ -267,10 +268,12 @@ class StoreFetch:
 
 
 class StoreReader:
-    """Answers ``StoreFetch``es from a thread of its own, in the order asked: ``exists`` for the
-    run's keys, the price of the blocks there (``TierPrices.worth_loading``), one ``get_many``,
-    and ``decode_block`` of each against the request's own tokens. The loop only submits and
-    reads answers: a slow or hung store holds this thread, never the loop."""
+    """Answers ``StoreFetch``es from a thread of its own. The fetches queued when it looks are
+    answered together: one ``exists`` for all their keys, the price of each run there
+    (``TierPrices.worth_loading``), one ``get_many`` of the runs worth loading, and
+    ``decode_block`` of each block against its request's own tokens. So requests that arrive
+    together wait one round trip, not one each. The loop only submits and reads answers: a slow
+    or hung store holds this thread, never the loop."""
 
     def __init__(self, store: KVStore, tiers: KVTiers) -> None:
         self._store = store
@@ -288,62 +291,81 @@ class StoreReader:
         self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
-        while True:
-            fetch = self._queue.get()
-            if fetch is None:
-                return
+        closing = False
+        while not closing:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            closing = None in batch
+            fetches = [f for f in batch if f is not None]
+            if not fetches:
+                continue
             try:
                 if time.monotonic() < self._tiers.store_down_until:
-                    fetch.skipped = True
+                    for fetch in fetches:
+                        fetch.skipped = True
                 else:
                     self.busy_since = time.monotonic()
-                    self._answer(fetch)
+                    self._answer(fetches)
             except StoreError as error:
-                fetch.error = str(error)
-            except Exception as error:  # a bug here must not leave the request waiting
+                for fetch in fetches:
+                    fetch.error = str(error)
+            except Exception as error:  # a bug here must not leave the requests waiting
                 log.exception("KV store read failed")
-                fetch.error = f"{type(error).__name__}: {error}"
+                for fetch in fetches:
+                    fetch.error = f"{type(error).__name__}: {error}"
             finally:
                 self.busy_since = 0.0
-                fetch.answered_s = time.monotonic()
-                fetch.done.set()
+                now = time.monotonic()
+                for fetch in fetches:
+                    fetch.answered_s = now
+                    fetch.done.set()
 
-    def _answer(self, fetch: StoreFetch) -> None:
+    def _answer(self, fetches: list[StoreFetch]) -> None:
         tiers, c = self._tiers, self._tiers.config
         start = time.monotonic()
-        present = self._store.exists(list(fetch.keys))
-        fetch.exists_s = time.monotonic() - start
-        run = 0
-        while run < len(present) and present[run]:
-            run += 1
-        if run == 0:
-            return
-        if not tiers.prices.worth_loading("store", run, c.page_bytes, tiers.page_size):
-            fetch.recomputed = run
+        present = iter(self._store.exists([key for f in fetches for key in f.keys]))
+        exists_s = time.monotonic() - start
+        runs: list[int] = []  # per fetch: the leading blocks to read
+        for fetch in fetches:
+            there = [next(present) for _ in fetch.keys]
+            run = next((i for i, found in enumerate(there) if not found), len(there))
+            fetch.exists_s = exists_s
+            if run and not tiers.prices.worth_loading("store", run, c.page_bytes, tiers.page_size):
+                fetch.recomputed, run = run, 0
+            runs.append(run)
+        wanted = [key for fetch, run in zip(fetches, runs, strict=True) for key in fetch.keys[:run]]
+        if not wanted:
             return
         start = time.monotonic()
-        values = self._store.get_many(list(fetch.keys[:run]))
-        fetch.get_s = time.monotonic() - start
-        for block, key, raw in zip(fetch.chain[:run], fetch.keys[:run], values, strict=True):
-            if raw is None:  # evicted from the store since ``exists``
-                break
-            try:
-                payload = decode_block(
-                    raw,
-                    secret=tiers.secret,
-                    key=key,
-                    model=c.model,
-                    layout=c.layout,
-                    parent=block.parent,
-                    tokens=block.tokens,
-                    payload_bytes=c.page_bytes,
-                )
-            except BlockRejected as error:
-                log.warning("KV store block %s rejected: %s", key, error)
-                fetch.rejected += 1
-                break
-            fetch.payloads.append(payload)
-            fetch.raw_bytes += len(raw)
+        values = iter(self._store.get_many(wanted))
+        get_s = time.monotonic() - start
+        for fetch, run in zip(fetches, runs, strict=True):
+            raws = [next(values) for _ in range(run)]
+            for block, key, raw in zip(fetch.chain, fetch.keys, raws, strict=False):
+                if raw is None:  # evicted from the store since ``exists``
+                    break
+                try:
+                    payload = decode_block(
+                        raw,
+                        secret=tiers.secret,
+                        key=key,
+                        model=c.model,
+                        layout=c.layout,
+                        parent=block.parent,
+                        tokens=block.tokens,
+                        payload_bytes=c.page_bytes,
+                    )
+                except BlockRejected as error:
+                    log.warning("KV store block %s rejected: %s", key, error)
+                    fetch.rejected += 1
+                    break
+                fetch.payloads.append(payload)
+                fetch.raw_bytes += len(raw)
+            fetch.get_s = get_s * run / len(wanted)  # its share of the one call
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,35 @@ def test_a_store_slower_than_recomputing_is_a_miss_and_is_backed_off() -> None:
     scheduler.check_integrity()
 
 
+def test_jobs_that_arrive_together_wait_one_round_trip_not_one_each(monkeypatch) -> None:
+    """Each read takes 0.3 s and a fetch is a miss after 2 s: four fetches asked one after the
+    other would take 2.4 s and the last would miss; asked together they all hit."""
+    import tests.engine.test_kv_store_reads as this
+
+    monkeypatch.setattr(this, "ANSWER_S", 0.3)
+    store = SlowStore()
+    prompts = [list(range(100 * i, 100 * i + 9)) for i in range(1, 5)]
+    _stored(store, *prompts)
+    scheduler, tiers = _scheduler(store, TierPrices(prefill_tokens_per_s=1.0))
+    store.release.clear()
+    reads = store.reads
+    for i, prompt in enumerate(prompts):
+        scheduler.add_job(make_job(f"j{i}", prompt), 0.0)
+    cached: dict[str, int] = {}
+    start = time.monotonic()
+    while len(cached) < 4 and time.monotonic() - start < 5:
+        plan = scheduler.schedule(0.0)
+        for chunk in plan.chunks:
+            cached.setdefault(chunk.request_id, chunk.start_position)
+        for done in scheduler.update(plan, {c.request_id: 1 for c in plan.chunks if c.sample}, 0.0):
+            scheduler.transfer_over(done.request_id)
+        time.sleep(0.005)
+    assert cached == {f"j{i}": 2 * PAGE for i in range(4)} and tiers.store_errors == 0
+    assert store.reads - reads <= 4  # at most two batches of one exists and one get_many each
+    store.release.set()
+    scheduler.check_integrity()
+
+
 class HungStore(DictStore):
     def __init__(self) -> None:
         super().__init__()
