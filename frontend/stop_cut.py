@@ -31,7 +31,9 @@ never holds a stop string.
 
 Tokens that complete no text of their own (the first bytes of a multi-byte character, a
 skipped special token) go with the next token that does: they are held while their text is,
-and dropped with it at a cut.
+and dropped with it at a cut, except where their text on its own (bytes that never complete a
+character, decoded as U+FFFD, as at a stream's end) is text before the stop: then they are kept
+with it, and the cut is OpenAI's.
 
 In a stream, text that could begin a stop string is held back until the next piece tells (as
 OpenAI's streams do), and so are the tokens it belongs to; what :meth:`StopCut.feed` releases
@@ -69,6 +71,7 @@ class StopCut:
     def __init__(self, stops: Sequence[str], texts: PairCache) -> None:
         self.stops = tuple(stops)
         self.stopped = False
+        self._cache = texts
         self._detokenizer = StreamDetokenizer(texts) if self.stops else None
         # held: tokens not sent yet, each with its logprobs and the text it completed
         self._ids: list[int] = []
@@ -119,6 +122,9 @@ class StopCut:
         for i, text in enumerate(self._texts):
             at += len(text)
             if at > bound:
+                run = self._run_text(count, i) if self.stopped else None
+                if run is not None and held.startswith(run, end) and end + len(run) <= bound:
+                    count, end = i, end + len(run)  # the run's own text is before the stop
                 break
             if text:  # a token that completed text of its own: a boundary to cut at
                 count, end = i + 1, at
@@ -130,3 +136,15 @@ class StopCut:
         else:
             del self._ids[:count], self._logprobs[:count], self._texts[:count]
         return released
+
+    def _run_text(self, start: int, stop: int) -> str | None:
+        """The text of held tokens ``start .. stop - 1``, which completed none (token ``stop``
+        brought theirs with its own), decoded on their own: bytes that never complete a
+        character, as U+FFFD. ``None`` for no tokens."""
+        if start == stop:
+            return None
+        assert self._detokenizer is not None
+        ids, decode = self._detokenizer.ids, self._cache.decode
+        first = len(ids) - len(self._ids) + start  # the run's place in the whole output
+        context = max(first - 1, 0)  # the token before the run completed its text
+        return decode(ids[context : first + stop - start])[len(decode(ids[context:first])) :]

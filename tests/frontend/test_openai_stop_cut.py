@@ -291,3 +291,18 @@ def test_stop_cut_holds_a_characters_first_bytes_with_it(merged: Tokenizer) -> N
     # an output that ends inside a character: its bytes go at the end, as U+FFFD
     text, out, stopped = _cut_all(StopCut(["x"], cache), [ids[:2]])
     assert not stopped and out == ids[:2] and text == "In\ufffd"
+
+
+def test_stop_cut_keeps_bytes_that_never_complete_a_character_before_the_stop(merged: Tokenizer) -> None:
+    """Two bytes that are no UTF-8 come out as U+FFFD only with the next token's text; when that
+    token begins the stop string, the bytes are kept with their U+FFFD text (OpenAI's cut)."""
+    cache = PairCache(merged)
+    ids = [*_ids(merged, "In"), 0xFF, 0xFE, *_ids(merged, "STOP", " God")]
+    for size in (1, 2, len(ids)):
+        chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
+        text, out, stopped = _cut_all(StopCut(["STOP"], cache), chunks)
+        assert stopped and text == "In\ufffd\ufffd" == merged.decode(out) and out == ids[:3], size
+    # a token of its own text across the stop's start still goes whole, the byte before it not
+    ids = [*_ids(merged, "In"), 0xFF, *_ids(merged, " ST", "OP")]
+    text, out, stopped = _cut_all(StopCut(["STOP"], cache), [ids])
+    assert stopped and (text, out) == ("In\ufffd", ids[:2])
