@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,7 +167,9 @@ class StoreWriter:
         self._store = store
         self.retry_s = retry_s
         self._down_until = 0.0
-        self._queue: queue.Queue[tuple[int, str, bytes] | None] = queue.Queue(max_queued)
+        self._queue: queue.Queue[tuple[int, str, bytes | Callable[[], bytes]] | None] = queue.Queue(
+            max_queued
+        )
         self._done: list[int] = []  # blocks written, for the loop to publish
         self._lock = threading.Lock()
         self.writes = self.write_bytes = self.errors = self.dropped = 0
@@ -175,7 +177,9 @@ class StoreWriter:
         self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, block: int, key: str, value: bytes) -> bool:
+    def submit(self, block: int, key: str, value: bytes | Callable[[], bytes]) -> bool:
+        """Queue ``value`` (or what calling it gives, on this writer's thread) for ``key``;
+        ``False`` when the queue is full and the block is dropped."""
         try:
             self._queue.put_nowait((block, key, value))
             return True
@@ -219,6 +223,8 @@ class StoreWriter:
                     with self._lock:
                         self.dropped += 1
                     continue
+                if callable(value):
+                    value = value()
                 try:
                     self._store.put(key, value)
                 except StoreError as error:
@@ -576,6 +582,13 @@ class KVTiers:
     def encode(self, op: TierOp, payload: bytes) -> tuple[str, bytes]:
         c, key = self.config, self.key(op.block)
         return key, encode_block(self.secret, key, c.model, c.layout, op.parent, op.tokens, payload)
+
+    def write(self, op: TierOp, payload: bytes) -> None:
+        """Hand ``op``'s page bytes to the writer thread, which encodes (signs) and stores them:
+        the loop pays for the copy out of the pool only."""
+        if self.writer is not None:
+            key = self.key(op.block)
+            self.writer.submit(op.block, key, lambda: self.encode(op, payload)[1])
 
     def close(self) -> None:
         """Stop the writer (bounded) and the reader, and leave the store; once."""

@@ -3,8 +3,9 @@
 The host tier is one tensor shaped like the pool, ``[layers, host_pages, page_size, dim]``
 (pinned memory on a GPU, so copies to and from it are DMA). ``save`` and ``load`` are page
 copies between the two; ``fill`` copies a checked store payload into a page; ``write`` reads a
-page's bytes and queues them, encoded, for the store's writer thread. A page's bytes are its
-KV layer-major (``kv[:, page]`` made contiguous), the same on every rank of one layout.
+page's bytes and queues them for the store's writer thread, which encodes (signs) them. A page's
+bytes are its KV layer-major (``kv[:, page]`` made contiguous), the same on every rank of one
+layout.
 
 Each kind's time is measured around its copies (on a GPU after a synchronize, so it is the
 copies' time and not their queueing); the loads' bytes over that time are the tier's price.
@@ -79,11 +80,8 @@ class TierCopier:
         return data.cpu().numpy().tobytes()
 
     def _write(self, op: TierOp) -> None:
-        writer = self.tiers.writer
-        if writer is None:
-            return
-        key, value = self.tiers.encode(op, self.page_payload(op.page_id))
-        writer.submit(op.block, key, value)
+        if self.tiers.writer is not None:
+            self.tiers.write(op, self.page_payload(op.page_id))
 
 
 def build_tiers(pool: KVPool, config: TierConfig) -> tuple[KVTiers, TierCopier]:

@@ -12,7 +12,7 @@ import torch
 
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kv_tiers import TierConfig
+from tandem.engine.kv_tiers import TierConfig, TierPrices
 from tandem.engine.tier_copier import build_tiers, page_bytes, pool_block_layout
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.wire.request_params import SamplingParams
@@ -34,9 +34,10 @@ def _engine(
     )
     if host_pages or store is not None:
         pool = engine.pool
-        config = TierConfig(
-            host_pages, store, "tiny", pool_block_layout(pool), page_bytes(pool), secret=b"the deployment's"
-        )
+        # recomputing priced at 100 tokens/s: a store answer on a loaded machine is never a miss
+        prices = TierPrices(prefill_tokens_per_s=100.0)
+        layout, size = pool_block_layout(pool), page_bytes(pool)
+        config = TierConfig(host_pages, store, "tiny", layout, size, prices=prices, secret=b"a secret")
         engine.attach_tiers(build_tiers(pool, config)[1])
     return engine
 
