@@ -600,7 +600,10 @@ class KVTiers:
         if self.reader is not None:
             self.reader.close()
         if self.store is not None:
-            self.store.close()
+            try:
+                self.store.close()
+            except Exception as error:  # a rank that stops must not fail on its way out
+                log.warning("KV store client did not close cleanly: %s", error)
 
     # -- the store ------------------------------------------------------------------------------
 
