@@ -31,8 +31,9 @@ which answers the fetches queued together in one ``exists`` and one ``get_many``
     scheduler: prefetch(chain) -> True ....... answered (or overdue: a miss); the request is admitted
                lookup(chain) ................. the fetched payloads -> fill ops, as for the host tier
 
-A fetch not answered within its price (recomputing the blocks it asks for, ``TierPrices``) or
-``store_timeout_s``, whichever is shorter, is a miss, counted, and the store is backed off.
+A fetch not answered within its price (recomputing the blocks it asks for, ``TierPrices``, plus
+``answer_slack_s``) or ``store_timeout_s``, whichever is shorter, is a miss, counted, and the store
+is backed off.
 """
 
 from __future__ import annotations
@@ -389,6 +390,9 @@ class TierConfig:
     page_bytes: int
     store_retry_s: float = 5.0
     store_timeout_s: float = 2.0  # the longest a request waits for the store's answer
+    # what the answer takes to reach the loop besides the store's own time (thread wake-ups, the
+    # interpreter's switch interval while the loop thread computes): added to recompute's price
+    answer_slack_s: float = 0.02
     prices: TierPrices = field(default_factory=TierPrices)
     secret: bytes = field(default=b"", repr=False)
     fetched_bytes: int = 256 << 20  # answered fetches held for their requests, at most
@@ -637,7 +641,7 @@ class KVTiers:
             chain,
             tuple(self.key(b.block) for b in chain),
             asked_s=now,
-            deadline_s=now + min(c.store_timeout_s, recompute_s),
+            deadline_s=now + min(c.store_timeout_s, recompute_s + c.answer_slack_s),
         )
         self._trim()
         self._fetches[key] = fetch
