@@ -240,19 +240,14 @@ class PrefixCache:
         self.num_hit_tokens += found.num_tokens
         return found
 
-    def prefetch(self, token_ids: Sequence[int]) -> PendingFetch | None:
+    def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PendingFetch | None:
         """``None`` when ``match`` of ``token_ids`` may run now; else the fetch of its blocks
         from the store, under way off this thread: the request waits (ask again once it is
         ``settled``) while other requests step. Takes nothing."""
         if self.tiers is None or not self._enabled:
             return None
         size = self._page_size
-        chain: list[ChainBlock] = []
-        parent: int | None = None
-        for index in range((len(token_ids) - 1) // size):
-            tokens = tuple(token_ids[index * size : (index + 1) * size])
-            chain.append(ChainBlock(block_hash(parent, tokens), parent, tokens))
-            parent = chain[-1].block
+        chain = prompt_chain(token_ids[: (len(token_ids) - 1) // size * size], size, cache_salt)
         if not chain:
             return None
         return self.tiers.prefetch(chain, [c.block in self._hash_to_page for c in chain])

@@ -158,7 +158,8 @@ class Scheduler:
             not preempted and held < len(self._waiting) and budget > 0 and len(self._running) < max_num_seqs
         ):
             request = self._waiting[held]
-            pending = None if request.needs_prompt_logprobs else self.kv_cache.prefetch(request.all_token_ids)
+            prompt, salt = request.all_token_ids, request.cache_salt
+            pending = None if request.needs_prompt_logprobs else self.kv_cache.prefetch(prompt, salt)
             if pending is not None:
                 self._held_for_store[request.request_id] = pending
                 held += 1

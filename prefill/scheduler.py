@@ -187,7 +187,7 @@ class PrefillScheduler:
         """The store fetch ``state``'s prefix lookup waits on (``None``: it may run now)."""
         if _wants_prompt_logprobs(state.job):
             return None
-        return self.kv_cache.prefetch(state.job.prompt_token_ids)
+        return self.kv_cache.prefetch(state.job.prompt_token_ids, state.job.cache_salt)
 
     def status(self, request_id: str) -> RequestStatus | None:
         state = self._find(request_id)
