@@ -38,7 +38,7 @@ from tandem.engine.role_spec import RoleSpec
 from tandem.kvtransfer.bind_guard import guard_library, preload_env
 from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
-from tandem.metrics.http import MetricsServer
+from tandem.metrics.http import MetricsSecurity, MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
 from tandem.prefill.role import PrefillRole
 from tandem.wire.autoscaler_decision import Decision
@@ -62,11 +62,13 @@ class Cluster:
         metrics_host: str | None = None,
         detached: bool = False,
         deployment: str = "",
+        metrics_security: MetricsSecurity | None = None,
     ) -> None:
         self.topology = topology
         self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
         resources = RankResources.detect(topology.cpus_per_rank)
-        metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
+        security = metrics_security or MetricsSecurity()
+        metrics = MetricsSpec(self.model_name, metrics_host, security) if metrics_host is not None else None
 
         per_rank = topology.pin_cores_per_rank
 
@@ -511,8 +513,11 @@ class Controller:
         metrics_host: str | None = None,
         detached: bool = False,
         deployment: str = "",
+        metrics_security: MetricsSecurity | None = None,
     ) -> None:
-        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics_host, detached, deployment)
+        self.cluster = Cluster(
+            topology, model_dir, dtype, model_name, metrics_host, detached, deployment, metrics_security
+        )
         self.health_interval_s = health_interval_s
         self.deployment = deployment
         self.place = this_place()
@@ -526,7 +531,9 @@ class Controller:
         if metrics_host is not None:  # the controller's own metrics, served beside the ranks'
             labels = ControllerLabels(self.cluster.model_name)
             metrics = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
-            self._metrics = MetricsServer(metrics.registry, metrics_host or ray.util.get_node_ip_address())
+            self._metrics = MetricsServer(
+                metrics.registry, metrics_host or ray.util.get_node_ip_address(), security=metrics_security
+            )
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._settings: AutoscalerSettings | None = None
         self._removing: dict[str, Removal] = {}  # group id -> its removal under way

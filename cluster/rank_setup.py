@@ -90,7 +90,7 @@ class GroupRendezvous:
             if is_loopback(node):
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         else:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=node)]
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",

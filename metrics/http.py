@@ -18,6 +18,7 @@ What it holds up to whoever reaches its port:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -112,19 +113,33 @@ class MetricsServer:
         )
         self.host = advertise or host
         self.port = int(sock.getsockname()[1])
-        self._loop = asyncio.new_event_loop()
         context = _ssl_context(self.security) if self.security.tls else None
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(
-                self._serve,
-                sock=sock,
-                ssl=context,
-                ssl_handshake_timeout=self.limits.idle_timeout_s if context else None,
-                limit=MAX_HEAD_BYTES,
-            )
-        )
-        self._thread = threading.Thread(target=self._loop.run_forever, name="metrics-http", daemon=True)
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            # a loop of its own on its own thread: the caller may be running one (an async actor)
+            self._loop = loop = asyncio.new_event_loop()
+            try:
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(
+                        self._serve,
+                        sock=sock,
+                        ssl=context,
+                        ssl_handshake_timeout=self.limits.idle_timeout_s if context else None,
+                        limit=MAX_HEAD_BYTES,
+                    )
+                )
+            except BaseException as error:
+                started.set_exception(error)
+                loop.close()
+                return
+            started.set_result(None)
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="metrics-http", daemon=True)
         self._thread.start()
+        started.result()
 
     @property
     def address(self) -> str:
@@ -141,11 +156,12 @@ class MetricsServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
 
+        if self._loop.is_closed():
+            return
         with contextlib.suppress(RuntimeError):  # closed twice
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
+        self._thread.join(timeout=10)
 
     def _admit(self, writer: asyncio.StreamWriter) -> bool:
         if len(self._writers) >= self.limits.max_connections:

@@ -8,6 +8,7 @@ embedded Ray's GCS, raylet, agents and workers."""
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import re
 import signal
@@ -16,8 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 from tests.listening import Listener, descendants, listeners
 
@@ -37,8 +40,20 @@ def _kind(listener: Listener) -> str:
     return "other"
 
 
-def test_serve_with_a_store_and_metrics_listens_on_loopback_alone() -> None:
+def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+            return int(reply.status), reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_serve_with_a_store_and_metrics_listens_on_loopback_alone(tmp_path: Path) -> None:
+    """...and every metrics endpoint (the frontend's, the controller's, each rank's) asks for the
+    deployment's metrics token."""
     metrics_port = _free_port()
+    (tmp_path / "metrics-token").write_text("m3trics\n")
     server = subprocess.Popen(
         [
             *CLI,
@@ -51,6 +66,8 @@ def test_serve_with_a_store_and_metrics_listens_on_loopback_alone() -> None:
             "auto",
             "--metrics-port",
             str(metrics_port),
+            "--metrics-token-file",
+            str(tmp_path / "metrics-token"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -76,8 +93,16 @@ def test_serve_with_a_store_and_metrics_listens_on_loopback_alone() -> None:
             timeout=180,
         )
         assert out.returncode == 0, out.stderr
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as scrape:
-            assert b"tandem_" in scrape.read()
+        base = f"http://127.0.0.1:{metrics_port}"
+        assert _get(f"{base}/metrics")[0] == 401 and _get(f"{base}/sd")[0] == 401
+        code, body = _get(f"{base}/metrics", "m3trics")
+        assert code == 200 and b"tandem_" in body
+        code, body = _get(f"{base}/sd", "m3trics")
+        targets = [t for group in json.loads(body) for t in group["targets"]]
+        assert code == 200 and len(targets) == 6  # the frontend, the controller, 4 ranks
+        for target in targets:
+            assert _get(f"http://{target}/metrics")[0] == 401
+            assert _get(f"http://{target}/metrics", "m3trics")[0] == 200
 
         found = listeners(descendants(server.pid))
         exposed = [str(x) for x in found if not x.loopback]
