@@ -16,6 +16,7 @@ an empty answer after an ``is_exist`` of 1 is a failure.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from tandem.kvtransfer.bind_guard import bind_wildcards_to, guard_loaded, is_loo
 from tandem.kvtransfer.kv_store import KVStore, StoreConfig, StoreError
 
 log = logging.getLogger(__name__)
+
+TCP_DATA_HOST_ENV = "MC_TCP_BIND_ADDRESS"
 
 
 def keep_listeners_on(config: StoreConfig) -> None:
@@ -37,6 +40,9 @@ def keep_listeners_on(config: StoreConfig) -> None:
             "reads and writes of this process's memory to whoever connects: set "
             "store.trusted_network: true in the topology only where the network is the deployment's own"
         )
+    # the address Mooncake advertises for its TCP data transfers (else the host's outward one,
+    # whatever local_hostname says: a peer on another node, or this one, would connect there)
+    os.environ.setdefault(TCP_DATA_HOST_ENV, host)
     if guard_loaded():
         bind_wildcards_to(host)
     elif config.trusted_network:
