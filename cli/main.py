@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        with command_output():
+        with command_output(whole_process=argv is None):  # None: run as the tandem command
             return _dispatch(args)
     except (
         TopologyError,

@@ -126,6 +126,15 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         default=None,
         help="serve Prometheus /metrics and the deployment's discovery document /sd here (0: a free port)",
     )
+    srv.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="a file holding the bearer token every metrics endpoint asks for (frontend, controller, ranks)",
+    )
+    srv.add_argument(
+        "--metrics-tls-cert", default=None, help="PEM certificate: every metrics endpoint speaks HTTPS"
+    )
+    srv.add_argument("--metrics-tls-key", default=None, help="PEM private key of --metrics-tls-cert")
 
     srv.add_argument(
         "--autoscale", action="store_true", help="resize the pools by the topology's autoscaling:"
@@ -145,6 +154,8 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     pcfg = metrics.add_parser("prometheus-config", help="print the scrape configuration of a deployment")
     pcfg.add_argument("--addr", required=True, help="HOST:PORT of `tandem serve --metrics-port`")
     pcfg.add_argument("--scrape-interval", type=float, default=5.0, help="seconds")
+    pcfg.add_argument("--token-file", default=None, help="the deployment's --metrics-token-file")
+    pcfg.add_argument("--ca-file", default=None, help="PEM to trust: scrape over HTTPS")
 
     client = sub.add_parser("client", help="talk to a running `tandem serve`").add_subparsers(
         dest="client_command", required=True
@@ -388,6 +399,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for flag, port in taken.items():
             if port and _overlap(args.http_port, port, args.frontends):
                 raise InvalidRequestError("--http-port", f"{args.http_port} clashes with {flag} {port}")
+    check_metrics_security(args)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidRequestError(
             "--tls-key" if args.tls_cert else "--tls-cert", "--tls-cert and --tls-key go together"
@@ -450,6 +462,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
         metrics_port=metrics_port,
+        metrics_token_file=args.metrics_token_file,
+        metrics_tls_cert_file=args.metrics_tls_cert,
+        metrics_tls_key_file=args.metrics_tls_key,
         autoscale=args.autoscale,
         prometheus_url=args.prometheus_url,
         autoscale_dry_run=args.autoscale_dry_run,
@@ -469,6 +484,41 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(options, announce=emit)
 
 
+def check_metrics_security(args: argparse.Namespace) -> None:
+    """The metrics endpoints' token and TLS files, refused in one line before anything starts;
+    and a warning for metrics served beyond loopback without a token."""
+    from tandem.kvtransfer.bind_guard import is_loopback
+
+    if args.metrics_token_file is not None:
+        try:
+            token = Path(args.metrics_token_file).read_text().strip()
+        except OSError as error:
+            why = f"cannot read {args.metrics_token_file}: {error.strerror}"
+            raise InvalidRequestError("--metrics-token-file", why) from None
+        if not token or any(not 33 <= ord(c) < 127 for c in token):
+            raise InvalidRequestError(
+                "--metrics-token-file",
+                f"{args.metrics_token_file} must hold one token of printable ASCII, no space",
+            )
+    if bool(args.metrics_tls_cert) != bool(args.metrics_tls_key):
+        flag = "--metrics-tls-key" if args.metrics_tls_cert else "--metrics-tls-cert"
+        raise InvalidRequestError(flag, "--metrics-tls-cert and --metrics-tls-key go together")
+    for flag in ("--metrics-tls-cert", "--metrics-tls-key"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None and not Path(path).is_file():
+            raise InvalidRequestError(flag, f"{path} is not a readable file")
+    if args.metrics_port is None:
+        for flag in ("--metrics-token-file", "--metrics-tls-cert"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise InvalidRequestError(flag, "only applies with --metrics-port")
+    elif args.metrics_token_file is None and not is_loopback(args.host):
+        print(
+            f"tandem: warning: metrics on {args.host or 'every interface'} without --metrics-token-file: "
+            "they leave out client names and /sd answers 403 (it lists every process's address)",
+            file=sys.stderr,
+        )
+
+
 def run_metrics(args: argparse.Namespace) -> int:
     """``tandem metrics prometheus-config``: the scrape configuration, for ``prometheus.yml``."""
     from tandem.metrics.discovery import prometheus_config
@@ -478,7 +528,14 @@ def run_metrics(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--addr", f"expected HOST:PORT, got {args.addr!r}")
     if not args.scrape_interval > 0:
         raise InvalidRequestError("--scrape-interval", f"must be > 0 seconds, got {args.scrape_interval}")
-    emit(prometheus_config(args.addr, args.scrape_interval, args.scrape_interval), end="")
+    config = prometheus_config(
+        args.addr,
+        args.scrape_interval,
+        args.scrape_interval,
+        token_file=args.token_file,
+        ca_file=args.ca_file,
+    )
+    emit(config, end="")
     return 0
 
 

@@ -25,7 +25,7 @@ from tandem.autoscaler.prometheus_source import PrometheusSource
 from tandem.cluster.autoscaling import AutoscalerLoop, DrainTimeout
 from tandem.cluster.controller_state import AutoscalerSettings, ControllerRecord, RecordStore, Removal
 from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name, start_groups
-from tandem.cluster.kv_store_master import StoreMaster
+from tandem.cluster.kv_store_master import StoreMaster, refuse_untrusted_nodes
 from tandem.cluster.placement import RankResources
 from tandem.cluster.rank_spec import MetricsSpec
 from tandem.cluster.store_secret import store_secret
@@ -35,9 +35,10 @@ from tandem.engine.colocated_role import ColocatedRole
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.process_place import this_place
 from tandem.engine.role_spec import RoleSpec
+from tandem.kvtransfer.bind_guard import guard_library, preload_env
 from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
-from tandem.metrics.http import MetricsServer
+from tandem.metrics.http import MetricsSecurity, MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
 from tandem.prefill.role import PrefillRole
 from tandem.wire.autoscaler_decision import Decision
@@ -61,11 +62,13 @@ class Cluster:
         metrics_host: str | None = None,
         detached: bool = False,
         deployment: str = "",
+        metrics_security: MetricsSecurity | None = None,
     ) -> None:
         self.topology = topology
         self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
         resources = RankResources.detect(topology.cpus_per_rank)
-        metrics = MetricsSpec(self.model_name, metrics_host) if metrics_host is not None else None
+        security = metrics_security or MetricsSecurity()
+        metrics = MetricsSpec(self.model_name, metrics_host, security) if metrics_host is not None else None
 
         per_rank = topology.pin_cores_per_rank
 
@@ -83,6 +86,7 @@ class Cluster:
                 placement=topology.placement,
                 detached=detached,
                 deployment=deployment,
+                env=self._rank_env,
             )
             self._templates[role.role] = template
             self._next_index[role.role] = pool.groups
@@ -103,6 +107,7 @@ class Cluster:
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
         self.starting: set[str] = set()  # groups ``Controller.add_group`` starts outside the lock
         self.store_master: StoreMaster | None = None
+        self._rank_env: tuple[tuple[str, str], ...] = ()  # what each rank's process starts with
         store = self._store_config(topology.store)
         secret = store_secret(topology.store)  # in the roles only: never logged, never in status
         self.colocated = topology.colocated is not None
@@ -149,16 +154,28 @@ class Cluster:
         self.decode = groups("decode", d, decode)
 
     def _store_config(self, spec: StoreSpec | None) -> StoreConfig | None:
-        """The ranks' store client settings; starts the deployment's own master if asked to."""
+        """The ranks' store client settings; starts the deployment's own master if asked to.
+
+        Mooncake's clients and master listen on every interface whatever they are told, so
+        each rank starts with the bind guard preloaded and keeps its client's listeners on its
+        node's address (``kvtransfer/mooncake_store.py``), as the master keeps its own on
+        ``spec.host``. A node whose address is not loopback needs ``trusted_network``."""
         if spec is None:
             return None
+        refuse_untrusted_nodes(spec)
+        self._rank_env = tuple(preload_env(guard_library()).items())
+        segment = spec.segment_mb << 20
         if spec.master is not None:
             host = spec.master.rsplit(":", 1)[0]
             metadata = spec.metadata or f"http://{host}:8080/metadata"
-            return StoreConfig(spec.master, metadata, segment_bytes=spec.segment_mb << 20)
+            trusted = spec.trusted_network
+            return StoreConfig(spec.master, metadata, segment_bytes=segment, trusted_network=trusted)
         self.store_master = StoreMaster.start(spec.host)
         return StoreConfig(
-            self.store_master.master, self.store_master.metadata, segment_bytes=spec.segment_mb << 20
+            self.store_master.master,
+            self.store_master.metadata,
+            segment_bytes=segment,
+            trusted_network=spec.trusted_network,
         )
 
     @property
@@ -496,8 +513,11 @@ class Controller:
         metrics_host: str | None = None,
         detached: bool = False,
         deployment: str = "",
+        metrics_security: MetricsSecurity | None = None,
     ) -> None:
-        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics_host, detached, deployment)
+        self.cluster = Cluster(
+            topology, model_dir, dtype, model_name, metrics_host, detached, deployment, metrics_security
+        )
         self.health_interval_s = health_interval_s
         self.deployment = deployment
         self.place = this_place()
@@ -511,7 +531,9 @@ class Controller:
         if metrics_host is not None:  # the controller's own metrics, served beside the ranks'
             labels = ControllerLabels(self.cluster.model_name)
             metrics = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
-            self._metrics = MetricsServer(metrics.registry, metrics_host or ray.util.get_node_ip_address())
+            self._metrics = MetricsServer(
+                metrics.registry, metrics_host or ray.util.get_node_ip_address(), security=metrics_security
+            )
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._settings: AutoscalerSettings | None = None
         self._removing: dict[str, Removal] = {}  # group id -> its removal under way

@@ -73,6 +73,7 @@ class GroupConfig:
     deployment: str = ""  # the deployment's name, in its placement groups' names
     # pin rank r's process to cores: (the ordinal of rank 0 in the deployment, cores per rank)
     cores: tuple[int, int] | None = None
+    env: tuple[tuple[str, str], ...] = ()  # added to each rank process's environment at its start
 
 
 class RankGroup:
@@ -144,6 +145,7 @@ class RankGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._pg, placement_group_bundle_index=rank
                     ),
+                    runtime_env={"env_vars": dict(cfg.env)} if cfg.env else None,
                 ).remote(self._spec(rank_id))
                 for rank, rank_id in enumerate(self.rank_ids)
             ]

@@ -2,8 +2,11 @@
 ``mooncake-transfer-engine`` package) with its HTTP metadata server, started by the controller
 and stopped with it (it is the controller's child and dies with it, even on a crash).
 
-It binds ``host`` (loopback by default: one machine; a node address for a cluster) on ports the
-OS had free. Its memory is what the ranks' store clients lend it (``segment_bytes`` each).
+It listens on ``host`` alone (loopback by default: one machine; a node address on a cluster,
+which takes ``store.trusted_network``) on ports the OS had free: its RPC port, its HTTP metadata
+server and its HTTP metrics/admin server. The metadata server binds every interface whatever it
+is told, so the master runs with the bind guard (``kvtransfer/bind_guard.py``) preloaded. Its
+memory is what the ranks' store clients lend it (``segment_bytes`` each).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import ray
+
+from tandem.cluster.topology import StoreSpec
+from tandem.kvtransfer.bind_guard import BindGuardError, guard_library, is_loopback, preload_env
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,24 @@ def master_binary() -> Path:
     if not path.exists():
         raise StoreMasterError(f"{path} is missing from the installed mooncake package")
     return path
+
+
+def refuse_untrusted_nodes(spec: StoreSpec) -> None:
+    """``StoreMasterError`` when a node of the Ray cluster is reached at an address other than
+    loopback and the topology does not say the network is trusted: every rank's store client
+    listens on its node's address and serves reads and writes of the rank's memory, unauthenticated."""
+    if spec.trusted_network:
+        return
+    exposed = sorted(
+        {str(n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive")} - {""},
+    )
+    exposed = [a for a in exposed if not is_loopback(a)]
+    if exposed:
+        raise StoreMasterError(
+            f"store: the cluster's nodes are reached at {', '.join(exposed)}, where each rank's store "
+            "client would listen, serving reads and writes of the rank's memory to whoever connects; "
+            "set store.trusted_network: true in the topology if only the deployment's hosts reach it"
+        )
 
 
 def _free_port(host: str) -> int:
@@ -70,7 +96,12 @@ class StoreMaster:
 
     @staticmethod
     def start(host: str = "127.0.0.1", log_dir: str | None = None, timeout_s: float = 30.0) -> StoreMaster:
+        """Start the master, every listener of it on ``host`` (the bind guard preloaded)."""
         binary = master_binary()
+        try:
+            guard = preload_env(guard_library(), host)
+        except BindGuardError as error:
+            raise StoreMasterError(str(error)) from error
         rpc, meta, admin = _free_port(host), _free_port(host), _free_port(host)
         args = [
             str(binary),
@@ -80,9 +111,16 @@ class StoreMaster:
             f"-http_metadata_server_host={host}",
             f"-http_metadata_server_port={meta}",
             f"-metrics_port={admin}",
+            f"-metrics_host={host}",
         ]
         out = open(os.path.join(log_dir, "mooncake_master.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, **guard},
+        )
         master = StoreMaster(host, rpc, meta, process)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -100,7 +100,7 @@ class RankActor:
             metrics.watch(loop.stats)
             loop.worker.metrics = metrics
             host = spec.metrics.host or ray.util.get_node_ip_address()
-            self._metrics_server = MetricsServer(metrics.registry, host)
+            self._metrics_server = MetricsServer(metrics.registry, host, security=spec.metrics.security)
         return spec.rank_id
 
     def drain(self) -> None:

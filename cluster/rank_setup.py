@@ -5,6 +5,7 @@ import this module (it loads torch)."""
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from tandem.engine.cpu_affinity import node_cores, pin_process
 from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, expert_slice
 from tandem.engine.rank_context import RankContext
 from tandem.engine.rank_loop import RankLoop
+from tandem.kvtransfer.bind_guard import is_loopback
 from tandem.model.checkpoint import iter_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
@@ -48,7 +50,12 @@ def rank_device() -> torch.device:
 class GroupRendezvous:
     """A DEP group's torch.distributed rendezvous. Rank 0 opens the group's store on a port the
     OS gives it and keeps it bound, so no other process can take the port between choosing it
-    and the group joining; every rank then joins through it."""
+    and the group joining; every rank then joins through it.
+
+    Every socket the group opens is on its node's address (loopback on an embedded Ray): the
+    store's listener is bound here and handed to torch (which would otherwise listen on every
+    interface), gloo's pairs bind that address, and NCCL's bootstrap takes the loopback
+    interface when the node's address is loopback (unless ``NCCL_SOCKET_IFNAME`` is set)."""
 
     def __init__(self) -> None:
         self._store: dist.TCPStore | None = None
@@ -57,8 +64,17 @@ class GroupRendezvous:
         """Rank 0: bind the store and return its ``host:port`` for the other ranks."""
         if self._store is None:
             host = ray.util.get_node_ip_address()
+            listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            listener.bind((host, 0))
+            listener.listen(1024)
+            port = listener.getsockname()[1]
             self._store = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+                master_listen_fd=listener.detach(),  # the store owns the socket from here on
             )
         return f"{self._store.host}:{self._store.port}"
 
@@ -68,12 +84,21 @@ class GroupRendezvous:
         if store is None:
             host, _, port = master.rpartition(":")
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        node = ray.util.get_node_ip_address()
+        options = None
+        if device.type == "cuda":
+            if is_loopback(node):
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        else:
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=node)]
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
+            pg_options=options,
         )
 
 
@@ -116,6 +141,7 @@ def start_rank(
         outbox,
         model_key=kv_model_key(spec.model_dir, model.ops.name),
         model_dir=spec.model_dir,
+        node_address=ray.util.get_node_ip_address(),
     )
     worker = spec.role.build(ctx)
 

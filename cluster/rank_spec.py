@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.role_spec import RoleSpec
+from tandem.metrics.http import MetricsSecurity
 from tandem.wire.messages import RankId
 
 
@@ -15,6 +16,7 @@ class MetricsSpec:
 
     model: str
     host: str = ""
+    security: MetricsSecurity = field(default_factory=MetricsSecurity)  # the deployment's token and TLS
 
 
 @dataclass(frozen=True)

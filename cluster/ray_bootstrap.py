@@ -14,8 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, namespace: str | None = None) -> None:
-    """Connect to ``address`` (``auto`` or ``host:port``), or start Ray inside this process; in
-    ``namespace`` (a deployment's name: its named actors live there).
+    """Connect to ``address`` (``auto`` or ``host:port``), or start Ray inside this process on the
+    loopback address; in ``namespace`` (a deployment's name: its named actors live there).
 
     The ranks get this process's ``TANDEM_``, ``TRITON_`` and ``UCX_`` variables, and on an
     embedded Ray the single-host transfer setting (:mod:`kvtransfer.ucx_config`).
@@ -51,7 +51,45 @@ _STARTUP_TIMEOUT = "timed out during startup"
 _EMBEDDED_ATTEMPTS = 2
 
 
+# Ray resolves a node's address to the host's outward address, even when told "127.0.0.1"; with
+# this variable at 0 it takes the loopback address instead (what it does by default on macOS and
+# Windows). An embedded Ray is one host: its GCS, raylet and agents then listen on loopback, and
+# every process of the deployment (ranks' channels, rendezvous, metrics) finds 127.0.0.1 as its
+# node's address. Ray's own gRPC servers still bind every interface; Ray's token authentication
+# (on by default) is what protects them.
+_LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+_before_loopback: tuple[str | None, bool] | None = None
+
+
+def _loopback_node() -> None:
+    global _before_loopback
+    from ray._private import ray_constants
+
+    if _before_loopback is None:
+        _before_loopback = (os.environ.get(_LOOPBACK_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER)
+    os.environ[_LOOPBACK_NODE_ENV] = "0"  # the GCS, raylet, agents and workers inherit it
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read it at import
+
+
+def _restore_node() -> None:
+    global _before_loopback
+    from ray._private import ray_constants
+
+    if _before_loopback is None:
+        return
+    env, enabled = _before_loopback
+    if env is None:
+        os.environ.pop(_LOOPBACK_NODE_ENV, None)
+    else:
+        os.environ[_LOOPBACK_NODE_ENV] = env
+    ray_constants.ENABLE_RAY_CLUSTER = enabled
+    _before_loopback = None
+
+
 def _start_embedded(num_cpus: int, namespace: str | None, runtime_env: dict[str, Any] | None) -> None:
+    _loopback_node()
     for attempt in range(1, _EMBEDDED_ATTEMPTS + 1):
         try:
             ray.init(
@@ -65,6 +103,7 @@ def _start_embedded(num_cpus: int, namespace: str | None, runtime_env: dict[str,
             return
         except Exception as e:
             if _STARTUP_TIMEOUT not in str(e) or attempt == _EMBEDDED_ATTEMPTS:
+                _restore_node()
                 raise
             _kill_half_started_node(e)
             logger.warning("embedded Ray did not start in time (attempt %d); starting it again", attempt)
@@ -87,3 +126,4 @@ def _kill_half_started_node(error: BaseException) -> None:
 def shutdown_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
+    _restore_node()

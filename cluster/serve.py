@@ -37,6 +37,7 @@ from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.openai_http import HttpConfig
 from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import prometheus_config
+from tandem.metrics.http import MetricsSecurity
 from tandem.metrics.prometheus_process import PrometheusProcess
 from tandem.model.config import ModelConfig
 from tandem.model.dtype_names import AUTO, resolved_dtype
@@ -88,6 +89,10 @@ class ServeOptions:
     max_running_requests: int = 256
     ready_timeout_s: float = 600.0
     metrics_port: int | None = None  # the frontend's /metrics and /sd (0: a free port); None: none
+    # every metrics endpoint's bearer token (a file holding it) and TLS (PEM files); None: none
+    metrics_token_file: str | None = None
+    metrics_tls_cert_file: str | None = None
+    metrics_tls_key_file: str | None = None
     autoscale: bool = False  # run the autoscaler (needs metrics_port)
     prometheus_url: str | None = None  # the autoscaler's Prometheus; None: one of our own
     autoscale_dry_run: bool = False  # decide and record, do not act
@@ -99,6 +104,14 @@ class ServeOptions:
     http_port: int | None = None  # the OpenAI-compatible HTTP API (0: a free port); None: none
     http_host: str | None = None  # where it binds; None: ``host``
     health_interval_s: float = 0.5  # the controller looks at its groups 10 times in this
+
+    def metrics_security(self) -> MetricsSecurity:
+        """The token and TLS every metrics endpoint of the deployment is served with (the files
+        are read here, where the command runs; the processes get their contents)."""
+        token = Path(self.metrics_token_file).read_text().strip() if self.metrics_token_file else ""
+        cert = Path(self.metrics_tls_cert_file).read_bytes() if self.metrics_tls_cert_file else b""
+        key = Path(self.metrics_tls_key_file).read_bytes() if self.metrics_tls_key_file else b""
+        return MetricsSecurity(token, cert, key)
 
     @property
     def rank_metrics_host(self) -> str | None:
@@ -173,6 +186,7 @@ class Server:
         else:
             raise DeploymentExists(o.deployment)
         lifetime = "detached" if o.detach else None
+        security = o.metrics_security()
         # the controller and frontend 0 on this node (a head, typically): the loss of a rank's
         # node must not take them along
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -190,6 +204,7 @@ class Server:
             metrics_host=o.rank_metrics_host,
             detached=o.detach,
             deployment=o.deployment,
+            metrics_security=security,
         )
         try:
             ray.get(self.controller.start.remote())
@@ -207,6 +222,7 @@ class Server:
                     metrics=o.metrics_port is not None,
                     metrics_host=o.host,
                     metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
+                    metrics_security=security,
                     limits=o.limits,
                     cores=cores,
                 )
@@ -248,7 +264,13 @@ class Server:
             raise ValueError("autoscale: the deployment serves no metrics (set metrics_port)")
         url = o.prometheus_url
         if url is None:
-            config = prometheus_config(self.metrics_address, o.scrape_interval_s, o.scrape_interval_s)
+            config = prometheus_config(
+                self.metrics_address,
+                o.scrape_interval_s,
+                o.scrape_interval_s,
+                token_file=o.metrics_token_file,
+                ca_file=o.metrics_tls_cert_file,
+            )
             self.prometheus = PrometheusProcess(config)
             url = self.prometheus.url
             targets = ray.get(self.frontend.discovery.remote())

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tandem.autoscaler.config import AutoscalingConfig, PoolLimits
 from tandem.engine.speculation import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from tandem.kvtransfer.bind_guard import is_loopback
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "deploy" / "presets"
 
@@ -103,6 +104,23 @@ class StoreSpec(BaseModel):
         "deployments that share a store name the same one (default: $TANDEM_KV_STORE_SECRET, else a "
         "random secret of this deployment's own)",
     )
+    trusted_network: bool = Field(
+        False,
+        description=(
+            "the network between the deployment's nodes is its own: Mooncake's store clients serve "
+            "unauthenticated reads and writes of each rank's memory on the node's address, and its "
+            "master its RPC, metadata and metrics ports on host; needed when either is not loopback"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _exposure_is_explicit(self) -> StoreSpec:
+        if not self.trusted_network and not is_loopback(self.host):
+            raise ValueError(
+                f"host: {self.host} is reached from the network and the master serves the store's "
+                "index unauthenticated; set trusted_network: true if only the deployment's hosts reach it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _metadata_with_master(self) -> StoreSpec:

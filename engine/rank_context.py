@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ class RankContext:
     outbox: Outbox
     model_key: str = ""  # the checkpoint's fingerprint: names its blocks in the shared store
     model_dir: str = ""  # its tokenizer gives structured outputs their vocabulary
+    node_address: str = "127.0.0.1"  # its node's: where its store client is reached and listens
 
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         return KVPool(
@@ -94,7 +95,7 @@ class RankContext:
         client = None
         if store is not None:
             try:
-                client = open_store(store)
+                client = open_store(replace(store, local_hostname=self.node_address))
             except StoreError as error:
                 log.warning("rank %s serves without the KV store: %s", self.rank_id.name, error)
         if host_pages <= 0 and client is None:

@@ -72,6 +72,7 @@ class Frontend:
                 config.metrics_port,
                 discovery=self.discovery,
                 advertise=ray.util.get_node_ip_address() if wildcard else None,
+                security=config.metrics_security,
             )
         await self._server.start()
         if self.http_config is not None:

@@ -54,6 +54,7 @@ from tandem.frontend.request_stream import RequestStream, StreamChunk
 from tandem.frontend.running import GenerateSpec, RequestKey, Running
 from tandem.frontend.status import StatusView, read_status
 from tandem.metrics.frontend import FrontendMetrics
+from tandem.metrics.http import MetricsSecurity
 from tandem.metrics.labels import FrontendLabels
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
@@ -102,6 +103,7 @@ class FrontendConfig:
     metrics: bool = True  # keep Prometheus metrics (served when ``metrics_port`` is set)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics and /sd; 0: a free port
+    metrics_security: MetricsSecurity = field(default_factory=MetricsSecurity)  # token and TLS of them
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     cores: tuple[int, ...] | None = None  # the node's cores its process is pinned to (None: any)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from tandem.kvtransfer.bind_guard import is_loopback
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ANONYMOUS = ""  # the client of every call when no token is configured
@@ -184,21 +185,12 @@ def exposure_warning(host: str, tls: bool, auth: bool) -> str | None:
     """What is open to the network when the server binds ``host`` beyond this machine without
     TLS (tokens and prompts in plaintext) or without tokens (anyone may generate); ``None``
     on loopback or with both."""
-    if _is_loopback(host) or (tls and auth):
+    if is_loopback(host) or (tls and auth):
         return None
     missing = " and ".join(name for name, on in (("TLS", tls), ("bearer tokens", auth)) if not on)
     risks = ["prompts, outputs and tokens cross the network in plaintext"] if not tls else []
     risks += ["anyone who reaches the port may generate"] if not auth else []
     return f"serving on {host or 'every interface'} without {missing}: " + "; ".join(risks)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost, or "" (every interface)
-        return False
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

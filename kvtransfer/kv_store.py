@@ -21,8 +21,12 @@ class StoreError(RuntimeError):
 class StoreConfig:
     """Where a rank's store client connects and what it lends: ``master`` (HOST:PORT of the
     store's master), ``metadata`` (its metadata server's URL), ``segment_bytes`` of this process's
-    memory added to the store's pool, ``local_buffer_bytes`` for the client's transfers, and the
-    address this client is reached at."""
+    memory added to the store's pool, ``local_buffer_bytes`` for the client's transfers, and
+    ``local_hostname``, the address this client is reached at by the other clients (its node's:
+    the rank sets it) and the only one it listens on. An address other than loopback is reached
+    from the network, and Mooncake's clients serve reads and writes of their process's memory to
+    whoever connects: that takes ``trusted_network`` (the operator's word that only the
+    deployment's hosts reach it)."""
 
     master: str
     metadata: str
@@ -31,6 +35,7 @@ class StoreConfig:
     local_hostname: str = "127.0.0.1"
     protocol: str = "tcp"
     backend: str = "mooncake"
+    trusted_network: bool = False
 
 
 class KVStore(ABC):

@@ -2,6 +2,12 @@
 CPU machines): a master (``mooncake_master``, with its HTTP metadata server) and a client in
 every rank that lends the store a memory segment. Blocks are plain values under string keys.
 
+Its listeners: the client's TCP transport and handshake server, which Mooncake binds on every
+interface, are kept on ``local_hostname`` by the bind guard (``kvtransfer/bind_guard.py``), which
+the rank's process is started with. A client on loopback without the guard is refused; one on a
+network address needs ``trusted_network``, as does a client without the guard (it then listens on
+every interface).
+
 Return codes: ``put``/``is_exist`` answer a negative code when the call failed (e.g. -600 when
 the master is unreachable); ``get`` answers empty bytes for a missing key or a failed call, so
 an empty answer after an ``is_exist`` of 1 is a failure.
@@ -9,10 +15,44 @@ an empty answer after an ``is_exist`` of 1 is a failure.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.kvtransfer.bind_guard import bind_wildcards_to, guard_loaded, is_loopback
 from tandem.kvtransfer.kv_store import KVStore, StoreConfig, StoreError
+
+log = logging.getLogger(__name__)
+
+TCP_DATA_HOST_ENV = "MC_TCP_BIND_ADDRESS"
+
+
+def keep_listeners_on(config: StoreConfig) -> None:
+    """Put the client's listeners on ``config.local_hostname`` before Mooncake opens them, or
+    refuse (``StoreError``) where they would be reachable by more than the operator allowed:
+    an address beyond loopback without ``trusted_network``, or (without the bind guard loaded in
+    this process) every interface without ``trusted_network``."""
+    host = config.local_hostname
+    if not is_loopback(host) and not config.trusted_network:
+        raise StoreError(
+            f"the store client would listen on {host}, reachable from the network, and it serves "
+            "reads and writes of this process's memory to whoever connects: set "
+            "store.trusted_network: true in the topology only where the network is the deployment's own"
+        )
+    # the address Mooncake advertises for its TCP data transfers (else the host's outward one,
+    # whatever local_hostname says: a peer on another node, or this one, would connect there)
+    os.environ.setdefault(TCP_DATA_HOST_ENV, host)
+    if guard_loaded():
+        bind_wildcards_to(host)
+    elif config.trusted_network:
+        log.warning("the store client listens on every interface (trusted network, no bind guard)")
+    else:
+        raise StoreError(
+            f"the store client's listeners cannot be kept on {host}: this process was not started "
+            "with the bind guard preloaded (kvtransfer/bind_guard.py), and Mooncake would listen on "
+            "every interface"
+        )
 
 
 class MooncakeStore(KVStore):
@@ -22,6 +62,7 @@ class MooncakeStore(KVStore):
         except ImportError as error:  # the package, or a library it loads (libibverbs)
             raise StoreError(f"the Mooncake store client cannot be loaded: {error}") from error
         self.config = config
+        keep_listeners_on(config)
         self._store: Any = MooncakeDistributedStore()
         code = self._store.setup(
             config.local_hostname,

@@ -29,6 +29,9 @@ What UCX picks for a NIXL WRITE (a ``ucp_put`` into the peer's registered pool),
 
 So on one host Tandem asks for huge pages and leaves the transport to UCX (cma for host memory,
 cuda_ipc for device memory: a ``UCX_TLS`` without the CUDA transports would stop VRAM pools).
+UCX's TCP transport, which wires the endpoints up, listens on every network device's address;
+on one host it is kept to the loopback device (``UCX_NET_DEVICES=lo``: cma and cuda_ipc are not
+network devices, and are not affected), so no rank's agent listens beyond loopback.
 Across nodes nothing is forced: UCX picks RDMA where the nodes have it. Whatever the operator set
 in the environment wins, key by key.
 
@@ -53,7 +56,7 @@ from pathlib import Path
 # Process environment variables that shape transfers and travel to the ranks (besides UCX_*).
 TRANSFER_ENV_KEYS = ("THP_MEM_ALLOC_ENABLE",)
 
-_SINGLE_HOST = {"THP_MEM_ALLOC_ENABLE": "1"}
+_SINGLE_HOST = {"THP_MEM_ALLOC_ENABLE": "1", "UCX_NET_DEVICES": "lo"}
 
 NO_RDMA_MODULES = "^ib"
 RDMA_DEVICES = Path("/sys/class/infiniband")

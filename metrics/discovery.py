@@ -23,10 +23,26 @@ def sd_document(targets: list[ScrapeTarget]) -> list[dict[str, Any]]:
     ]
 
 
-def prometheus_config(addr: str, scrape_interval_s: float = 5.0, refresh_s: float = 5.0) -> str:
+def prometheus_config(
+    addr: str,
+    scrape_interval_s: float = 5.0,
+    refresh_s: float = 5.0,
+    token_file: str | None = None,
+    ca_file: str | None = None,
+) -> str:
     """The scrape configuration, in YAML, for a deployment whose frontend serves ``/sd`` on
     ``addr`` (``HOST:PORT``). ``honor_labels`` keeps the labels each process puts on its own
-    samples (they equal the discovery labels) instead of renaming them ``exported_*``."""
+    samples (they equal the discovery labels) instead of renaming them ``exported_*``. With
+    ``token_file`` (the deployment's ``--metrics-token-file``) Prometheus sends its token to the
+    discovery document and every target; with ``ca_file`` it speaks HTTPS to them, trusting it."""
+    secure = ""
+    if token_file is not None:
+        secure += f"authorization:\n  type: Bearer\n  credentials_file: {token_file}\n"
+    if ca_file is not None:
+        secure += f"tls_config:\n  ca_file: {ca_file}\n"
+    scheme = "https" if ca_file is not None else "http"
+    job = "".join(f"    {line}\n" for line in secure.splitlines())
+    sd = "".join(f"        {line}\n" for line in secure.splitlines())
     return (
         "global:\n"
         f"  scrape_interval: {_duration(scrape_interval_s)}\n"
@@ -34,9 +50,11 @@ def prometheus_config(addr: str, scrape_interval_s: float = 5.0, refresh_s: floa
         "scrape_configs:\n"
         "  - job_name: tandem\n"
         "    honor_labels: true\n"
-        "    http_sd_configs:\n"
-        f"      - url: http://{addr}/sd\n"
-        f"        refresh_interval: {_duration(refresh_s)}\n"
+        + (f"    scheme: {scheme}\n" if ca_file is not None else "")
+        + job
+        + "    http_sd_configs:\n"
+        f"      - url: {scheme}://{addr}/sd\n"
+        f"        refresh_interval: {_duration(refresh_s)}\n" + sd
     )
 
 

@@ -4,6 +4,7 @@ runs (Ray's log monitor prints raylet warnings there) goes to stderr."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 
@@ -26,3 +27,22 @@ def test_log_lines_printed_meanwhile_go_to_stderr(capsys: pytest.CaptureFixture[
     assert out == '{"outputs": []}\nchunk' and "(raylet) WARNING" in err
     print("after")  # the command is over: stdout is stdout again
     assert capsys.readouterr().out == "after\n"
+
+
+LATE = """
+import atexit, os, sys
+from tandem.cli.main import main
+# what Ray does after a command's output: its exit prints, and a process it started writes to fd 1
+atexit.register(lambda: print("(raylet) WARNING: 12 PYTHON worker processes have been started", flush=True))
+atexit.register(lambda: os.system("echo child process line"))
+sys.argv = ["tandem", "generate", "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json"]
+sys.exit(main())
+"""
+
+
+def test_the_command_prints_its_json_alone_whatever_is_printed_after_it() -> None:
+    done = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)  # one document, nothing after it
+    assert len(document["outputs"]) == 1 and done.stdout.count("\n") == 1
+    assert "(raylet) WARNING" in done.stderr and "child process line" in done.stderr

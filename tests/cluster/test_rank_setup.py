@@ -4,6 +4,7 @@ the routed experts, an FP8 checkpoint's weights kept FP8."""
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from tandem.model.deepseek import DeepseekV3
 from tandem.model.kernels.fp8 import FP8_DTYPE
 from tandem.model.layers import DecoderLayer, MoE
 from tandem.model.make_tiny import make_tiny_checkpoint
+from tests.listening import listeners
 
 
 def test_rank0_store_holds_its_port_and_serves_the_other_ranks() -> None:
@@ -32,6 +34,10 @@ def test_rank0_store_holds_its_port_and_serves_the_other_ranks() -> None:
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     client.set("rank1", "ready")
     assert client.get("rank1") == b"ready"
+
+    # it listens on the node's address alone (torch's own store would take every interface)
+    (listener,) = [x for x in listeners({os.getpid()}) if x.port == int(port)]
+    assert listener.address == host
 
 
 def test_a_rank_loads_its_expert_slice_of_an_fp8_checkpoint_as_fp8(tmp_path: Path) -> None:

@@ -62,3 +62,11 @@ def test_a_store_block_without_a_master_is_the_deployments_own() -> None:
     t = Topology.model_validate({"prefill": {"host_cache_pages": 64}, "store": {}})
     assert t.prefill.host_cache_pages == 64 and t.store is not None and t.store.master is None
     assert Topology.model_validate({"store": {"master": "10.0.0.5:50051"}}).store.master == "10.0.0.5:50051"
+
+
+def test_a_master_beyond_loopback_is_the_operators_explicit_choice() -> None:
+    with pytest.raises(ValueError, match=r"host: 10\.0\.0\.5 is reached from the network"):
+        Topology.model_validate({"store": {"host": "10.0.0.5"}})
+    t = Topology.model_validate({"store": {"host": "10.0.0.5", "trusted_network": True}})
+    assert t.store is not None and t.store.trusted_network
+    assert Topology.model_validate({"store": {}}).store.trusted_network is False  # type: ignore[union-attr]

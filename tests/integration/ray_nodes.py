@@ -25,9 +25,13 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 
 class RayNodes:
-    def __init__(self, head_cpus: int = 2, dashboard: bool = False) -> None:
+    def __init__(self, head_cpus: int = 2, dashboard: bool = False, own_addresses: bool = False) -> None:
         """``dashboard``: run the head's dashboard, whose job server takes ``ray job submit``
-        (``dashboard_url``)."""
+        (``dashboard_url``). ``own_addresses``: each node has an address of its own in the
+        loopback range (the head 127.0.1.1, the next node 127.0.1.2, ...), as the hosts of a real
+        cluster do: a process that listens on its node's address alone is reached there only."""
+        self._own_addresses = own_addresses
+        self._hosts = 0  # nodes given an address of their own
         # a short path: Ray's unix sockets live under it
         self.root = Path(tempfile.mkdtemp(prefix="tn", dir="/tmp"))
         (self.root / "token").write_text(secrets.token_hex(32))
@@ -39,14 +43,23 @@ class RayNodes:
         }
         self.env.pop("RAY_ADDRESS", None)
         port, dashboard_port, *agents = _free_ports(6)  # held together: six different ports
-        self.address = f"127.0.0.1:{port}"
+        head = self._node_address()
+        self.address = f"{head[0] if head else '127.0.0.1'}:{port}"
         self.dashboard_url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
         self._ray(
             "start", "--head", f"--port={port}", f"--num-cpus={head_cpus}",
             f"--include-dashboard={dashboard}", f"--dashboard-port={dashboard_port}",
             f"--temp-dir={self.root / 'ray'}",
             "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(agents),
+            *(f"--node-ip-address={h}" for h in head),
         )  # fmt: skip
+
+    def _node_address(self) -> list[str]:
+        """The next node's own address (none without ``own_addresses``)."""
+        if not self._own_addresses:
+            return []
+        self._hosts += 1
+        return [f"127.0.1.{self._hosts}"]
 
     def _ray(self, *args: str) -> str:
         out = subprocess.run([RAY, *args], capture_output=True, text=True, env=self.env, timeout=120)
@@ -72,13 +85,15 @@ class RayNodes:
         self._ray(
             "start", f"--address={self.address}", f"--num-cpus={cpus}", f"--labels={label}",
             "--object-store-memory=150000000", "--disable-usage-stats", *_agent_ports(_free_ports(4)),
+            *(f"--node-ip-address={h}" for h in self._node_address()),
         )  # fmt: skip
 
     def nodes(self) -> list[dict[str, object]]:
         """Live nodes: id and labels, read by a process of its own (this one stays off Ray)."""
         code = (
             f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR');"
-            "print(json.dumps([{'id': n['NodeID'], 'labels': n['Labels'], 'alive': n['Alive']}"
+            "print(json.dumps([{'id': n['NodeID'], 'labels': n['Labels'], 'alive': n['Alive'],"
+            " 'address': n['NodeManagerAddress']}"
             " for n in ray.nodes()]))"
         )
         out = subprocess.run(

@@ -213,6 +213,13 @@ def master() -> Iterator[StoreMaster]:
     m.stop()
 
 
+def _in_process(master: StoreMaster) -> StoreConfig:
+    """The clients run in the test's process, which was not started with the bind guard: they
+    listen on every interface, as a trusted network allows (the guard is tested with serve, in
+    tests/integration/test_listeners.py)."""
+    return StoreConfig(master.master, master.metadata, segment_bytes=16 << 20, trusted_network=True)
+
+
 def _tiers_of(result: RequestResult) -> tuple[int, int, int]:
     t = result.bill.cached_tokens_by_tier
     assert t.total == result.bill.cached_tokens
@@ -225,7 +232,7 @@ def test_every_tier_serves_golden_tokens_and_bills_where_they_came_from(
     path, hf = checkpoint
     rng = random.Random(1)
     system = [rng.randrange(2, 300) for _ in range(5 * PAGE)]  # 40 tokens: 5 pages
-    cluster = _Cluster(path, StoreConfig(master.master, master.metadata, segment_bytes=16 << 20))
+    cluster = _Cluster(path, _in_process(master))
     try:
         first_prompt = system + [rng.randrange(2, 300) for _ in range(3)]
         (first,) = cluster.run([first_prompt], on=A)
@@ -264,7 +271,7 @@ def test_a_corrupt_block_is_a_counted_miss_and_a_stopped_master_loses_no_request
 ) -> None:
     path, hf = checkpoint
     rng = random.Random(2)
-    config = StoreConfig(master.master, master.metadata, segment_bytes=16 << 20)
+    config = _in_process(master)
     cluster = _Cluster(path, config)
     try:
         prompt = [rng.randrange(2, 300) for _ in range(4 * PAGE + 2)]

@@ -47,6 +47,15 @@ def _tandem(
         (["--tls-cert", "cert.pem"], "--tls-key"),
         (["--auth-token-file", "/no/such/token"], "--auth-token-file: cannot read /no/such/token"),
         (["--detach"], "--detach: needs --address"),
+        (
+            ["--metrics-port", "0", "--metrics-token-file", "/no/such/token"],
+            "--metrics-token-file: cannot read /no/such/token",
+        ),
+        (["--metrics-port", "0", "--metrics-tls-cert", "c.pem"], "--metrics-tls-key: --metrics-tls-cert and"),
+        (
+            ["--metrics-token-file", "pyproject.toml"],
+            "--metrics-token-file: pyproject.toml must hold one token",
+        ),
         (["--frontends", "0"], "--frontends: must be at least 1"),
         (["--port", "65535", "--frontends", "2"], "--frontends: ports 65535..65536 pass 65535"),
         (["--name", "Bad_Name"], "--name: expected lower-case letters, digits and '-'"),

@@ -24,15 +24,15 @@ from tandem.kvtransfer.ucx_config import (
 )
 
 
-def test_one_host_gets_huge_pages_and_leaves_the_transport_to_ucx() -> None:
-    assert single_host_transfer_env({}, single_host=True) == {"THP_MEM_ALLOC_ENABLE": "1"}
-    assert single_host_transfer_env({"UCX_TLS": "tcp,self"}, single_host=True) == {
-        "THP_MEM_ALLOC_ENABLE": "1"
-    }
+def test_one_host_gets_huge_pages_and_loopback_and_leaves_the_transport_to_ucx() -> None:
+    one_host = {"THP_MEM_ALLOC_ENABLE": "1", "UCX_NET_DEVICES": "lo"}
+    assert single_host_transfer_env({}, single_host=True) == one_host
+    assert single_host_transfer_env({"UCX_TLS": "tcp,self"}, single_host=True) == one_host
 
 
 def test_the_operators_value_wins() -> None:
-    assert single_host_transfer_env({"THP_MEM_ALLOC_ENABLE": "0"}, single_host=True) == {}
+    operator = {"THP_MEM_ALLOC_ENABLE": "0", "UCX_NET_DEVICES": "eth0"}
+    assert single_host_transfer_env(operator, single_host=True) == {}
 
 
 def test_a_cluster_gets_nothing_forced() -> None:
@@ -42,11 +42,11 @@ def test_a_cluster_gets_nothing_forced() -> None:
 @pytest.mark.parametrize(
     ("address", "operator", "expected"),
     [
-        (None, {}, {"THP_MEM_ALLOC_ENABLE": "1"}),
+        (None, {}, {"THP_MEM_ALLOC_ENABLE": "1", "UCX_NET_DEVICES": "lo"}),
         (
             None,
             {"THP_MEM_ALLOC_ENABLE": "0", "UCX_TLS": "cma,tcp,self"},
-            {"THP_MEM_ALLOC_ENABLE": "0", "UCX_TLS": "cma,tcp,self"},
+            {"THP_MEM_ALLOC_ENABLE": "0", "UCX_TLS": "cma,tcp,self", "UCX_NET_DEVICES": "lo"},
         ),
         ("10.0.0.1:6379", {}, None),
         ("auto", {"UCX_TLS": "rc,tcp"}, {"UCX_TLS": "rc,tcp"}),
@@ -69,9 +69,40 @@ def test_ray_workers_receive_it(
     seen: dict[str, Any] = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
-    ray_bootstrap.init_ray(address)
+    try:
+        ray_bootstrap.init_ray(address)
+    finally:
+        ray_bootstrap.shutdown_ray()
     env = None if seen["runtime_env"] is None else seen["runtime_env"]["env_vars"]
     assert env == expected
+
+
+def test_an_embedded_ray_takes_the_loopback_address_until_it_shuts_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray resolves "127.0.0.1" to the host's outward address; an embedded Ray is told to keep
+    the loopback one (its processes inherit the setting), and the process is as it was after."""
+    import ray
+    from ray._private import ray_constants, services
+
+    from tandem.cluster import ray_bootstrap
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    during: dict[str, Any] = {}
+
+    def init(**kwargs: Any) -> None:
+        during["env"] = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        during["address"] = services.get_node_ip_address()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    ray_bootstrap.init_ray(None)
+    assert during == {"env": "0", "address": "127.0.0.1"}
+    ray_bootstrap.shutdown_ray()
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
+
+    ray_bootstrap.init_ray("10.0.0.1:6379")  # a cluster: its nodes' own addresses
+    assert during["env"] is None
 
 
 LOG = """\
