@@ -38,7 +38,7 @@ from tandem.engine.role_spec import RoleSpec
 from tandem.kvtransfer.bind_guard import guard_library, preload_env
 from tandem.kvtransfer.kv_store import StoreConfig
 from tandem.metrics.controller import AutoscalerFigures, ControllerMetrics, GroupFigures
-from tandem.metrics.http import MetricsSecurity, MetricsServer
+from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import ControllerLabels, RankLabels
 from tandem.prefill.role import PrefillRole
 from tandem.wire.autoscaler_decision import Decision
@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 
 class Cluster:
-    """``metrics_host``: where each rank serves its Prometheus metrics (empty: its node's
-    address; ``None``: no rank serves metrics); ``model_name`` labels them."""
+    """``metrics``: where each rank serves its Prometheus metrics (``host`` empty: its node's
+    address), with what token and TLS; ``None``: no rank serves metrics."""
 
     def __init__(
         self,
@@ -59,16 +59,13 @@ class Cluster:
         model_dir: str,
         dtype: str = "float32",
         model_name: str = "",
-        metrics_host: str | None = None,
+        metrics: MetricsSpec | None = None,
         detached: bool = False,
         deployment: str = "",
-        metrics_security: MetricsSecurity | None = None,
     ) -> None:
         self.topology = topology
         self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
         resources = RankResources.detect(topology.cpus_per_rank)
-        security = metrics_security or MetricsSecurity()
-        metrics = MetricsSpec(self.model_name, metrics_host, security) if metrics_host is not None else None
 
         per_rank = topology.pin_cores_per_rank
 
@@ -510,14 +507,11 @@ class Controller:
         dtype: str = "float32",
         health_interval_s: float = 0.5,
         model_name: str = "",
-        metrics_host: str | None = None,
+        metrics: MetricsSpec | None = None,
         detached: bool = False,
         deployment: str = "",
-        metrics_security: MetricsSecurity | None = None,
     ) -> None:
-        self.cluster = Cluster(
-            topology, model_dir, dtype, model_name, metrics_host, detached, deployment, metrics_security
-        )
+        self.cluster = Cluster(topology, model_dir, dtype, model_name, metrics, detached, deployment)
         self.health_interval_s = health_interval_s
         self.deployment = deployment
         self.place = this_place()
@@ -528,12 +522,11 @@ class Controller:
         self._metrics: MetricsServer | None = None
         self._own_target: tuple[ScrapeTarget, ...] = ()
         self._autoscaler: AutoscalerLoop | None = None
-        if metrics_host is not None:  # the controller's own metrics, served beside the ranks'
+        if metrics is not None:  # the controller's own metrics, served beside the ranks'
             labels = ControllerLabels(self.cluster.model_name)
-            metrics = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
-            self._metrics = MetricsServer(
-                metrics.registry, metrics_host or ray.util.get_node_ip_address(), security=metrics_security
-            )
+            figures = ControllerMetrics(labels, self._group_figures, self._autoscaler_figures)
+            host = metrics.host or ray.util.get_node_ip_address()
+            self._metrics = MetricsServer(figures.registry, host, security=metrics.security)
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._settings: AutoscalerSettings | None = None
         self._removing: dict[str, Removal] = {}  # group id -> its removal under way

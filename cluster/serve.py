@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.controller import Controller
 from tandem.cluster.memory_plan import sized_topology
+from tandem.cluster.rank_spec import MetricsSpec
 from tandem.cluster.ray_bootstrap import init_ray, shutdown_ray
 from tandem.cluster.topology import Topology, TopologyError
 from tandem.engine.cpu_affinity import check_cores
@@ -186,7 +187,7 @@ class Server:
         else:
             raise DeploymentExists(o.deployment)
         lifetime = "detached" if o.detach else None
-        security = o.metrics_security()
+        security, ranks_host = o.metrics_security(), o.rank_metrics_host
         # the controller and frontend 0 on this node (a head, typically): the loss of a rank's
         # node must not take them along
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -201,10 +202,9 @@ class Server:
             self.rank_dtype,
             health_interval_s=o.health_interval_s,
             model_name=self.model_name,
-            metrics_host=o.rank_metrics_host,
+            metrics=None if ranks_host is None else MetricsSpec(self.model_name, ranks_host, security),
             detached=o.detach,
             deployment=o.deployment,
-            metrics_security=security,
         )
         try:
             ray.get(self.controller.start.remote())

@@ -27,15 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
-from tandem.engine.admission import admit_new_request, resumed_outputs
+from tandem.engine.admission import request_of
 from tandem.engine.bill_builder import build_bill, delivered_cached_by_tier, delivered_prompt_tokens
 from tandem.engine.drafter import Drafter
 from tandem.engine.prefix_cache import prompt_chain
-from tandem.engine.rank_loop import RankDraining, RankWorker
+from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner
 from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
+from tandem.engine.transfer_worker import TransferWorker
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.wire.logprobs import TokenLogprobs, parse_all
@@ -55,7 +56,7 @@ from tandem.wire.messages import (
     TransferId,
 )
 from tandem.wire.prefill_job import PrefillJob
-from tandem.wire.request_params import FinishReason, InvalidRequestError, check_prompt
+from tandem.wire.request_params import FinishReason, InvalidRequestError
 
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
@@ -141,7 +142,7 @@ class _Track:
         )
 
 
-class DecodeWorker(RankWorker):
+class DecodeWorker(TransferWorker):
     def __init__(
         self,
         rank_id: RankId,
@@ -199,15 +200,8 @@ class DecodeWorker(RankWorker):
         received = time.monotonic()
         admitted = []
         for r in items:
-            r.sampling.validate(cfg.vocab_size)
-            prompt = list(r.prompt_token_ids)
-            check_prompt(prompt, cfg.vocab_size, cfg.max_position_embeddings)
-            # the frontend seeds every request; one submitted without gets its own seed here
-            request = Request(r.request_id, prompt, r.sampling.seeded(), eos, cfg.max_position_embeddings)
-            request.cache_salt = r.cache_salt
-            admit_new_request(request, cfg.max_position_embeddings, config.page_size, config.num_pages)
-            if r.resume_output_ids:
-                request.output_token_ids = resumed_outputs(r, cfg.vocab_size, cfg.max_position_embeddings)
+            limit = cfg.max_position_embeddings
+            request = request_of(r, cfg.vocab_size, eos, limit, config.page_size, config.num_pages)
             fork_of = r.fork_of if not r.resume_output_ids else None
             admitted.append((request, Routing(r.prefill_rank, r.frontend, fork_of), received))
         return admitted
@@ -277,12 +271,6 @@ class DecodeWorker(RankWorker):
 
     def set_peers(self, peers: dict[RankId, Any]) -> None:
         self.dispatcher.set_ranks(peers)
-
-    def connect_peers(self, ranks: list[str]) -> None:
-        missed = self.transport.connect(ranks)
-        if missed:
-            log.info("rank %s: %d peers not reachable yet (%s); their first transfer connects",
-                     self.name, len(missed), ", ".join(missed[:4]))  # fmt: skip
 
     def peers_lost(self, ranks: list[str]) -> None:
         """Prefill ranks whose group failed: their receives fail now and are retried on the
@@ -422,10 +410,6 @@ class DecodeWorker(RankWorker):
         self._tracks.clear()
         self._guided.clear()
         return self.take_results()
-
-    def transfers_in_flight(self) -> bool:
-        sends, receives = self.transport.in_flight()
-        return bool(sends or receives)
 
     def stats(self, loop: LoopStats) -> RankStats:
         d = self.scheduler

@@ -8,7 +8,7 @@ import math
 
 from tandem.engine.request import Request, RequestStatus
 from tandem.wire.messages import RankRequest
-from tandem.wire.request_params import InvalidRequestError
+from tandem.wire.request_params import InvalidRequestError, check_prompt
 
 
 def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int) -> int:
@@ -64,3 +64,21 @@ def resumed_outputs(r: RankRequest, vocab_size: int, max_model_len: int) -> list
             "resume_output_ids", f"prompt and outputs fill the context of {max_model_len}"
         )
     return outputs
+
+
+def request_of(
+    r: RankRequest, vocab_size: int, eos: frozenset[int], max_model_len: int, page_size: int, num_pages: int
+) -> Request:
+    """The rank's ``Request`` for a submitted one, checked against the rank's limits (the
+    errors name the field): its sampling, its prompt in the vocabulary and the context, its
+    pages in the pool, the outputs a resumed one comes with. The frontend seeds every request;
+    one submitted without gets its own seed here."""
+    r.sampling.validate(vocab_size)
+    prompt = list(r.prompt_token_ids)
+    check_prompt(prompt, vocab_size, max_model_len, "prompt")
+    request = Request(r.request_id, prompt, r.sampling.seeded(), eos, max_model_len)
+    request.cache_salt = r.cache_salt
+    admit_new_request(request, max_model_len, page_size, num_pages)
+    if r.resume_output_ids:
+        request.output_token_ids = resumed_outputs(r, vocab_size, max_model_len)
+    return request

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.admission import admit_new_request, resumed_outputs
+from tandem.engine.admission import request_of
 from tandem.engine.bill_builder import build_bill
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.dep import ExpertParallelDispatcher
@@ -89,14 +89,8 @@ class ColocatedWorker(RankWorker):
         received = time.monotonic()
         admitted = []
         for r in items:
-            r.sampling.validate(cfg.vocab_size)
-            prompt = list(r.prompt_token_ids)
-            engine.validate_prompt(prompt, "prompt")
-            request = Request(r.request_id, prompt, r.sampling.seeded(), eos, engine.max_model_len)
-            request.cache_salt = r.cache_salt
-            admit_new_request(request, engine.max_model_len, config.page_size, config.num_pages)
-            if r.resume_output_ids:
-                request.output_token_ids = resumed_outputs(r, cfg.vocab_size, engine.max_model_len)
+            limit = engine.max_model_len
+            request = request_of(r, cfg.vocab_size, eos, limit, config.page_size, config.num_pages)
             admitted.append((request, r.frontend, received))
         return admitted
 

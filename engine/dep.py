@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tandem.model.expert_dispatch import ExpertDispatcher
+from tandem.model.expert_dispatch import ExpertDispatcher, Routed, run_experts
 from tandem.model.rank_weights import expert_slice  # torch-free: the memory plan counts slices too
 
 if TYPE_CHECKING:
@@ -105,21 +105,13 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         self.stats.all_to_all_s += time.perf_counter() - t0
 
-    def routed_experts(
-        self,
-        moe: ExpertWeights,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        ops: KernelBackend,
-    ) -> torch.Tensor:
+    def routed_experts(self, moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
+        x, weights, ids = routed.x, routed.weights, routed.ids
         n, per_rank, top_k = self.world_size, len(self.local), ids.shape[1]
         if n == 1:  # a group of one holds every expert: nothing to exchange, no host sync
-            return ops.moe_experts(
-                x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
-            )
+            return run_experts(moe, routed, ops)
         if self.capacity_tokens is not None:
-            return self._fixed_capacity(moe, x, weights, ids, ops)
+            return self._fixed_capacity(moe, routed, ops)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by owner rank
         token_of_pair = order // top_k
@@ -138,9 +130,7 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         local_ids = torch.arange(self.local.start, self.local.stop, device=x.device).repeat(n)
         recv_ids = local_ids.repeat_interleave(recv_counts.view(-1))[:, None]
         unit = torch.ones(recv_ids.shape, dtype=torch.float32, device=x.device)
-        expert_out = ops.moe_experts(
-            recv_rows, unit, recv_ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
-        )
+        expert_out = run_experts(moe, Routed(recv_rows, unit, recv_ids), ops)
 
         back = x.new_empty(send_rows.shape)
         self._all_to_all(back, expert_out, in_splits, out_splits)
@@ -154,16 +144,10 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         stats.rows_received += recv_rows.shape[0]
         return out
 
-    def _fixed_capacity(
-        self,
-        moe: ExpertWeights,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        ops: KernelBackend,
-    ) -> torch.Tensor:
+    def _fixed_capacity(self, moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
         """The exchange of a static step (see the module): shapes fixed by ``capacity_tokens``,
         every index computed on the device."""
+        x, weights, ids = routed.x, routed.weights, routed.ids
         n, top_k, device = self.world_size, ids.shape[1], x.device
         tokens = self.capacity_tokens
         assert tokens is not None
@@ -190,9 +174,7 @@ class ExpertParallelDispatcher(ExpertDispatcher):
         self._all_to_all(recv_ids, send_ids, None, None)
 
         unit = torch.ones((n * slab, 1), dtype=torch.float32, device=device)
-        expert_out = ops.moe_experts(
-            recv_rows, unit, recv_ids[:, None], moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
-        )
+        expert_out = run_experts(moe, Routed(recv_rows, unit, recv_ids[:, None]), ops)
         back = torch.empty_like(expert_out)
         self._all_to_all(back, expert_out, None, None)
         contributions = (back[slot] * weights.reshape(-1)[order][:, None]).to(x.dtype)

@@ -83,16 +83,19 @@ def store_key(secret: bytes, model: str, layout: BlockLayout, block: int) -> str
     return f"tandem/{model}/{layout.shape}/{name[:16].hex()}"
 
 
-def encode_block(
-    secret: bytes,
-    key: str,
-    model: str,
-    layout: BlockLayout,
-    parent: int | None,
-    tokens: Sequence[int],
-    payload: bytes,
-) -> bytes:
-    """The value stored under ``key`` for a page of ``tokens`` (child of ``parent``)."""
+@dataclass(frozen=True)
+class StoredBlock:
+    """A block as the store holds it: its ``key``, and the page of ``tokens`` (child of
+    ``parent``) whose KV it is."""
+
+    key: str
+    parent: int | None
+    tokens: Sequence[int]
+
+
+def encode_block(secret: bytes, block: StoredBlock, model: str, layout: BlockLayout, payload: bytes) -> bytes:
+    """The value stored under ``block.key`` for its page of tokens."""
+    key, parent, tokens = block.key, block.parent, block.tokens
     header = {
         "model": model,
         "layout": layout.as_list(),
@@ -105,19 +108,12 @@ def encode_block(
 
 
 def decode_block(
-    raw: bytes,
-    *,
-    secret: bytes,
-    key: str,
-    model: str,
-    layout: BlockLayout,
-    parent: int | None,
-    tokens: Sequence[int],
-    payload_bytes: int,
+    raw: bytes, *, secret: bytes, block: StoredBlock, model: str, layout: BlockLayout, payload_bytes: int
 ) -> bytes:
-    """The payload of ``raw``, read under ``key``, if it holds ``tokens`` (child of ``parent``) of
-    ``model`` in ``layout`` with ``payload_bytes`` of KV, written by a holder of ``secret``;
-    ``BlockRejected`` naming the failed check otherwise."""
+    """The payload of ``raw``, read under ``block.key``, if it holds the block's tokens (child of
+    its parent) of ``model`` in ``layout`` with ``payload_bytes`` of KV, written by a holder of
+    ``secret``; ``BlockRejected`` naming the failed check otherwise."""
+    key, parent, tokens = block.key, block.parent, block.tokens
     if not raw.startswith(MAGIC):
         raise BlockRejected("not a KV block of this format (bad magic)")
     start = len(MAGIC) + _LENGTH_BYTES

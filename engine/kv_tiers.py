@@ -48,7 +48,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tandem.engine.kv_block_codec import BlockLayout, BlockRejected, decode_block, encode_block, store_key
+from tandem.engine.kv_block_codec import (
+    BlockLayout,
+    BlockRejected,
+    StoredBlock,
+    decode_block,
+    encode_block,
+    store_key,
+)
 from tandem.engine.prefix_cache import ChainBlock, LowerMatch
 from tandem.kvtransfer.kv_store import KVStore, StoreError
 from tandem.wire.kv_events import BlockRemoved, BlockStored, KVEvent
@@ -359,11 +366,9 @@ class StoreReader:
                     payload = decode_block(
                         raw,
                         secret=tiers.secret,
-                        key=key,
+                        block=StoredBlock(key, block.parent, block.tokens),
                         model=c.model,
                         layout=c.layout,
-                        parent=block.parent,
-                        tokens=block.tokens,
                         payload_bytes=c.page_bytes,
                     )
                 except BlockRejected as error:
@@ -585,7 +590,9 @@ class KVTiers:
 
     def encode(self, op: TierOp, payload: bytes) -> tuple[str, bytes]:
         c, key = self.config, self.key(op.block)
-        return key, encode_block(self.secret, key, c.model, c.layout, op.parent, op.tokens, payload)
+        return key, encode_block(
+            self.secret, StoredBlock(key, op.parent, op.tokens), c.model, c.layout, payload
+        )
 
     def write(self, op: TierOp, payload: bytes) -> None:
         """Hand ``op``'s page bytes to the writer thread, which encodes (signs) and stores them:

@@ -323,12 +323,12 @@ class _Edge:
         items, first = await self._admitted(prepared)
         if prepared.stream:
             return _ClosingStreamingResponse(
-                _sse(self.core, prepared, shape, items, first, self.names),
+                _sse(_Answer(self.core, prepared, shape, items, first, self.names)),
                 items,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        whole = asyncio.ensure_future(_scored(self.core, prepared, shape, items, first, self.names))
+        whole = asyncio.ensure_future(_scored(_Answer(self.core, prepared, shape, items, first, self.names)))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -363,7 +363,7 @@ class _Edge:
         if prepared.stream:
             events = _merged(
                 [
-                    functools.partial(_sse, self.core, c, s, it, f, self.names)
+                    functools.partial(_sse, _Answer(self.core, c, s, it, f, self.names))
                     for c, s, (it, f) in zip(choices, shapes, admitted, strict=True)
                 ],
                 prepared,
@@ -378,7 +378,7 @@ class _Edge:
         wholes = asyncio.ensure_future(
             asyncio.gather(
                 *(
-                    _scored(self.core, c, s, it, f, self.names)
+                    _scored(_Answer(self.core, c, s, it, f, self.names))
                     for c, s, (it, f) in zip(choices, shapes, admitted, strict=True)
                 )
             )
@@ -538,21 +538,28 @@ def _error_body(summary: StreamSummary) -> dict[str, Any]:
     return OpenAIError(503, message, "service_unavailable", None, "request_failed").body()
 
 
-async def _sse(
-    core: FrontendCore,
-    prepared: Prepared,
-    shape: ResponseShape,
-    items: AsyncIterator[Any],
-    first: Any,
-    names: TokenNames,
-    tail: list[dict[str, Any]] | None = None,
-) -> AsyncIterator[bytes]:
+@dataclass(frozen=True)
+class _Answer:
+    """One admitted choice as the edge answers it: the request's items (``first`` already
+    taken), the response's shape, and what names its tokens."""
+
+    core: FrontendCore
+    prepared: Prepared
+    shape: ResponseShape
+    items: AsyncIterator[Any]
+    first: Any
+    names: TokenNames
+
+
+async def _sse(answer: _Answer, tail: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
     """The response's server-sent events: a chunk per piece of text, the last with the finish
     reason, the usage when asked for, then ``[DONE]``. With ``continuous_usage_stats`` every
     chunk carries the usage so far (the last one the bill's, as the usage chunk does). An echoed
     prompt is the first chunk (with its logprobs, when asked: they came with the first tokens).
     With ``tail`` (one choice of several), the usage is put there instead of sent, and no
     ``[DONE]`` ends the events: the choices' merged stream sends them."""
+    core, prepared, shape, names = answer.core, answer.prepared, answer.shape, answer.names
+    items, first = answer.items, answer.first
     stopper, ids = StopCut(prepared.stop, core.detokenizer_cache), prepared.return_token_ids
     prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
     calls = CallStream() if prepared.tool_calls else None
@@ -643,16 +650,11 @@ async def _sse(
     yield b"data: [DONE]\n\n"
 
 
-async def _scored(
-    core: FrontendCore,
-    prepared: Prepared,
-    shape: ResponseShape,
-    items: AsyncIterator[Any],
-    first: Any,
-    names: TokenNames,
-) -> tuple[dict[str, Any], float]:
+async def _scored(answer: _Answer) -> tuple[dict[str, Any], float]:
     """The whole response, once the request has ended, and its tokens' cumulative logprob (0
     when none were computed)."""
+    core, prepared, shape, names = answer.core, answer.prepared, answer.shape, answer.names
+    items, first = answer.items, answer.first
     stopper = StopCut(prepared.stop, core.detokenizer_cache)
     text: list[str] = []
     token_ids: list[int] = []

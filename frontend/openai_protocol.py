@@ -695,16 +695,25 @@ class ResponseShape:
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A streamed choice (a chunk); ``first`` carries the assistant's role on chat."""
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        return self._choice("delta", delta, text, logprobs, finish, token_ids)
+
+    def _choice(
+        self,
+        key: str,
+        message: dict[str, Any],
+        text: str | None,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        token_ids: list[int] | None,
+    ) -> dict[str, Any]:
+        """A choice: on chat its ``message`` under ``key`` (``delta`` in a chunk), else ``text``."""
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice: dict[str, Any] = {
-                "index": self.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            choice[key] = message
         else:
-            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice["text"] = text
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return choice
@@ -735,20 +744,10 @@ class ResponseShape:
     ) -> dict[str, Any]:
         """``tool_calls``: the chat output's parsed calls (then ``text`` is what came before them,
         ``None`` when nothing did)."""
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_calls:
-                message["content"], message["tool_calls"] = text or None, tool_calls
-            choice: dict[str, Any] = {
-                "index": self.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["content"], message["tool_calls"] = text or None, tool_calls
+        choice = self._choice("message", message, text, logprobs, finish, token_ids)
         body = {**self._envelope(False, [choice]), "usage": used}
         if seed is not None:  # the seed of the request's draws (``seed``, an extension field)
             body["seed"] = seed

@@ -9,6 +9,7 @@ own their experts and back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,6 +36,22 @@ class ExpertWeights(Protocol):
         """The experts' FP8 block scales; None when they are in the activation dtype."""
 
 
+@dataclass(frozen=True)
+class Routed:
+    """A MoE layer's tokens ``x [T, D]`` and where its router sends them: ``ids [T, k]`` (experts)
+    with ``weights [T, k]`` (float32)."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+def run_experts(moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
+    """The experts this process holds over ``routed`` (every id among them)."""
+    x, weights, ids = routed.x, routed.weights, routed.ids
+    return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales)
+
+
 class ExpertDispatcher(ABC):
     @property
     def syncs_host(self) -> bool:
@@ -43,26 +60,10 @@ class ExpertDispatcher(ABC):
         return False
 
     @abstractmethod
-    def routed_experts(
-        self,
-        moe: ExpertWeights,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        ops: KernelBackend,
-    ) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``x [T, D]``."""
+    def routed_experts(self, moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for every token ``t`` of ``routed``."""
 
 
 class LocalExperts(ExpertDispatcher):
-    def routed_experts(
-        self,
-        moe: ExpertWeights,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        ops: KernelBackend,
-    ) -> torch.Tensor:
-        return ops.moe_experts(
-            x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales
-        )
+    def routed_experts(self, moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
+        return run_experts(moe, routed, ops)

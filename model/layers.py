@@ -19,7 +19,7 @@ from torch import nn
 
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.config import ModelConfig
-from tandem.model.expert_dispatch import ExpertDispatcher
+from tandem.model.expert_dispatch import ExpertDispatcher, Routed
 from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.fp8 import FP8_DTYPE, fp8_mode, scale_shape
 from tandem.model.kernels.moe import ExpertScales
@@ -226,7 +226,7 @@ class MoE(nn.Module):
             k = self.cfg.num_experts_per_tok
             weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
             ids = torch.empty((0, k), dtype=torch.int64, device=x.device)
-        out = dispatcher.routed_experts(self, x, weights, ids, ops)
+        out = dispatcher.routed_experts(self, Routed(x, weights, ids), ops)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

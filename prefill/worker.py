@@ -35,8 +35,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.kv_event_publisher import KVEventPublisher
-from tandem.engine.rank_loop import RankWorker
 from tandem.engine.runner import ModelRunner
+from tandem.engine.transfer_worker import TransferWorker
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
 from tandem.kvtransfer.types import (
     READY,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(RankWorker):
+class PrefillWorker(TransferWorker):
     def __init__(
         self,
         rank_id: RankId,
@@ -163,12 +163,6 @@ class PrefillWorker(RankWorker):
         else:
             self._forget(request_id)
 
-    def connect_peers(self, ranks: list[str]) -> None:
-        missed = self.transport.connect(ranks)
-        if missed:
-            log.info("rank %s: %d peers not reachable yet (%s); their first transfer connects",
-                     self.name, len(missed), ", ".join(missed[:4]))  # fmt: skip
-
     def peers_lost(self, ranks: list[str]) -> None:
         """Decode ranks whose group failed: nothing waits for their jobs' KV any more. Sends to
         them stop (their posted writes drained first); their jobs not yet sending are dropped."""
@@ -237,10 +231,6 @@ class PrefillWorker(RankWorker):
         for subscriber, batch in self.kv_events.publish(events).items():
             if not self.outbox.push_kv_events(subscriber, batch):
                 self.kv_events.unsubscribe(subscriber)
-
-    def transfers_in_flight(self) -> bool:
-        sends, receives = self.transport.in_flight()
-        return bool(sends or receives)
 
     def stats(self, loop: LoopStats) -> RankStats:
         s = self.scheduler

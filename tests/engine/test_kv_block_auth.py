@@ -11,7 +11,7 @@ from array import array
 import pytest
 
 from tandem.engine import kv_block_codec, prefix_cache
-from tandem.engine.kv_block_codec import MAGIC, encode_block
+from tandem.engine.kv_block_codec import MAGIC, StoredBlock, encode_block
 from tandem.engine.prefix_cache import block_hashes
 from tests.engine.test_kv_tiers import (
     LAYOUT,
@@ -68,7 +68,9 @@ def test_a_block_forged_without_the_secret_is_a_counted_miss() -> None:
     # signed with a secret the forger guessed (the format, not the deployment's key)
     for i, key in enumerate(list(store.values)):
         tokens = PROMPT[i * PAGE : (i + 1) * PAGE]
-        store.values[key] = encode_block(b"guess", key, "m", LAYOUT, parents[i], tokens, payload_of(1))
+        store.values[key] = encode_block(
+            b"guess", StoredBlock(key, parents[i], tokens), "m", LAYOUT, payload_of(1)
+        )
     other, other_tiers = tiered_cache(num_pages=8, store=store)
     found = fetched_match(other, PROMPT)
     assert found.store_tokens == 0 and other_tiers.store_rejected == 1

@@ -77,9 +77,8 @@ def test_other_jobs_step_while_one_waits_on_the_store_and_it_gets_its_hit_after(
     scheduler.add_job(make_job("a", prompt), 0.0)
     for i in range(4):  # four steps while the store holds its answer back
         scheduler.add_job(make_job(f"b{i}", [7, 8, 9]), 0.0)  # no full page: nothing to ask
-        start = time.monotonic()
         plan = scheduler.schedule(0.0)
-        assert time.monotonic() - start < 0.1  # the loop thread never waits on the store
+        # the loop thread never waits on the store: had it, "a" would be in the plan (a miss)
         assert [c.request_id for c in plan.chunks] == [f"b{i}"]
         assert scheduler.status("a") is RequestStatus.WAITING
         scheduler.update(plan, {f"b{i}": 1}, 0.0)
@@ -108,9 +107,7 @@ def test_a_store_slower_than_recomputing_is_a_miss_and_is_backed_off() -> None:
     scheduler, tiers = _scheduler(store, TierPrices(prefill_tokens_per_s=40.0))
     store.release.clear()
     scheduler.add_job(make_job("a", prompt), 0.0)
-    start = time.monotonic()
-    assert not scheduler.schedule(0.0).chunks  # waits: the store is asked
-    assert time.monotonic() - start < 0.1
+    assert not scheduler.schedule(0.0).chunks  # waits (had the loop waited, a would be computed now)
     time.sleep(0.25)  # past the price, the store still silent
     plan = scheduler.schedule(0.0)
     assert [(c.request_id, c.start_position) for c in plan.chunks] == [("a", 0)]  # a miss: computed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tandem.engine.kv_block_codec import BlockLayout, encode_block
+from tandem.engine.kv_block_codec import BlockLayout, StoredBlock, encode_block
 from tandem.engine.kv_tiers import KVTiers, TierConfig, TierPrices
 from tandem.engine.page_allocator import PageAllocator
 from tandem.engine.prefix_cache import PrefixCache, block_hashes
@@ -134,7 +134,9 @@ def test_a_corrupt_or_foreign_block_is_a_counted_miss_and_the_run_stops_there():
     for i, (block, parent) in enumerate(zip(blocks, parents, strict=False)):
         tokens = prompt[i * PAGE : (i + 1) * PAGE]
         key = tiers.key(block)
-        store.values[key] = encode_block(SECRET, key, "m", LAYOUT, parent, tokens, payload_of(block))
+        store.values[key] = encode_block(
+            SECRET, StoredBlock(key, parent, tokens), "m", LAYOUT, payload_of(block)
+        )
     key = tiers.key(blocks[1])
     good = store.values[key]
     store.values[key] = good[:-40] + bytes([good[-40] ^ 1]) + good[-39:]  # one flipped bit of KV
@@ -142,7 +144,7 @@ def test_a_corrupt_or_foreign_block_is_a_counted_miss_and_the_run_stops_there():
     assert found.store_tokens == PAGE and tiers.store_rejected == 1
     cache.free(found.page_ids)
     store.values[key] = encode_block(
-        SECRET, key, "other-model", LAYOUT, blocks[0], prompt[4:8], payload_of(blocks[1])
+        SECRET, StoredBlock(key, blocks[0], prompt[4:8]), "other-model", LAYOUT, payload_of(blocks[1])
     )
     found = fetched_match(cache, prompt)
     assert found.num_tokens == PAGE and tiers.store_rejected == 2  # block 0 now on the device

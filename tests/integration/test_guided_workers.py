@@ -30,7 +30,7 @@ from tests.integration.test_disagg_workers import PAGE, _model, _submit, _worker
 from tests.model.grammar_doubles import HeldCompiler
 
 GUIDE = Guide(GuideKind.REGEX, "(yes|no)")
-STEP_S = 1.0  # a tiny model's step takes milliseconds; one that waits for a compile, seconds
+STEP_S = 2.5  # a tiny model's step: milliseconds (more on a loaded machine); one waiting on a compile: 8 s
 EOS = 257
 
 
@@ -108,7 +108,7 @@ def _check_guided_result(tiny: Path, result: RequestResult) -> None:
 
 def test_a_decode_rank_decodes_the_others_while_a_grammar_compiles(tiny: Path) -> None:
     prefill, decode = _workers(tiny, decode_pages=64, layerwise=True, guided=True)
-    rows, compiler = _held_rows(tiny, prefill.runner.model.cfg.vocab_size, max_hold_s=4.0)
+    rows, compiler = _held_rows(tiny, prefill.runner.model.cfg.vocab_size, max_hold_s=8.0)
     decode.runner.guides = rows  # the prefill rank's compiles at once: the KV arrives first
     _submit(decode, _requests())
     loop = _Loop(prefill, decode)
@@ -127,7 +127,7 @@ def test_a_decode_rank_decodes_the_others_while_a_grammar_compiles(tiny: Path) -
 
 def test_a_prefill_rank_prefills_the_jobs_behind_a_grammar_that_compiles(tiny: Path) -> None:
     prefill, decode = _workers(tiny, decode_pages=64, layerwise=True, guided=True)
-    rows, compiler = _held_rows(tiny, prefill.runner.model.cfg.vocab_size, max_hold_s=4.0)
+    rows, compiler = _held_rows(tiny, prefill.runner.model.cfg.vocab_size, max_hold_s=8.0)
     prefill.runner.guides = rows
     _submit(decode, _requests())  # "g" first: its job reaches the prefill rank first
     loop = _Loop(prefill, decode)
@@ -159,7 +159,7 @@ def test_a_grammar_past_the_ranks_limit_ends_its_request_and_frees_its_pages(tin
 def test_a_colocated_rank_steps_the_others_while_a_grammar_compiles(tiny: Path) -> None:
     """A colocated (DEP) rank: the guided request joins the scheduler once its grammar is ready."""
     model = _model(tiny)
-    rows, compiler = _held_rows(tiny, model.cfg.vocab_size, max_hold_s=4.0)
+    rows, compiler = _held_rows(tiny, model.cfg.vocab_size, max_hold_s=8.0)
     engine = ColocatedEngine(
         model, EngineConfig(page_size=PAGE, num_pages=64), Tokenizer.from_dir(tiny), guides=rows
     )

@@ -23,7 +23,7 @@ from tandem.decode.dispatch import PrefillDispatcher
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
 from tandem.decode.worker import DecodeWorker, Routing
-from tandem.engine.kv_block_codec import encode_block
+from tandem.engine.kv_block_codec import StoredBlock, encode_block
 from tandem.engine.kv_tiers import TierConfig, TierPrices
 from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.request import Request
@@ -283,7 +283,9 @@ def test_a_corrupt_block_is_a_counted_miss_and_a_stopped_master_loses_no_request
         b_tiers = cluster.prefill[B].copier.tiers  # type: ignore[union-attr]
         key = b_tiers.key(blocks[2])
         bad = bytearray(
-            encode_block(SECRET, key, MODEL_KEY, layout, blocks[1], prompt[16:24], bytes(page_bytes(pool)))
+            encode_block(
+                SECRET, StoredBlock(key, blocks[1], prompt[16:24]), MODEL_KEY, layout, bytes(page_bytes(pool))
+            )
         )
         bad[-40] ^= 0xFF  # a byte of its KV
         # the block lives in this client's segment: it stays open to the end (closing it takes its
