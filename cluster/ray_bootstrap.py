@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -60,50 +62,41 @@ _EMBEDDED_ATTEMPTS = 2
 _LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-_before_loopback: tuple[str | None, bool] | None = None
-
-
-def _loopback_node() -> None:
-    global _before_loopback
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """While Ray starts: the GCS, raylet and agents it spawns inherit the setting (and the
+    workers the raylet spawns, from it); this process read it at import. Put back afterwards,
+    so a later ``ray.init``/``ray start`` of this process (a cluster) is not affected."""
     from ray._private import ray_constants
 
-    if _before_loopback is None:
-        _before_loopback = (os.environ.get(_LOOPBACK_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER)
-    os.environ[_LOOPBACK_NODE_ENV] = "0"  # the GCS, raylet, agents and workers inherit it
-    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read it at import
-
-
-def _restore_node() -> None:
-    global _before_loopback
-    from ray._private import ray_constants
-
-    if _before_loopback is None:
-        return
-    env, enabled = _before_loopback
-    if env is None:
-        os.environ.pop(_LOOPBACK_NODE_ENV, None)
-    else:
-        os.environ[_LOOPBACK_NODE_ENV] = env
-    ray_constants.ENABLE_RAY_CLUSTER = enabled
-    _before_loopback = None
+    env, enabled = os.environ.get(_LOOPBACK_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOOPBACK_NODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop(_LOOPBACK_NODE_ENV, None)
+        else:
+            os.environ[_LOOPBACK_NODE_ENV] = env
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def _start_embedded(num_cpus: int, namespace: str | None, runtime_env: dict[str, Any] | None) -> None:
-    _loopback_node()
     for attempt in range(1, _EMBEDDED_ATTEMPTS + 1):
         try:
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                namespace=namespace,
-                runtime_env=runtime_env,
-                logging_level=logging.WARNING,
-                log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1",
-            )
+            with _loopback_node():
+                ray.init(
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    namespace=namespace,
+                    runtime_env=runtime_env,
+                    logging_level=logging.WARNING,
+                    log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1",
+                )
             return
         except Exception as e:
             if _STARTUP_TIMEOUT not in str(e) or attempt == _EMBEDDED_ATTEMPTS:
-                _restore_node()
                 raise
             _kill_half_started_node(e)
             logger.warning("embedded Ray did not start in time (attempt %d); starting it again", attempt)
@@ -126,4 +119,3 @@ def _kill_half_started_node(error: BaseException) -> None:
 def shutdown_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
-    _restore_node()

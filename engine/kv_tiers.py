@@ -396,8 +396,10 @@ class TierConfig:
     store_retry_s: float = 5.0
     store_timeout_s: float = 2.0  # the longest a request waits for the store's answer
     # what the answer takes to reach the loop besides the store's own time (thread wake-ups, the
-    # interpreter's switch interval while the loop thread computes): added to recompute's price
-    answer_slack_s: float = 0.02
+    # interpreter's switch interval while the loop thread computes, a busy host's scheduling):
+    # added to recompute's price. At 20 ms, answers of a healthy store on a loaded 2-core host
+    # came late and backed the store off; a request waits at most this much past recomputing
+    answer_slack_s: float = 0.1
     prices: TierPrices = field(default_factory=TierPrices)
     secret: bytes = field(default=b"", repr=False)
     fetched_bytes: int = 256 << 20  # answered fetches held for their requests, at most
