@@ -19,93 +19,24 @@ if TYPE_CHECKING:
     from tandem.wire.stream_summary import StreamSummary
 
 # vLLM's boundaries, so that panels and habits carry over
+# fmt: off
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
 )
 ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
     80.0,
 )
 E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 )
 PART_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0,
 )
+# fmt: on
 
 # The parts of a request's end-to-end latency, in order (each on one process's clock; the
 # flights between processes are in none of them)
@@ -142,46 +73,45 @@ class FrontendMetrics:
         self._children: dict[tuple[Any, ...], Any] = {}  # labelled children, by metric and labels
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r)
+            """This frontend's series of a histogram."""
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**base)
+
+        def by_part(name: str, doc: str) -> Histogram:
+            """A histogram with a series for each part of a request's latency."""
+            return Histogram(name, doc, [*names, "part"], buckets=PART_BUCKETS, registry=r)
 
         self.ttft = histogram(
             "tandem_time_to_first_token_seconds",
             "Request arrival at the frontend -> its first token at the frontend",
             TTFT_BUCKETS,
-        ).labels(**base)
+        )
         self.itl = histogram(
             "tandem_inter_token_latency_seconds",
             "Gap between consecutive output tokens of a request, on its decode rank's clock",
             ITL_BUCKETS,
-        ).labels(**base)
+        )
         self.tpot = histogram(
             "tandem_request_time_per_output_token_seconds",
             "A request's (end-to-end - time to first token) / (output tokens - 1)",
             ITL_BUCKETS,
-        ).labels(**base)
+        )
         self.e2e = histogram(
             "tandem_e2e_request_latency_seconds",
             "Request arrival at the frontend -> its result at the frontend",
             E2E_BUCKETS,
-        ).labels(**base)
+        )
         self.queue = histogram(
             "tandem_request_queue_time_seconds",
             "Request arrival at the frontend -> routed (waiting for a running slot included)",
             PART_BUCKETS,
-        ).labels(**base)
-        self._parts = Histogram(
+        )
+        self._parts = by_part(
             "tandem_request_latency_part_seconds",
             'Each part of the end-to-end latency composition of a request (see README, "The bill")',
-            [*names, "part"],
-            buckets=PART_BUCKETS,
-            registry=r,
         )
-        self._prefill_parts = Histogram(
+        self._prefill_parts = by_part(
             "tandem_request_prefill_part_seconds",
             "The parts of a request's KV wait measured on its prefill ranks, summed over its attempts",
-            [*names, "part"],
-            buckets=PART_BUCKETS,
-            registry=r,
         )
         # every part's series exists at zero from the start: a series born at its first
         # observation has no earlier sample, so rate() never sees the increase that created it
