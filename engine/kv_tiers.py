@@ -428,7 +428,7 @@ class KVTiers:
         self.host_load_bytes = self.store_load_bytes = 0
         self.host_load_s = self.store_load_s = 0.0
         self.store_errors = self.store_rejected = self.recomputed_tokens = 0
-        self.store_slow = 0  # of the errors: fetches answered after their deadline, or never
+        self.store_slow = 0  # fetches answered after their deadline, or never (not errors)
         self._closed = False
 
     # -- decisions (loop thread) ----------------------------------------------------------------
@@ -577,6 +577,7 @@ class KVTiers:
             store_writes=w.writes if w else 0,
             store_errors=self.store_errors + (w.errors + w.dropped if w else 0),
             store_rejected=self.store_rejected,
+            store_slow=self.store_slow,
             recomputed_tokens=self.recomputed_tokens,
             host_bytes_per_s=self.prices.host_bytes_per_s if self.prices.measured.get("host") else 0.0,
             store_bytes_per_s=self.prices.store_bytes_per_s if self.prices.measured.get("store") else 0.0,
@@ -671,8 +672,7 @@ class KVTiers:
     def _overdue(self, key: tuple[int, int], fetch: StoreFetch) -> None:
         """No answer by the deadline: a miss; the store, slower than its price, is backed off."""
         del self._fetches[key]
-        self.store_slow += 1
-        self._store_failed(f"no answer within {fetch.deadline_s - fetch.asked_s:.3f} s")
+        self._store_slow(f"no answer within {fetch.deadline_s - fetch.asked_s:.3f} s")
 
     def _take_fetched(self, chain: Sequence[ChainBlock], match: LowerMatch) -> None:
         """The answered fetch of ``chain``'s run, settled once: its checked payloads into
@@ -694,8 +694,7 @@ class KVTiers:
         if fetch.skipped:
             return
         if fetch.answered_s > fetch.deadline_s:
-            self.store_slow += 1
-            self._store_failed(f"answered in {fetch.answered_s - fetch.asked_s:.3f} s, past its price")
+            self._store_slow(f"answered in {fetch.answered_s - fetch.asked_s:.3f} s, past its price")
             return
         self.prices.observe("latency", 1, fetch.exists_s)
         if fetch.payloads:
@@ -709,6 +708,17 @@ class KVTiers:
             "KV store unavailable, computing instead for %.0f s: %s", self.config.store_retry_s, reason
         )
         self.store_errors += 1
+        self.store_down_until = time.monotonic() + self.config.store_retry_s
+
+    def _store_slow(self, reason: str) -> None:
+        """A fetch slower than recomputing: a miss, counted apart from failures, and the store is
+        left alone for ``store_retry_s`` as after one."""
+        log.warning(
+            "KV store slower than computing, computing instead for %.0f s: %s",
+            self.config.store_retry_s,
+            reason,
+        )
+        self.store_slow += 1
         self.store_down_until = time.monotonic() + self.config.store_retry_s
 
     def _remember_in_store(self, block: int) -> None:

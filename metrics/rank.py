@@ -228,6 +228,14 @@ def _tier_families(t: TierStats, names: list[str], values: list[str]) -> Iterato
     )
     yield one(
         CounterMetricFamily(
+            "tandem_kv_store_slow_fetches",
+            "Store fetches not answered within recomputing's price: misses that back the store off",
+            labels=names,
+        ),
+        t.store_slow,
+    )
+    yield one(
+        CounterMetricFamily(
             "tandem_kv_store_rejected_blocks",
             "Blocks read from the store that failed their check (corrupt, truncated, another model or "
             "layout)",

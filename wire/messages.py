@@ -433,7 +433,8 @@ class TierStats:
     """A rank's KV tiers below its device pages, since start: what it loaded from each (bytes
     and the seconds the copies took, on its own clock), what it wrote to the store, the store's
     failures (``store_errors``: calls that failed or timed out; ``store_rejected``: blocks read
-    that failed their check: corrupt, truncated, another model or layout), the cached tokens
+    that failed their check: corrupt, truncated, another model or layout; ``store_slow``: fetches
+    not answered within recomputing's price, misses that back the store off), the cached tokens
     it chose to compute again because loading them was priced slower, and its measured prices
     (bytes/s from each tier, prefill tokens/s; 0 until measured). Host pages: the pool's size
     and how many hold a block."""
@@ -449,6 +450,7 @@ class TierStats:
     store_writes: int = 0
     store_errors: int = 0
     store_rejected: int = 0
+    store_slow: int = 0
     recomputed_tokens: int = 0
     host_bytes_per_s: float = 0.0
     store_bytes_per_s: float = 0.0
