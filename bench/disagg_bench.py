@@ -11,6 +11,7 @@ computed -> KV usable on the decode rank) over TTFT.
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from pathlib import Path
@@ -72,7 +73,9 @@ def _disaggregated(
     model_dir: Path, dtype: str, topology: Topology, rounds: list[list[list[int]]], sampling: SamplingParams
 ) -> dict[str, Any]:
     """The rounds through a served cluster's frontend, the path every gRPC request takes."""
-    server = Server(ServeOptions(topology, model_dir, port=0, dtype=dtype))
+    # a deployment of its own, beside any that serves (or is still stopping) on the same cluster
+    name = f"disagg-bench-{os.getpid()}-{time.monotonic_ns()}"
+    server = Server(ServeOptions(topology, model_dir, port=0, dtype=dtype, deployment=name))
     server.start()
     ttft: list[float] = []
     itl: list[float] = []
