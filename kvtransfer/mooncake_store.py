@@ -15,9 +15,10 @@ an empty answer after an ``is_exist`` of 1 is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tandem.kvtransfer.bind_guard import bind_wildcards_to, guard_loaded, is_loopback
@@ -40,9 +41,6 @@ def keep_listeners_on(config: StoreConfig) -> None:
             "reads and writes of this process's memory to whoever connects: set "
             "store.trusted_network: true in the topology only where the network is the deployment's own"
         )
-    # the address Mooncake advertises for its TCP data transfers (else the host's outward one,
-    # whatever local_hostname says: a peer on another node, or this one, would connect there)
-    os.environ.setdefault(TCP_DATA_HOST_ENV, host)
     if guard_loaded():
         bind_wildcards_to(host)
     elif config.trusted_network:
@@ -55,6 +53,23 @@ def keep_listeners_on(config: StoreConfig) -> None:
         )
 
 
+@contextlib.contextmanager
+def _tcp_data_host(host: str) -> Iterator[None]:
+    """While the client sets up: the address Mooncake advertises for its TCP data transfers,
+    read from the environment (else the host's outward one, whatever ``local_hostname`` says,
+    and a peer would connect there). Put back afterwards: a value left in this process's
+    environment would reach every process it starts, as their address."""
+    before = os.environ.get(TCP_DATA_HOST_ENV)
+    os.environ[TCP_DATA_HOST_ENV] = host
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TCP_DATA_HOST_ENV, None)
+        else:
+            os.environ[TCP_DATA_HOST_ENV] = before
+
+
 class MooncakeStore(KVStore):
     def __init__(self, config: StoreConfig) -> None:
         try:
@@ -64,15 +79,16 @@ class MooncakeStore(KVStore):
         self.config = config
         keep_listeners_on(config)
         self._store: Any = MooncakeDistributedStore()
-        code = self._store.setup(
-            config.local_hostname,
-            config.metadata,
-            config.segment_bytes,
-            config.local_buffer_bytes,
-            config.protocol,
-            "",
-            config.master,
-        )
+        with _tcp_data_host(config.local_hostname):
+            code = self._store.setup(
+                config.local_hostname,
+                config.metadata,
+                config.segment_bytes,
+                config.local_buffer_bytes,
+                config.protocol,
+                "",
+                config.master,
+            )
         if code != 0:
             raise StoreError(f"Mooncake store setup against master {config.master} failed (code {code})")
         self._failed = False

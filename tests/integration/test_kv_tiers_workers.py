@@ -9,6 +9,7 @@ miss; the master stopped mid-run loses no request. Greedy tokens equal ``transfo
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -262,6 +263,8 @@ def test_every_tier_serves_golden_tokens_and_bills_where_they_came_from(
         assert turn.bill.cached_tokens == computed_then // PAGE * PAGE > len(system)
         assert _tiers_of(turn)[2] >= turn.bill.cached_tokens - 5 * PAGE
         cluster.check()
+        # the address the clients advertised is not left behind for the processes this one starts
+        assert "MC_TCP_BIND_ADDRESS" not in os.environ
     finally:
         cluster.close()
 
