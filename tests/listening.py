@@ -15,7 +15,7 @@ class Listener:
     address: str
     port: int
     pid: int
-    process: str  # its command line, shortened
+    process: str  # its program's name and arguments, shortened
 
     @property
     def loopback(self) -> bool:
@@ -76,7 +76,7 @@ def listeners(pids: set[int]) -> list[Listener]:
     for pid in sorted(pids):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         for fd in fds:
@@ -88,5 +88,7 @@ def listeners(pids: set[int]) -> list[Listener]:
                 inode = int(target[len("socket:[") : -1])
                 if inode in inodes:
                     address, port = inodes[inode]
-                    out.append(Listener(address, port, pid, command.strip()[:80]))
+                    # the program's name, not its path: a long install path would push it out
+                    command = " ".join([os.path.basename(argv[0]), *argv[1:]]).strip()
+                    out.append(Listener(address, port, pid, command[:80]))
     return sorted(set(out), key=lambda x: (x.pid, x.port))
