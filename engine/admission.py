@@ -4,17 +4,10 @@ most pages a request can hold. Torch-free: the frontend sizes requests with ``ma
 
 from __future__ import annotations
 
-import math
-
 from tandem.engine.request import Request, RequestStatus
 from tandem.wire.messages import RankRequest
 from tandem.wire.request_params import InvalidRequestError, check_prompt
-
-
-def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int) -> int:
-    """Pages a request holds at its longest. The last sampled token's KV is never computed,
-    hence the - 1."""
-    return math.ceil((min(prompt_tokens + max_tokens, max_model_len) - 1) / page_size)
+from tandem.wire.request_params import max_kv_pages as max_kv_pages
 
 
 def admit_new_request(

@@ -37,13 +37,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tandem.engine.admission import max_kv_pages
-from tandem.engine.prefix_cache import block_hashes
+from tandem.frontend import grammar_checker
 from tandem.frontend.cache_salt import chain_salt
 from tandem.frontend.client_usage import UsageBook
 from tandem.frontend.detokenizer import PairCache
+from tandem.frontend.grammar_checker import GuideChecker
 from tandem.frontend.grpc_auth import ANONYMOUS, ClientToken, parse_client_tokens
 from tandem.frontend.kv_event_feed import KVEventFeed
 from tandem.frontend.limits import EdgeLimits
@@ -59,14 +59,12 @@ from tandem.metrics.labels import FrontendLabels
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
 from tandem.router.router import NoRankAvailable, Router, RouterConfig
+from tandem.wire.block_chain import block_hashes
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, StreamBatch
-from tandem.wire.request_params import FinishReason, Guide, InvalidRequestError
+from tandem.wire.request_params import FinishReason, Guide, InvalidRequestError, max_kv_pages
 from tandem.wire.routing_view import CONTROLLER_NAME, RoutingView
 from tandem.wire.stream_summary import Route, StreamSummary
-
-if TYPE_CHECKING:
-    from tandem.model.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +140,7 @@ class FrontendCore:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
-        self._grammar: GrammarCompiler | None = None  # structured outputs' checks, made at the first
+        self._grammar: GuideChecker | None = None  # structured outputs' checks, made at the first
         self._grammar_lock = threading.Lock()
         self.router: Router[RankId] = Router(RouterConfig(tie_break_salt=config.name))
         self.running: dict[RequestKey, Running] = {}  # by the client's request id
@@ -174,24 +172,23 @@ class FrontendCore:
         )
 
     async def check_guide(self, guide: Guide, field: str) -> None:
-        """Compile a structured output's guide (xgrammar is loaded at the first, on a thread:
-        a frontend that serves none never imports it) on the compiler's pool, several specs at
-        once, each once (cached); a spec that does not compile, or not within
-        ``limits.grammar_compile_limit_s``, raises ``InvalidRequestError`` naming ``field``."""
-        compiler = self._grammar
-        if compiler is None:
-            compiler = await asyncio.to_thread(self._grammar_compiler)
-        await compiler.check(guide, field)
+        """Compile a structured output's guide in the grammar checker's process (started at the
+        first, on a thread: a frontend that serves none starts none; xgrammar imports torch,
+        which this process never does), several specs at once, each once (cached); a spec that
+        does not compile, or not within ``limits.grammar_compile_limit_s``, raises
+        ``InvalidRequestError`` naming ``field``."""
+        checker = self._grammar
+        if checker is None:
+            checker = await asyncio.to_thread(self._grammar_checker)
+        await checker.check(guide, field)
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def _grammar_checker(self) -> GuideChecker:
         with self._grammar_lock:
             if self._grammar is None:
-                from tandem.model.grammar import GrammarCompiler
-
                 limit_s = self.config.limits.grammar_compile_limit_s
-                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, limit_s)
-                compiler.setup()  # here, on a thread: not in the first spec's time
-                self._grammar = compiler
+                self._grammar = grammar_checker.start_checker(
+                    self.config.model_dir, self.model_config.vocab_size, limit_s
+                )
             return self._grammar
 
     @property

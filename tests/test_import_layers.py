@@ -1,5 +1,6 @@
 """The layers written in ``pyproject.toml`` hold, and the check catches what breaks them: an
-upward import and an import cycle, each planted in a copy of the tree, fail ``lint-imports``."""
+upward import, an import cycle and a frontend import of a torch-bearing model module, each
+planted in a copy of the tree, fail ``lint-imports``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _copy(tmp_path: Path) -> Path:
 def test_the_tree_keeps_its_layers_and_has_no_cycle() -> None:
     done = _lint(ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "Contracts: 2 kept, 0 broken." in done.stdout
+    assert "Contracts: 3 kept, 0 broken." in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -50,8 +51,14 @@ def test_the_tree_keeps_its_layers_and_has_no_cycle() -> None:
             "from tandem.wire.messages import RankId",
             "No import cycles among sibling modules BROKEN",
         ),
+        # the frontend reaching for the model's torch half (its grammar masks)
+        (
+            "frontend/core.py",
+            "from tandem.model.grammar import GuidedRows",
+            "tandem.frontend.core -> tandem.model.grammar",
+        ),
     ],
-    ids=["upward", "cycle"],
+    ids=["upward", "cycle", "frontend-torch"],
 )
 def test_a_planted_import_fails_the_check(tmp_path: Path, file: str, planted: str, broken: str) -> None:
     tree = _copy(tmp_path)

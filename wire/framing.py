@@ -11,7 +11,7 @@ processes."""
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import IO, Any
 
 LENGTH_BYTES = 8
 # a step's stream batch for every request of a frontend, or a submit of long prompts, with room
@@ -42,3 +42,13 @@ def frame_length(head: bytes) -> int:
 def unframe(payload: bytes) -> Any:
     """The message of a frame's payload."""
     return pickle.loads(payload)
+
+
+def read_frame(stream: IO[bytes]) -> Any | None:
+    """The next message on a blocking ``stream``, or ``None`` at its end."""
+    head = stream.read(LENGTH_BYTES)
+    if len(head) < LENGTH_BYTES:
+        return None
+    length = frame_length(head)
+    body = stream.read(length)
+    return unframe(body) if len(body) == length else None

@@ -238,3 +238,9 @@ class SamplingParams:
     def canonical(self) -> SamplingParams:
         """The same sampling with a greedy temperature written as 0, as the edges pass it on."""
         return dataclasses.replace(self, temperature=0.0) if self.greedy and self.temperature else self
+
+
+def max_kv_pages(prompt_tokens: int, max_tokens: int, max_model_len: int, page_size: int) -> int:
+    """Pages a request holds at its longest. The last sampled token's KV is never computed,
+    hence the - 1."""
+    return math.ceil((min(prompt_tokens + max_tokens, max_model_len) - 1) / page_size)

@@ -1,8 +1,9 @@
 """The frontend's check of a structured output: a spec that does not compile within
 ``grammar_compile_limit_s`` is a 400 naming its field (``response_format`` or ``tools``) through
 the OpenAI app, answered at the limit, and at once when asked again; several specs compile at
-the same time; a spec checked twice is compiled once (a real core over the demo model, no
-cluster: the check comes before any rank is asked)."""
+the same time (both with the compiler held in this process); a spec checked twice is compiled
+once (the real checker's process). A real core over the demo model, no cluster: the check comes
+before any rank is asked."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 import pytest
 
 from tandem.cluster.serve import demo_model_dir
+from tandem.frontend import grammar_checker
 from tandem.frontend.core import FrontendConfig, FrontendCore
+from tandem.frontend.grammar_checker import GrammarProcess
 from tandem.frontend.limits import EdgeLimits
-from tandem.model import grammar
+from tandem.model.tokenizer import Tokenizer
 from tandem.wire.request_params import Guide, GuideKind
 from tests.model.grammar_doubles import SLOW_SCHEMA, HeldCompiler
 
@@ -26,6 +29,15 @@ def _core(limit_s: float | None = LIMIT_S) -> FrontendCore:
     """The demo model's core; ``None``: the default limit."""
     limits = EdgeLimits() if limit_s is None else EdgeLimits(grammar_compile_limit_s=limit_s)
     return FrontendCore(FrontendConfig(str(demo_model_dir()), "demo", limits=limits))
+
+
+def _hold(monkeypatch: pytest.MonkeyPatch, **held: Any) -> None:
+    """The frontend's checker: a compiler in this process whose compiles can be held back."""
+
+    def start(model_dir: str, vocab_size: int, limit_s: float) -> HeldCompiler:
+        return HeldCompiler(Tokenizer.from_dir(model_dir), vocab_size, limit_s, **held)
+
+    monkeypatch.setattr(grammar_checker, "start_checker", start)
 
 
 def _post(core: FrontendCore, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
@@ -59,7 +71,7 @@ def test_a_schema_past_the_compile_limit_is_a_400_naming_its_field(
 ) -> None:
     """The compile is held back (it would take about a second on the demo's vocabulary) past
     the limit of 0.2 s: the 400 comes while it still runs, not once it ends."""
-    monkeypatch.setattr(grammar, "GrammarCompiler", lambda *a: HeldCompiler(*a, held=None, max_hold_s=60))
+    _hold(monkeypatch, held=None, max_hold_s=60)
     core = _core()
     body = {"messages": [{"role": "user", "content": "Fill it in."}], "max_tokens": 8, **fields}
     status, reply, _ = _post(core, body)
@@ -79,7 +91,7 @@ def test_a_schema_past_the_compile_limit_is_a_400_naming_its_field(
 
 def test_two_specs_are_checked_at_the_same_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each compile waits until two run at once: behind one compiler thread neither ends."""
-    monkeypatch.setattr(grammar, "GrammarCompiler", lambda *a: HeldCompiler(*a, held=(), meet=2))
+    _hold(monkeypatch, held=(), meet=2)
     core = _core(limit_s=None)
 
     async def both() -> None:
@@ -100,5 +112,9 @@ def test_a_spec_checked_twice_is_compiled_once() -> None:
         await core.check_guide(guide, "response_format")
         await core.check_guide(guide, "response_format")
 
-    asyncio.run(twice())
-    assert core._grammar is not None and core._grammar.compiled == 1
+    try:
+        asyncio.run(twice())
+        assert isinstance(core._grammar, GrammarProcess) and core._grammar.compiled == 1
+    finally:
+        if isinstance(core._grammar, GrammarProcess):
+            core._grammar.close()

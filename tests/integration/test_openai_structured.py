@@ -6,11 +6,14 @@ and the decode rank the rest. One server for the module.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +26,7 @@ from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.frontend.openai_tools import CALL_BEGIN
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
+from tests.listening import descendants
 
 PERSON = {
     "type": "object",
@@ -338,3 +342,26 @@ def test_tools_asked_wrongly_are_a_400_naming_the_field(
 ) -> None:
     error = _refused(served, fields)
     assert error["param"] == param, error
+
+
+def _frontend_pids() -> list[int]:
+    """This test's frontend actors: the Ray workers (below this process) titled ``ray::Frontend``."""
+    found = []
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Frontend"):
+                found.append(pid)
+    return found
+
+
+def test_the_frontend_serves_a_structured_output_without_loading_torch(served: Served) -> None:
+    """The frontend compiled and checked the request's schema (the edge's check) and streamed it,
+    with no torch library mapped in its process: its grammar half is the torch-free compiler."""
+    content, finish = _person(served, seed=7)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(content), PERSON)
+    pids = _frontend_pids()
+    assert pids, "no frontend process found"
+    for pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps, f"frontend {pid} maps torch"

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
-from tandem.model.grammar import GrammarCompiler
+from tandem.model.grammar_compiler import GrammarCompiler
 from tandem.wire.request_params import Guide, GuideKind
 
 # a string of up to 2,000 characters: about 1.2 s to compile on the demo's vocabulary (a real
