@@ -134,6 +134,7 @@ class Cluster:
                 max_num_batched_tokens=p.max_num_batched_tokens,
                 layerwise=topology.kv_transfer == "layerwise",
                 mtp=topology.speculative.tokens > 0 and topology.speculative.drafter == "mtp",
+                max_jobs=p.max_jobs,
                 host_cache_pages=p.host_cache_pages,
                 store=store,
                 store_secret=secret,

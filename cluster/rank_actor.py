@@ -33,6 +33,7 @@ from tandem.metrics.labels import RankLabels
 from tandem.metrics.rank import RankMetrics
 from tandem.wire.channel import Endpoint
 from tandem.wire.messages import ProcessPlace, RankId, RankStats, RequestResult
+from tandem.wire.prefill_job import PrefillJob, PrefillJobAnswer
 
 
 class ModelFilesMissing(FileNotFoundError):
@@ -152,6 +153,28 @@ class RankActor:
         admitted = loop.worker.admit(items)
         loop.post(lambda worker: worker.submit(admitted))
 
+    def submit_jobs(self, jobs: list[PrefillJob], reply_to: Any) -> None:
+        """A decode rank's prefill jobs (a prefill rank), each answered to ``reply_to`` (that
+        decode rank's actor) as soon as the loop has taken or refused it; a rank not set up, or
+        whose loop has failed, refuses them at once."""
+        try:
+            loop = self._require()
+            admitted = loop.worker.admit(jobs)
+            loop.post(lambda worker: _answer(reply_to, worker.submit(admitted)))
+        except (RankNotReady, RankFailed) as exc:
+            name = self.spec.rank_id.name
+            _answer(reply_to, [PrefillJobAnswer(job.request_id, name, str(exc)) for job in jobs])
+
+    def prefill_answers(self, answers: list[PrefillJobAnswer]) -> None:
+        """Prefill ranks' answers to this decode rank's jobs."""
+
+        def answered(worker: RankWorker) -> None:
+            for answer in answers:
+                worker.prefill_answered(answer)  # type: ignore[attr-defined]
+
+        with contextlib.suppress(RankFailed):  # a failed rank has ended its requests already
+            self._require().post(answered)
+
     def channel_endpoint(self) -> Endpoint:
         """Where a frontend opens its channel to this rank: host, port and the secret."""
         return self._channels.endpoint()
@@ -208,3 +231,9 @@ class RankActor:
         if self._loop is None:
             raise RankNotReady(self.spec.rank_id)
         return self._loop
+
+
+def _answer(reply_to: Any, answers: list[PrefillJobAnswer]) -> None:
+    """Answers back to the decode rank that sent the jobs (a call that is not waited for)."""
+    if answers:
+        reply_to.prefill_answers.remote(answers)

@@ -45,6 +45,13 @@ class PoolSpec(BaseModel):
         description="host-memory KV pages per prefill (or colocated) rank: the tier evicted device "
         "pages go to (pinned memory on a GPU); 0 = none",
     )
+    max_jobs: int | None = Field(
+        None,
+        ge=1,
+        description="prefill pool: jobs one rank holds at most (queued, computing or sending); one "
+        "more is refused at once and its decode rank frees the job's pages and retries it; "
+        "null = no limit",
+    )
 
     @property
     def ranks(self) -> int:

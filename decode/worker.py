@@ -55,7 +55,7 @@ from tandem.wire.messages import (
     TierStats,
     TransferId,
 )
-from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.prefill_job import PrefillJob, PrefillJobAnswer
 from tandem.wire.request_params import FinishReason, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -560,6 +560,19 @@ class DecodeWorker(TransferWorker):
             cache_salt=request.cache_salt,
         )
         self.dispatcher.send(prefill_rank, job)
+
+    # -- a prefill rank's answer to a job --------------------------------------------------------
+    def prefill_answered(self, answer: PrefillJobAnswer) -> None:
+        """A refused job's attempt ends now, as a failed prefill's does (its reservation freed,
+        the request retried or ended with the refusal), not at its KV deadline. Its receive is
+        given up too: the transport's report of that (an abort) comes for a transfer no longer
+        waited for."""
+        if answer.accepted or answer.request_id not in self._transfers:
+            return
+        self.transport.abort_receive(answer.request_id)
+        refusal = f"prefill rank {answer.prefill_rank} refused the job: {answer.refusal}"
+        error = KVTransferError(answer.request_id, refusal)
+        self._kv_failed(TransferFailure(answer.request_id, "recv", error))
 
     # -- results ----------------------------------------------------------------------------------
     def _finish(self, finished: DecodeFinished) -> None:

@@ -19,6 +19,7 @@ class PrefillRole(PooledRole):
     max_num_batched_tokens: int
     layerwise: bool = True  # post each layer's writes as soon as it is computed
     mtp: bool = False  # compute the MTP layer's KV too (its decode ranks draft with MTP)
+    max_jobs: int | None = None  # jobs held at once; one more is refused (None: no limit)
 
     @property
     def uses_mtp(self) -> bool:
@@ -54,4 +55,5 @@ class PrefillRole(PooledRole):
             model_config=cfg,
             outbox=ctx.outbox,
             copier=copier,
+            max_jobs=self.max_jobs,
         )

@@ -206,19 +206,30 @@ class PrefillScheduler:
 
     def add_job(self, job: PrefillJob, now: float) -> None:
         """Queue ``job``; raise ``InvalidRequestError`` naming the field if it can never run."""
+        error = self.refusal(job)
+        if error is not None:
+            raise error
+        self._queued[job.request_id] = _JobState(job=job, arrival_s=now)
+
+    def refusal(self, job: PrefillJob) -> InvalidRequestError | None:
+        """Why ``add_job`` would refuse ``job`` now (it can never run here, or its id is in
+        use), naming the field; ``None`` when it would take it."""
         config = self.config
         vocab_size = config.vocab_size if config.vocab_size is not None else _MAX_TOKEN_ID
-        job.validate(vocab_size, config.max_model_len, config.page_size)
+        try:
+            job.validate(vocab_size, config.max_model_len, config.page_size)
+        except InvalidRequestError as error:
+            return error
         if self._find(job.request_id) is not None:
-            raise InvalidRequestError("request_id", f"{job.request_id!r} is already in use on this rank")
+            return InvalidRequestError("request_id", f"{job.request_id!r} is already in use on this rank")
         num_pages = job.num_pages(config.page_size)
         if num_pages > config.num_pages:
-            raise InvalidRequestError(
+            return InvalidRequestError(
                 "prompt_token_ids",
                 f"{job.num_prompt_tokens} tokens need {num_pages} pages but the pool has only "
                 f"{config.num_pages}; send it to a rank with a larger pool or shorten it",
             )
-        self._queued[job.request_id] = _JobState(job=job, arrival_s=now)
+        return None
 
     def abort(self, request_id: str) -> AbortAction:
         """Stop a job. A computing job's pages are freed at once: the transfer only ever reads

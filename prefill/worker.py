@@ -1,6 +1,9 @@
 """A prefill rank's work, without the threads and collectives around it: jobs in, KV out.
 
-Jobs come from decode ranks, checked on the caller's thread (``admit``). One ``step`` plans a
+Jobs come from decode ranks. Each is answered as soon as it reaches the loop (``submit``):
+taken, or refused with why (its id in use, it can never fit this rank's pool, this rank holds
+``max_jobs`` already), so that the decode rank frees the pages it reserved for a refused job
+at once instead of at its KV deadline. One ``step`` plans a
 batch (:class:`PrefillScheduler`), opens a transfer for every job whose last chunk is in it, runs
 the model with a per-layer hook that posts each layer's writes as soon as that layer's KV is in
 the pool (layer-wise mode), samples the first tokens and hands the notifications to the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.kv_event_publisher import KVEventPublisher
@@ -51,7 +55,7 @@ from tandem.prefill.scheduler import AbortAction, PrefillScheduler
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.logprobs import TokenLogprobs, encode_all
 from tandem.wire.messages import LoopStats, RankId, RankStats, RequestResult, Role, TierStats
-from tandem.wire.prefill_job import PrefillJob
+from tandem.wire.prefill_job import PrefillJob, PrefillJobAnswer
 from tandem.wire.request_params import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -60,6 +64,8 @@ if TYPE_CHECKING:
     from tandem.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+_REFUSALS_KEPT = 4096  # refused job ids remembered for their decode rank's cancel that follows
 
 
 class PrefillWorker(TransferWorker):
@@ -75,7 +81,10 @@ class PrefillWorker(TransferWorker):
         model_config: ModelConfig | None = None,
         outbox: Outbox | None = None,
         copier: TierCopier | None = None,
+        max_jobs: int | None = None,
     ) -> None:
+        """``max_jobs``: the most jobs this rank holds at once (queued, computing or sending);
+        one more is refused. ``None``: no limit."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
         self.outbox = outbox
@@ -87,7 +96,11 @@ class PrefillWorker(TransferWorker):
         self.layerwise = layerwise
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
+        self.max_jobs = max_jobs
         self.cancelled_jobs = 0  # jobs dropped uncomputed because their decode rank gave up
+        self.refused_jobs = 0  # jobs answered with a refusal
+        # refused jobs, newest last: the receive their decode rank then gives up is confirmed at once
+        self._refused: OrderedDict[str, None] = OrderedDict()
         self._jobs: dict[str, PrefillJob] = {}
         self._pickup_s: dict[str, float] = {}  # job -> received by the actor -> queued on the loop
         # guided jobs whose grammar still compiles -> when they reached the loop: they join the
@@ -100,41 +113,58 @@ class PrefillWorker(TransferWorker):
         self.failure_counts = FailureCounts()
 
     def admit(self, items: list[PrefillJob]) -> list[tuple[PrefillJob, float]]:
-        """The jobs, checked, each with the moment this rank received it."""
-        cfg = self.model_config
-        if cfg is None:
+        """The jobs, each with the moment this rank received it; each is checked on the loop,
+        where it is answered (``submit``)."""
+        if self.model_config is None:
             raise RuntimeError(f"prefill rank {self.name} was built without a model config")
-        for job in items:
-            job.validate(cfg.vocab_size, cfg.max_position_embeddings, self.scheduler.config.page_size)
         received = time.monotonic()
         return [(job, received) for job in items]
 
-    def submit(self, jobs: list[tuple[PrefillJob, float]]) -> None:
-        """Queue jobs; a job's ``deadline_s`` is wall-clock time (it crosses machines) and is
-        turned into this process's monotonic clock here."""
+    def submit(self, jobs: list[tuple[PrefillJob, float]]) -> list[PrefillJobAnswer]:
+        """Queue jobs, each answered: taken, or refused with why. A job's ``deadline_s`` is
+        wall-clock time (it crosses machines) and is turned into this process's monotonic clock
+        here."""
         now, wall = time.monotonic(), time.time()
-        for job, received in jobs:
-            if self.transport.is_cancelled(job.request_id):  # given up before it arrived
-                self.cancelled_jobs += 1
-                self.transport.confirm_cancelled(job.request_id)
-                continue
-            job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
-            if job.request_id in self._jobs:  # a duplicate id: its decode rank times out
-                log.warning("prefill job %s refused: its id is in use on this rank", job.request_id)
-                continue
-            self.runner.prepare_guide(job.sampling)  # compiled while its prompt waits or runs
-            self._jobs[job.request_id] = job
-            self._pickup_s[job.request_id] = now - received
-            if job.sampling.guide is None:
-                self._queue(job, now)
-            else:
-                self._grammar_wait[job.request_id] = now
+        answers = [self._take(job, received, now, wall) for job, received in jobs]
         self._queue_ready_grammars()
+        return answers
+
+    def _take(self, job: PrefillJob, received: float, now: float, wall: float) -> PrefillJobAnswer:
+        if self.transport.is_cancelled(job.request_id):  # given up before it arrived
+            self.cancelled_jobs += 1
+            self.transport.confirm_cancelled(job.request_id)
+            return PrefillJobAnswer(job.request_id, self.name, "its decode rank gave it up before it came")
+        refusal = self._refusal(job)
+        if refusal is not None:
+            log.warning("prefill job %s refused: %s", job.request_id, refusal)
+            self.refused_jobs += 1
+            self._refused[job.request_id] = None
+            if len(self._refused) > _REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+            return PrefillJobAnswer(job.request_id, self.name, refusal)
+        job = dataclasses.replace(job, deadline_s=now + (job.deadline_s - wall))
+        self.runner.prepare_guide(job.sampling)  # compiled while its prompt waits or runs
+        self._jobs[job.request_id] = job
+        self._pickup_s[job.request_id] = now - received
+        if job.sampling.guide is None:
+            self._queue(job, now)
+        else:
+            self._grammar_wait[job.request_id] = now
+        return PrefillJobAnswer(job.request_id, self.name)
+
+    def _refusal(self, job: PrefillJob) -> str | None:
+        """Why this rank does not take ``job`` now; ``None`` when it does."""
+        if self.max_jobs is not None and len(self._jobs) >= self.max_jobs:
+            return f"prefill rank {self.name} is full: it holds {len(self._jobs)} jobs, its most"
+        if job.request_id in self._jobs:
+            return f"request_id: {job.request_id!r} is already in use on this rank"
+        error = self.scheduler.refusal(job)  # what ``add_job`` would refuse
+        return None if error is None else str(error)
 
     def _queue(self, job: PrefillJob, now: float) -> None:
         try:
             self.scheduler.add_job(job, now)
-        except InvalidRequestError as error:  # e.g. too long for the pool: its decode rank times out
+        except InvalidRequestError as error:  # answered taken, so not expected: its decode rank times out
             log.warning("prefill job %s refused: %s", job.request_id, error)
             self._forget(job.request_id)
 
@@ -283,6 +313,10 @@ class PrefillWorker(TransferWorker):
                 self._forget(failure.request_id)
                 self._failed(failure)
         for request_id in events.cancelled:  # its decode rank gave up before the send began
+            if request_id in self._refused:  # refused on arrival: nothing of it ever ran
+                del self._refused[request_id]
+                self.transport.confirm_cancelled(request_id)
+                continue
             held = request_id in self._grammar_wait
             if held or self.scheduler.abort(request_id) in (AbortAction.DEQUEUED, AbortAction.STOPPED):
                 self._forget(request_id)

@@ -12,7 +12,8 @@ A job is ``WAITING`` (queued), then ``RUNNING`` (holding pages, computed chunk b
 ``SENDING_KV`` (its pages still held while the transport reads them) until the caller reports
 the transfer over; these are the request statuses of ``engine/request.py``. The outcomes are
 ``PrefillDone`` (compute finished, transfer pending) and ``PrefillExpired`` (its deadline passed
-before it started).
+before it started). Each job is answered as soon as it reaches the prefill rank's loop
+(``PrefillJobAnswer``): taken, or refused with why.
 """
 
 from __future__ import annotations
@@ -112,6 +113,22 @@ class PrefillJob:
             raise InvalidRequestError("destination.page_ids", f"must be integers >= 0, got {page_ids}")
         if len(set(page_ids)) != len(page_ids):
             raise InvalidRequestError("destination.page_ids", f"lists a page twice: {page_ids}")
+
+
+@dataclass(frozen=True)
+class PrefillJobAnswer:
+    """A prefill rank's answer to one job, sent back to its decode rank at once: taken
+    (``refusal`` None) or refused, with why. A refused job holds nothing on the prefill rank
+    and nothing of it is ever written: its decode rank may free the pages it reserved for it
+    at once instead of at the deadline."""
+
+    request_id: str  # the job's (its transfer's key)
+    prefill_rank: str
+    refusal: str | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.refusal is None
 
 
 @dataclass(frozen=True)
