@@ -151,7 +151,11 @@ class RankActor:
         first bad one, taking none of them."""
         loop = self._require()
         admitted = loop.worker.admit(items)
-        loop.post(lambda worker: worker.submit(admitted))
+
+        def take(worker: RankWorker) -> None:
+            worker.submit(admitted)
+
+        loop.post(take)
 
     def submit_jobs(self, jobs: list[PrefillJob], reply_to: Any) -> None:
         """A decode rank's prefill jobs (a prefill rank), each answered to ``reply_to`` (that
@@ -160,7 +164,7 @@ class RankActor:
         try:
             loop = self._require()
             admitted = loop.worker.admit(jobs)
-            loop.post(lambda worker: _answer(reply_to, worker.submit(admitted)))
+            loop.post(lambda worker: _answer(reply_to, worker.submit(admitted) or []))
         except (RankNotReady, RankFailed) as exc:
             name = self.spec.rank_id.name
             _answer(reply_to, [PrefillJobAnswer(job.request_id, name, str(exc)) for job in jobs])

@@ -74,7 +74,9 @@ class RankWorker(ABC):
         the first bad one); what ``submit`` takes."""
 
     @abstractmethod
-    def submit(self, admitted: Any) -> None: ...
+    def submit(self, admitted: Any) -> list[Any] | None:
+        """Take what ``admit`` checked; a role that answers its senders (a prefill rank's
+        ``PrefillJobAnswer``s) returns the answers."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
