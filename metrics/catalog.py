@@ -1,5 +1,6 @@
 """Every metric Tandem exports, by the process kind that exports it: what the dashboard and the
-README's table may name. Built from the real registries, filled with one of each event."""
+metrics reference (``metrics/reference.py``) may name. Built from the real registries, filled
+with one of each event."""
 
 from __future__ import annotations
 
@@ -29,20 +30,25 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
     return out
 
 
-def exported_metric_names() -> dict[str, set[str]]:
-    """Sample names by process kind: ``frontend``, ``rank`` (prefill and decode) and ``controller``."""
+def exported_registries() -> dict[str, list[CollectorRegistry]]:
+    """Each process kind's registries (``frontend``, ``rank``: a prefill and a decode rank,
+    ``controller``), filled with one of each event."""
     frontend = FrontendMetrics(FrontendLabels("m", "f"), streams_open=lambda: 0)
-    ranks: set[str] = set()
+    ranks = []
     for role in (Role.PREFILL, Role.DECODE):
         rank = RankMetrics(RankLabels("m", role.value, "g", "g-r0", "1"))
         stats = RankStats(RankId("g", 0), role, 1, transfer_failures=(("recv", "timeout", 1),))
         rank.watch(functools.partial(_same, stats))
-        ranks |= sample_names(rank.registry)
+        ranks.append(rank.registry)
     group = GroupFigures("g", "decode", "ready", 1, 0, 2)
     autoscaler = AutoscalerFigures({"decode": 2}, {("decode", "add", "slo"): 1})
     controller = ControllerMetrics(ControllerLabels("m"), lambda: [group], lambda: autoscaler)
+    return {"frontend": [frontend.registry], "rank": ranks, "controller": [controller.registry]}
+
+
+def exported_metric_names() -> dict[str, set[str]]:
+    """Sample names by process kind: ``frontend``, ``rank`` (prefill and decode) and ``controller``."""
     return {
-        "frontend": sample_names(frontend.registry),
-        "rank": ranks,
-        "controller": sample_names(controller.registry),
+        kind: set().union(*(sample_names(registry) for registry in registries))
+        for kind, registries in exported_registries().items()
     }

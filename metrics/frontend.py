@@ -1,6 +1,6 @@
 """The frontend's metrics: requests by how they ended, the latency histograms an operator reads
 first, the latency composition of every request's bill, token counters that equal the sums of the
-bills, and the router's decisions. Names follow vLLM's where one exists (README, "Metrics").
+bills, and the router's decisions. Names follow vLLM's where one exists (the docs, "Metrics and dashboards").
 
 Everything is observed once per request, when its summary is made; nothing per token."""
 
@@ -107,7 +107,7 @@ class FrontendMetrics:
         )
         self._parts = by_part(
             "tandem_request_latency_part_seconds",
-            'Each part of the end-to-end latency composition of a request (see README, "The bill")',
+            'Each part of the end-to-end latency composition of a request (see the docs, "The bill")',
         )
         self._prefill_parts = by_part(
             "tandem_request_prefill_part_seconds",
