@@ -7,8 +7,9 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from tandem.cli.errors import CliError
 from tandem.client.output import command_output, emit
 from tandem.client.prompts import PromptSpec
 from tandem.engine.engine_config import EngineConfig
@@ -17,10 +18,6 @@ from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, Sa
 
 if TYPE_CHECKING:
     from tandem.model.tokenizer import Tokenizer
-
-
-class CliError(Exception):
-    """A problem the user can fix; printed as one line, exit code 2."""
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -144,113 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parsers(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    eng = bench.add_parser("engine", help="colocated engine throughput at batch 1 and 32")
-    eng.add_argument("--model", type=Path, required=True)
-    eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    eng.add_argument("--prompt-tokens", type=int, default=64)
-    eng.add_argument("--output-tokens", type=int, default=64)
-    eng.add_argument("--batch-sizes", default="1,32")
-    eng.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else top_p 0.95 too")
-    eng.add_argument("--json", action="store_true")
-    dep = bench.add_parser("dep", help="per-step time of DEP groups, all-to-all time apart")
-    dep.add_argument("--model", type=Path, required=True)
-    dep.add_argument("--sizes", default="1,2,4", help="DEP sizes to run, comma-separated")
-    dep.add_argument("--requests-per-rank", type=int, default=4)
-    dep.add_argument("--prompt-tokens", type=int, default=32)
-    dep.add_argument("--output-tokens", type=int, default=32)
-    dep.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    dep.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    dep.add_argument("--json", action="store_true")
-    dis = bench.add_parser("disagg", help="TTFT and ITL: disaggregated against colocated")
-    dis.add_argument("--model", type=Path, required=True)
-    dis.add_argument("--preset", default="local")
-    dis.add_argument("--concurrency", default="1,16", help="comma-separated")
-    dis.add_argument("--requests", type=int, default=16)
-    dis.add_argument("--prompt-tokens", type=int, default=128)
-    dis.add_argument("--output-tokens", type=int, default=16)
-    dis.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    dis.add_argument("--json", action="store_true")
-    asc = bench.add_parser("autoscale", help="the autoscaler on a simulated cluster against static sizes")
-    asc.add_argument(
-        "--trace", type=Path, action="append", default=[], help="Mooncake-format JSONL trace (repeatable)"
-    )
-    asc.add_argument(
-        "--shape",
-        action="append",
-        default=[],
-        choices=["long-prompt", "bursty-short"],
-        help="a generated trace (repeatable; default with no --trace: both)",
-    )
-    asc.add_argument("--rate-swing", type=float, default=4.0, help="peak / trough arrival rate of the replay")
-    asc.add_argument("--time-scale", type=float, default=None, help="--trace arrivals this many times denser")
-    asc.add_argument("--ttft-slo", type=float, default=3.0, help="seconds")
-    asc.add_argument("--itl-slo", type=float, default=0.1, help="seconds")
-    asc.add_argument("--rank-budget", type=int, default=48)
-    asc.add_argument("--max-groups", type=int, default=8, help="per pool")
-    asc.add_argument("--json", action="store_true")
-    met = bench.add_parser("metrics", help="decode throughput with metrics (and scrapes) on against off")
-    met.add_argument("--model", type=Path, required=True)
-    met.add_argument("--preset", default="local")
-    met.add_argument("--requests", type=int, default=16)
-    met.add_argument("--prompt-tokens", type=int, default=64)
-    met.add_argument("--output-tokens", type=int, default=64)
-    met.add_argument("--rounds", type=int, default=4, help="pairs of batches, one on and one off")
-    met.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    met.add_argument("--json", action="store_true")
-    kv = bench.add_parser("kvtransfer", help="NIXL transfer speed between two actors against memcpy")
-    kv.add_argument("--size-mib", type=int, default=256)
-    kv.add_argument("--repeats", type=int, default=3)
-    kv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    kv.add_argument("--json", action="store_true")
-    soak = bench.add_parser("soak", help="many requests, some cancelled: exact tokens, no leak, flat memory")
-    soak.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
-    soak.add_argument("--preset", default="local")
-    soak.add_argument("--requests", type=int, default=1000)
-    soak.add_argument("--concurrency", type=int, default=16)
-    soak.add_argument("--cancel-fraction", type=float, default=0.05)
-    soak.add_argument("--seed", type=int, default=0)
-    rb = bench.add_parser("router", help="Mooncake trace through the router over simulated prefill ranks")
-    rb.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    rb.add_argument("--prefill-ranks", type=int, default=8)
-    rb.add_argument("--capacity-blocks", type=int, default=None, help="per-rank cache, 512-token blocks")
-    rb.add_argument("--prefill-tokens-per-s", type=float, default=None, help="uncached tokens/s per rank")
-    rb.add_argument("--policy", default=None, help="prefill policy (default cache_aware)")
-    rb.add_argument("--host-capacity-blocks", type=int, default=None, help="per-rank host LRU (default none)")
-    rb.add_argument("--store", action="store_true", help="a store shared by all ranks (side by side)")
-    rb.add_argument("--store-capacity-blocks", type=int, default=None, help="store LRU (default unbounded)")
-    rb.add_argument("--host-load-tokens-per-s", type=float, default=None, help="host to device, per rank")
-    rb.add_argument("--store-load-tokens-per-s", type=float, default=None, help="store to device, per rank")
-    rb.add_argument("--json", action="store_true")
-    tg = bench.add_parser("trace", help="write a generated Mooncake-format trace (bench router's input)")
-    tg.add_argument("--shape", choices=["long-prompt", "bursty-short"], default="long-prompt")
-    tg.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    tg.add_argument("--seed", type=int, default=0)
-    tg.add_argument("--duration-s", type=float, default=None, help="arrivals span (default 1,800 s)")
-    from tandem.bench.host_bench import add_arguments as add_host_arguments
+    from tandem.cli.bench_commands import add_bench_parsers
 
-    add_host_arguments(bench.add_parser("host", help="host-path costs: decode overhead, frontend, transfer"))
-    from tandem.bench.serve_bench import add_arguments as add_serve_bench_arguments
-
-    add_serve_bench_arguments(bench.add_parser("serve", help="benchmark a running deployment over gRPC"))
-    from tandem.bench.compare import add_arguments as add_compare_arguments
-
-    add_compare_arguments(
-        bench.add_parser("compare", help="goodput of a colocated and a disaggregated preset, same cores")
-    )
-    from tandem.bench.spec_bench import add_arguments as add_spec_arguments
-
-    add_spec_arguments(
-        bench.add_parser("speculative", help="speculative decoding against plain, side by side")
-    )
-    from tandem.bench.start_bench import add_arguments as add_start_arguments
-
-    add_start_arguments(
-        bench.add_parser("start", help="serve-to-SERVING and first requests, groups one by one vs at once")
-    )
-    from tandem.bench.tier_bench import add_arguments as add_tier_bench_arguments
-
-    add_tier_bench_arguments(bench.add_parser("tiers", help="KV tiers off against on, served side by side"))
+    add_bench_parsers(sub)
     return parser
 
 
@@ -355,184 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from tandem.cli.serving import run_metrics
 
         return run_metrics(args)
-    if args.command == "bench" and args.bench_command == "disagg":
-        from tandem.bench.disagg_bench import run_disagg_bench
-
-        result = run_disagg_bench(
-            args.model,
-            args.preset,
-            [int(c) for c in args.concurrency.split(",")],
-            args.requests,
-            args.prompt_tokens,
-            args.output_tokens,
-            address=args.address,
-        )
-        emit(json.dumps(result, indent=None if args.json else 2))
-        return 0
-    if args.command == "bench" and args.bench_command == "autoscale":
-        from tandem.bench import autoscale_sim
-        from tandem.bench.router_bench import TraceError, read_trace
-
-        if not args.rate_swing >= 1:
-            raise InvalidRequestError("--rate-swing", f"must be >= 1, got {args.rate_swing}")
-        if args.time_scale is not None and not args.time_scale > 0:
-            raise InvalidRequestError("--time-scale", f"must be > 0, got {args.time_scale}")
-        try:
-            config = autoscale_sim.bench_config(
-                rank_budget=args.rank_budget,
-                max_groups=args.max_groups,
-                ttft_slo_s=args.ttft_slo,
-                itl_slo_s=args.itl_slo,
-            )
-        except ValueError as exc:
-            raise InvalidRequestError("--ttft-slo/--itl-slo/--rank-budget/--max-groups", str(exc)) from None
-        traces: list[tuple[str, list[Any], float]] = []
-        for path in args.trace:
-            try:
-                traces.append((str(path), read_trace(path), args.time_scale or 1.0))
-            except TraceError as exc:
-                raise CliError(str(exc)) from exc
-        for shape in args.shape or ([] if args.trace else ["long-prompt", "bursty-short"]):
-            traces.append((shape, autoscale_sim.generated_trace(shape), 1.0))
-        results = []
-        for name, requests, scale in traces:
-            swing = args.rate_swing
-            result = autoscale_sim.run_autoscale_bench(requests, config, swing=swing, time_scale=scale)
-            results.append({"trace": name, **result})
-        emit(json.dumps(results) if args.json else autoscale_sim.format_report(results, config))
-        return 0
-    if args.command == "bench" and args.bench_command == "metrics":
-        from tandem.bench.metrics_bench import run_metrics_bench
-
-        for flag in ("requests", "prompt_tokens", "output_tokens", "rounds"):
-            if getattr(args, flag) < 1:
-                raise InvalidRequestError(f"--{flag.replace('_', '-')}", "must be at least 1")
-        result = run_metrics_bench(
-            args.model, args.preset, args.requests, args.prompt_tokens, args.output_tokens, args.rounds,
-            args.address,
-        )  # fmt: skip
-        emit(json.dumps(result, indent=None if args.json else 2))
-        return 0
-    if args.command == "bench" and args.bench_command == "kvtransfer":
-        from tandem.bench.kvtransfer_bench import run_kvtransfer_bench
-
-        if args.size_mib < 1:
-            raise InvalidRequestError("--size-mib", f"must be at least 1, got {args.size_mib}")
-        result = run_kvtransfer_bench(args.size_mib, args.repeats, args.address)
-        emit(json.dumps(result, indent=None if args.json else 2))
-        return 0
-    if args.command == "bench" and args.bench_command == "soak":
-        from tandem.bench.soak import SoakConfig, run_soak
-
-        if args.requests < 1 or args.concurrency < 1:
-            flag = "--requests" if args.requests < 1 else "--concurrency"
-            raise InvalidRequestError(flag, "must be at least 1")
-        if not 0 <= args.cancel_fraction <= 1:
-            raise InvalidRequestError("--cancel-fraction", f"must be in [0, 1], got {args.cancel_fraction}")
-        if args.model is not None:
-            from tandem.model.checkpoint import check_model_dir
-
-            check_model_dir(args.model)
-        soak_config = SoakConfig(
-            requests=args.requests,
-            concurrency=args.concurrency,
-            cancel_fraction=args.cancel_fraction,
-            seed=args.seed,
-            preset=args.preset,
-        )
-        soak_result = run_soak(soak_config, args.model)
-        emit(json.dumps(soak_result))
-        return 0 if soak_result["ok"] else 1
-    if args.command == "bench" and args.bench_command == "host":
-        from tandem.bench.host_bench import run_host_command
-
-        return run_host_command(args, emit)
-    if args.command == "bench" and args.bench_command == "serve":
-        from tandem.bench.serve_bench import run_serve_bench
-
-        return run_serve_bench(args)
-    if args.command == "bench" and args.bench_command == "compare":
-        from tandem.bench.compare import run_compare_command
-
-        return run_compare_command(args)
-    if args.command == "bench" and args.bench_command == "tiers":
-        from tandem.bench.tier_bench import run_tiers_command
-
-        return run_tiers_command(args)
-    if args.command == "bench" and args.bench_command == "start":
-        from tandem.bench.start_bench import run_start_command
-
-        return run_start_command(args)
-    if args.command == "bench" and args.bench_command == "speculative":
-        from tandem.bench.spec_bench import run_speculative_command
-
-        return run_speculative_command(args)
-    if args.command == "bench" and args.bench_command == "router":
-        from tandem.bench import router_bench
-
-        options = {
-            "capacity_blocks": args.capacity_blocks,
-            "prefill_tokens_per_s": args.prefill_tokens_per_s,
-            "policy": args.policy,
-            "host_capacity_blocks": args.host_capacity_blocks,
-            "store": args.store or None,
-            "store_capacity_blocks": args.store_capacity_blocks,
-            "host_load_tokens_per_s": args.host_load_tokens_per_s,
-            "store_load_tokens_per_s": args.store_load_tokens_per_s,
-        }
-        try:
-            result = router_bench.run_router_bench(
-                args.trace, args.prefill_ranks, **{k: v for k, v in options.items() if v is not None}
-            )
-        except ValueError as exc:  # TraceError, a bad option or an unknown policy
-            raise CliError(str(exc)) from exc
-        emit(json.dumps(result) if args.json else router_bench.format_report(result))
-        return 0
-    if args.command == "bench" and args.bench_command == "trace":
-        from tandem.bench import trace_gen
-
-        try:
-            options = {
-                "seed": args.seed,
-                **({} if args.duration_s is None else {"duration_s": args.duration_s}),
-            }
-            records = (
-                trace_gen.long_prompt_trace(trace_gen.LongPromptShape(**options))
-                if args.shape == "long-prompt"
-                else trace_gen.bursty_short_trace(trace_gen.BurstyShortShape(**options))
-            )
-            stats = trace_gen.write_trace(args.out, records)
-        except (ValueError, OSError) as exc:
-            raise CliError(str(exc)) from exc
-        emit(json.dumps({"trace": str(args.out), **stats}))
-        return 0
-    if args.command == "bench" and args.bench_command == "dep":
-        from tandem.bench.dep_bench import run_dep_bench
-
-        result = run_dep_bench(
-            args.model,
-            [int(n) for n in args.sizes.split(",")],
-            args.requests_per_rank,
-            args.prompt_tokens,
-            args.output_tokens,
-            args.dtype,
-            args.address,
-        )
-        emit(json.dumps(result, indent=None if args.json else 2))
-        return 0
     if args.command == "bench":
-        from tandem.bench.engine_bench import run_engine_bench
+        from tandem.cli.bench_commands import run_bench
 
-        result = run_engine_bench(
-            args.model,
-            dtype=args.dtype,
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
-            batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
-            temperature=args.temperature,
-        )
-        emit(json.dumps(result, indent=None if args.json else 2))
-        return 0
+        return run_bench(args)
     raise CliError(f"unknown command {args.command}")
 
 

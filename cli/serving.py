@@ -19,11 +19,23 @@ from tandem.model.dtype_names import NAMES as DTYPE_NAMES
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
+    from tandem.cluster.serve import ServeOptions
     from tandem.cluster.topology import Topology
 
 
 def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``tandem serve``, ``tandem metrics`` and ``tandem client``."""
     srv = sub.add_parser("serve", help="start the cluster and the gRPC frontend; Ctrl-C stops")
+    _serve_model_arguments(srv)
+    _serve_edge_arguments(srv)
+    _serve_limit_arguments(srv)
+    _serve_deployment_arguments(srv)
+    _add_metrics_parsers(sub)
+    _add_client_parsers(sub, sampling_args)
+
+
+def _serve_model_arguments(srv: argparse.ArgumentParser) -> None:
+    """The model, its topology, speculation and KV tiers."""
     srv.add_argument("--preset", default=None, help="topology preset of deploy/presets (default: local)")
     srv.add_argument("--topology", type=Path, default=None, help="topology file (instead of --preset)")
     srv.add_argument(
@@ -35,6 +47,10 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
     add_speculative_arguments(srv)
     add_tier_arguments(srv)
+
+
+def _serve_edge_arguments(srv: argparse.ArgumentParser) -> None:
+    """Where the edges listen and who may call them; the process options."""
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     srv.add_argument(
@@ -60,6 +76,10 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     )
     srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
     srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
+def _serve_limit_arguments(srv: argparse.ArgumentParser) -> None:
+    """The edge's limits (``EdgeLimits``' defaults)."""
     limits = EdgeLimits()
     srv.add_argument(
         "--max-requests-per-client",
@@ -120,6 +140,10 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
         help="seconds a structured output's grammar may take to compile at the frontend; "
         "longer: the request is refused (400 naming response_format or tools)",
     )
+
+
+def _serve_deployment_arguments(srv: argparse.ArgumentParser) -> None:
+    """Metrics, autoscaling and the deployment on its cluster."""
     srv.add_argument(
         "--metrics-port",
         type=int,
@@ -148,6 +172,9 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     srv.add_argument("--frontends", type=int, default=1, help="frontend actors, on ports --port + i")
     srv.add_argument("--dry-run", action="store_true", help="print where every group would go, start nothing")
 
+
+def _add_metrics_parsers(sub: Any) -> None:
+    """``tandem metrics prometheus-config``."""
     metrics = sub.add_parser("metrics", help="Prometheus set-up").add_subparsers(
         dest="metrics_command", required=True
     )
@@ -157,6 +184,9 @@ def add_serving_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentPars
     pcfg.add_argument("--token-file", default=None, help="the deployment's --metrics-token-file")
     pcfg.add_argument("--ca-file", default=None, help="PEM to trust: scrape over HTTPS")
 
+
+def _add_client_parsers(sub: Any, sampling_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``tandem client generate | status | health``."""
     client = sub.add_parser("client", help="talk to a running `tandem serve`").add_subparsers(
         dest="client_command", required=True
     )
@@ -361,7 +391,25 @@ def _overlap(first: int, other: int, frontends: int) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tandem.cluster.serve import ServeOptions, serve
+    """``tandem serve``: every option checked (an error names its flag) before anything starts."""
+    from tandem.cluster.serve import serve
+
+    topology = _serve_topology(args)
+    limits, auth_token, http_host = _check_edges(args)
+    _check_security_and_autoscaling(args)
+    name = _check_deployment(args)
+    if args.dry_run:
+        from tandem.cli.deployment import run_dry_run
+
+        return run_dry_run(topology, args.address, name)
+    _check_ports_free(args, http_host)
+    options = _serve_options(args, topology, limits, auth_token, name)
+    _warn_exposure(args, http_host, auth_token)
+    return serve(options, announce=emit)
+
+
+def _serve_topology(args: argparse.Namespace) -> Topology:
+    """The topology of ``--preset``/``--topology`` with the flags that change it, and its model checked."""
     from tandem.cluster.topology import Topology
     from tandem.model.checkpoint import check_model_dir
 
@@ -379,6 +427,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out
         check_model_dir(args.model)
     check_drafter_model(topology, args.model)
+    return topology
+
+
+def _check_edges(args: argparse.Namespace) -> tuple[EdgeLimits, str | None, str]:
+    """The edges' ports, limits and tokens: ``(limits, auth token, the HTTP API's host)``."""
     if not 0 <= args.port < 65536:
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:
@@ -399,6 +452,10 @@ def run_serve(args: argparse.Namespace) -> int:
         for flag, port in taken.items():
             if port and _overlap(args.http_port, port, args.frontends):
                 raise InvalidRequestError("--http-port", f"{args.http_port} clashes with {flag} {port}")
+    return limits, auth_token, http_host
+
+
+def _check_security_and_autoscaling(args: argparse.Namespace) -> None:
     check_metrics_security(args)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidRequestError(
@@ -416,7 +473,11 @@ def run_serve(args: argparse.Namespace) -> int:
             "--autoscale",
             "no prometheus binary on PATH: install it (apt-get install prometheus) or pass --prometheus-url",
         )
-    from tandem.cli.deployment import check_name, run_dry_run
+
+
+def _check_deployment(args: argparse.Namespace) -> str:
+    """The deployment's name, frontends, detaching and TLS files; its name."""
+    from tandem.cli.deployment import check_name
 
     name = check_name(args.name)
     if args.frontends < 1:
@@ -437,8 +498,10 @@ def run_serve(args: argparse.Namespace) -> int:
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None and not Path(path).is_file():
             raise InvalidRequestError(flag, f"{path} is not a readable file")
-    if args.dry_run:
-        return run_dry_run(topology, args.address, name)
+    return name
+
+
+def _check_ports_free(args: argparse.Namespace, http_host: str) -> None:
     # the ports the frontends on this machine bind: every one with an embedded Ray, frontend 0's
     # on a cluster (the others' nodes are known only once placed)
     local = 1 if args.address else args.frontends
@@ -447,8 +510,15 @@ def run_serve(args: argparse.Namespace) -> int:
         for port in range(first, first + local) if first else ():
             if not port_is_free(host, port):
                 raise InvalidRequestError(flag, f"{host}:{port} is in use")
+
+
+def _serve_options(
+    args: argparse.Namespace, topology: Topology, limits: EdgeLimits, auth_token: str | None, name: str
+) -> ServeOptions:
+    from tandem.cluster.serve import ServeOptions
+
     metrics_port = args.metrics_port if args.metrics_port is not None or not args.autoscale else 0
-    options = ServeOptions(
+    return ServeOptions(
         limits=limits,
         topology=topology,
         model_dir=args.model,
@@ -474,6 +544,9 @@ def run_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         http_host=args.http_host,
     )
+
+
+def _warn_exposure(args: argparse.Namespace, http_host: str, auth_token: str | None) -> None:
     from tandem.frontend.grpc_auth import exposure_warning
 
     hosts = [args.host] + ([http_host] if args.http_port is not None else [])
@@ -481,7 +554,6 @@ def run_serve(args: argparse.Namespace) -> int:
         warning = exposure_warning(host, bool(args.tls_cert), auth_token is not None)
         if warning is not None:  # every refusal is behind: serving starts now
             print(f"tandem: warning: {warning}", file=sys.stderr)
-    return serve(options, announce=emit)
 
 
 def check_metrics_security(args: argparse.Namespace) -> None:
