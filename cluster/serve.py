@@ -209,38 +209,9 @@ class Server:
         try:
             ray.get(self.controller.start.remote())
             for i in range(o.frontends):
-                config = FrontendConfig(
-                    model_dir=str(self.model_dir),
-                    model_name=self.model_name,
-                    host=o.host,
-                    port=o.port + i if o.port else 0,
-                    max_running_requests=o.max_running_requests,
-                    auth_token=o.auth_token,
-                    tls_cert_file=o.tls_cert_file,
-                    tls_key_file=o.tls_key_file,
-                    name=frontend_name(i),
-                    metrics=o.metrics_port is not None,
-                    metrics_host=o.host,
-                    metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
-                    metrics_security=security,
-                    limits=o.limits,
-                    cores=cores,
-                )
-                http = None
-                if o.http_port is not None:
-                    http = HttpConfig(
-                        o.http_host if o.http_host is not None else o.host,
-                        o.http_port + i if o.http_port else 0,
-                    )
                 # frontend 0 where the operator started serve; the rest spread over the nodes
-                where = here if i == 0 else "SPREAD"
                 self.frontends.append(
-                    Frontend.options(  # type: ignore[attr-defined]
-                        name=config.name,
-                        scheduling_strategy=where,
-                        lifetime=lifetime,
-                        max_restarts=-1,  # a lost frontend comes back (the controller starts it)
-                    ).remote(config, http)
+                    self._frontend(i, cores, security, here if i == 0 else "SPREAD", lifetime)
                 )
             self.ports = list(ray.get([f.start.remote() for f in self.frontends]))
             if o.http_port is not None:
@@ -255,6 +226,45 @@ class Server:
             self.stop()
             raise
         return self.port
+
+    def _frontend(
+        self,
+        i: int,
+        cores: tuple[int, ...] | None,
+        security: MetricsSecurity,
+        where: Any,
+        lifetime: str | None,
+    ) -> Any:
+        """Frontend ``i``'s actor, on its ports (the given ones + ``i``, or free ones)."""
+        o = self.options
+        config = FrontendConfig(
+            model_dir=str(self.model_dir),
+            model_name=self.model_name,
+            host=o.host,
+            port=o.port + i if o.port else 0,
+            max_running_requests=o.max_running_requests,
+            auth_token=o.auth_token,
+            tls_cert_file=o.tls_cert_file,
+            tls_key_file=o.tls_key_file,
+            name=frontend_name(i),
+            metrics=o.metrics_port is not None,
+            metrics_host=o.host,
+            metrics_port=o.metrics_port + i if o.metrics_port else o.metrics_port,
+            metrics_security=security,
+            limits=o.limits,
+            cores=cores,
+        )
+        http = None
+        if o.http_port is not None:
+            http = HttpConfig(
+                o.http_host if o.http_host is not None else o.host, o.http_port + i if o.http_port else 0
+            )
+        return Frontend.options(  # type: ignore[attr-defined]
+            name=config.name,
+            scheduling_strategy=where,
+            lifetime=lifetime,
+            max_restarts=-1,  # a lost frontend comes back (the controller starts it)
+        ).remote(config, http)
 
     def _start_autoscaler(self) -> None:
         """The controller's autoscaler, reading the given Prometheus, or one started here that

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from tandem.router.decode_choice import DecodeCandidate, choose_decode_rank
-from tandem.router.index import BlockIndex, IndexIntegrityError, TierMatch
+from tandem.router.index import BlockIndex, IndexIntegrityError, TieredMatch, TierMatch
 from tandem.router.load import LoadTracker
 from tandem.router.policy import PolicyConfig, PrefillCandidate, PrefillPolicy, PrefillQuery, load_cost
 from tandem.router.rank_key import K
@@ -201,38 +201,11 @@ class Router(Generic[K]):
         ``NoRankAvailable`` when a role has no rank and ``DuplicateRequestId`` when
         ``request_id`` is still in flight.
         """
-        if num_prompt_tokens < 1 or page_size < 1 or max_new_tokens < 0:
-            raise ValueError(f"bad request: {num_prompt_tokens=} {page_size=} {max_new_tokens=}")
-        if len(block_hashes) > num_prompt_tokens // page_size:
-            full_pages = num_prompt_tokens // page_size
-            raise ValueError(f"{len(block_hashes)} block hashes for a prompt of {full_pages} full pages")
-        if not self._prefill_ranks:
-            raise NoRankAvailable("prefill")
-        if not self._decode_ranks:
-            raise NoRankAvailable("decode")
-        if request_id in self._load:
-            raise DuplicateRequestId(request_id)
-
+        self._check_routable(request_id, len(block_hashes), num_prompt_tokens, page_size, max_new_tokens)
         max_reusable = (num_prompt_tokens - 1) // page_size
         matched = self._index.match_tiers(block_hashes[:max_reusable])
         query = PrefillQuery(num_prompt_tokens, len(block_hashes), max_reusable, page_size)
-        load, index = self._load, self._index
-        candidates: dict[K, PrefillCandidate[K]] = {}
-        for rank in self._prefill_ranks:
-            found = matched.get(rank)
-            host_cost, store_cost = self.tier_costs(rank)
-            candidates[rank] = PrefillCandidate(
-                rank,
-                found.blocks,
-                load.prefill_load(rank),
-                load.routed_tokens(rank),
-                index.num_blocks(rank),
-                self._tie_break(rank),
-                found.host,
-                found.store,
-                host_cost,
-                store_cost,
-            )
+        candidates = self._prefill_candidates(matched)
         choice = self.policy.choose(query, list(candidates.values()))
         chosen = candidates.get(choice.rank)
         if chosen is None:
@@ -263,6 +236,43 @@ class Router(Generic[K]):
         return RouteDecision(
             choice.rank, decode_rank, matched_blocks, cached_tokens, choice.branch, pages, by_tier
         )
+
+    def _check_routable(
+        self, request_id: str, num_hashes: int, num_prompt_tokens: int, page_size: int, max_new_tokens: int
+    ) -> None:
+        if num_prompt_tokens < 1 or page_size < 1 or max_new_tokens < 0:
+            raise ValueError(f"bad request: {num_prompt_tokens=} {page_size=} {max_new_tokens=}")
+        if num_hashes > num_prompt_tokens // page_size:
+            full_pages = num_prompt_tokens // page_size
+            raise ValueError(f"{num_hashes} block hashes for a prompt of {full_pages} full pages")
+        if not self._prefill_ranks:
+            raise NoRankAvailable("prefill")
+        if not self._decode_ranks:
+            raise NoRankAvailable("decode")
+        if request_id in self._load:
+            raise DuplicateRequestId(request_id)
+
+    def _prefill_candidates(self, matched: TieredMatch[K]) -> dict[K, PrefillCandidate[K]]:
+        """Each prefill rank as the policy weighs it: what it holds of the prompt by tier, its
+        load, the price of its tiers' loads."""
+        load, index = self._load, self._index
+        candidates: dict[K, PrefillCandidate[K]] = {}
+        for rank in self._prefill_ranks:
+            found = matched.get(rank)
+            host_cost, store_cost = self.tier_costs(rank)
+            candidates[rank] = PrefillCandidate(
+                rank,
+                found.blocks,
+                load.prefill_load(rank),
+                load.routed_tokens(rank),
+                index.num_blocks(rank),
+                self._tie_break(rank),
+                found.host,
+                found.store,
+                host_cost,
+                store_cost,
+            )
+        return candidates
 
     def prefill_done(self, request_id: str) -> None:
         """The request's prefill finished (or failed): its tokens leave the prefill load."""
