@@ -130,12 +130,7 @@ class _StatsCollector(Collector):
         pages.add_metric([*values, "free"], s.free_pages)
         pages.add_metric([*values, "cached"], s.cached_pages)
         yield pages
-        flights = GaugeMetricFamily(
-            "tandem_kv_transfers_in_flight", "KV transfers open on this rank", labels=[*names, "direction"]
-        )
-        flights.add_metric([*values, "send"], s.sends_in_flight)
-        flights.add_metric([*values, "recv"], s.receives_in_flight)
-        yield flights
+        yield from _transfer_families(s, names, values)
         yield counter(
             "tandem_num_preemptions", "Requests preempted for pages (recomputed later)", s.preemptions
         )
@@ -158,26 +153,59 @@ class _StatsCollector(Collector):
         yield counter(
             "tandem_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", s.prefix_hit_tokens
         )
-        moved = CounterMetricFamily(
-            "tandem_kv_transfer_bytes",
-            "KV bytes moved, as the write descriptors "
-            "covered (sent: on the sender; received: on the receiver)",
-            labels=[*names, "direction"],
-        )
-        moved.add_metric([*values, "send"], s.kv_bytes_sent)
-        moved.add_metric([*values, "recv"], s.kv_bytes_received)
-        yield moved
-        failures = CounterMetricFamily(
-            "tandem_kv_transfer_failures",
-            "Failed KV transfers by direction and cause",
-            labels=[*names, "direction", "cause"],
-        )
-        for direction, cause, count in s.transfer_failures:
-            failures.add_metric([*values, direction, cause], count)
-        yield failures
         yield counter("tandem_steps", "Steps of the rank's loop", s.loop.steps)
         yield counter("tandem_step_seconds", "Time in steps of the rank's loop", s.loop.step_s)
         yield from _tier_families(s.tiers, names, values)
+
+
+def _transfer_families(s: RankStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+    """KV transfers: open ones by direction, the bytes moved, the failures by direction and cause."""
+    flights = GaugeMetricFamily(
+        "tandem_kv_transfers_in_flight", "KV transfers open on this rank", labels=[*names, "direction"]
+    )
+    flights.add_metric([*values, "send"], s.sends_in_flight)
+    flights.add_metric([*values, "recv"], s.receives_in_flight)
+    yield flights
+    moved = CounterMetricFamily(
+        "tandem_kv_transfer_bytes",
+        "KV bytes moved, as the write descriptors covered (sent: on the sender; received: on the receiver)",
+        labels=[*names, "direction"],
+    )
+    moved.add_metric([*values, "send"], s.kv_bytes_sent)
+    moved.add_metric([*values, "recv"], s.kv_bytes_received)
+    yield moved
+    failures = CounterMetricFamily(
+        "tandem_kv_transfer_failures",
+        "Failed KV transfers by direction and cause",
+        labels=[*names, "direction", "cause"],
+    )
+    for direction, cause, count in s.transfer_failures:
+        failures.add_metric([*values, direction, cause], count)
+    yield failures
+
+
+# (name, help, TierStats field) of the counters that have one series per rank
+_TIER_COUNTERS = (
+    ("tandem_kv_store_writes", "Blocks written to the store", "store_writes"),
+    ("tandem_kv_store_write_bytes", "KV bytes written to the store", "store_write_bytes"),
+    ("tandem_kv_store_write_seconds", "Time the store writes took", "store_write_s"),
+    ("tandem_kv_store_errors", "Store calls that failed or timed out", "store_errors"),
+    (
+        "tandem_kv_store_slow_fetches",
+        "Store fetches not answered within recomputing's price: misses that back the store off",
+        "store_slow",
+    ),
+    (
+        "tandem_kv_store_rejected_blocks",
+        "Blocks read from the store that failed their check (corrupt, truncated, another model or layout)",
+        "store_rejected",
+    ),
+    (
+        "tandem_kv_recomputed_tokens",
+        "Cached prompt tokens computed again because loading them was priced slower",
+        "recomputed_tokens",
+    ),
+)
 
 
 def _tier_families(t: TierStats, names: list[str], values: list[str]) -> Iterator[Metric]:
@@ -194,84 +222,35 @@ def _tier_families(t: TierStats, names: list[str], values: list[str]) -> Iterato
         return family
 
     tier = [*names, "tier"]
+    loaded = "KV bytes loaded into device pages, by the tier read"
     yield by_tier(
-        CounterMetricFamily(
-            "tandem_kv_tier_load_bytes", "KV bytes loaded into device pages, by the tier read", labels=tier
-        ),
+        CounterMetricFamily("tandem_kv_tier_load_bytes", loaded, labels=tier),
         t.host_load_bytes,
         t.store_load_bytes,
     )
+    took = "Time the loads into device pages took, by the tier read (the rank's own clock)"
     yield by_tier(
-        CounterMetricFamily(
-            "tandem_kv_tier_load_seconds",
-            "Time the loads into device pages took, by the tier read (the rank's own clock)",
-            labels=tier,
-        ),
-        t.host_load_s,
-        t.store_load_s,
+        CounterMetricFamily("tandem_kv_tier_load_seconds", took, labels=tier), t.host_load_s, t.store_load_s
     )
-    yield one(
-        CounterMetricFamily("tandem_kv_store_writes", "Blocks written to the store", labels=names),
-        t.store_writes,
-    )
-    yield one(
-        CounterMetricFamily("tandem_kv_store_write_bytes", "KV bytes written to the store", labels=names),
-        t.store_write_bytes,
-    )
-    yield one(
-        CounterMetricFamily("tandem_kv_store_write_seconds", "Time the store writes took", labels=names),
-        t.store_write_s,
-    )
-    yield one(
-        CounterMetricFamily("tandem_kv_store_errors", "Store calls that failed or timed out", labels=names),
-        t.store_errors,
-    )
-    yield one(
-        CounterMetricFamily(
-            "tandem_kv_store_slow_fetches",
-            "Store fetches not answered within recomputing's price: misses that back the store off",
-            labels=names,
-        ),
-        t.store_slow,
-    )
-    yield one(
-        CounterMetricFamily(
-            "tandem_kv_store_rejected_blocks",
-            "Blocks read from the store that failed their check (corrupt, truncated, another model or "
-            "layout)",
-            labels=names,
-        ),
-        t.store_rejected,
-    )
-    yield one(
-        CounterMetricFamily(
-            "tandem_kv_recomputed_tokens",
-            "Cached prompt tokens computed again because loading them was priced slower",
-            labels=names,
-        ),
-        t.recomputed_tokens,
-    )
+    for name, doc, field in _TIER_COUNTERS:
+        yield one(CounterMetricFamily(name, doc, labels=names), getattr(t, field))
     pages = GaugeMetricFamily(
         "tandem_kv_host_pages", "Host-memory pool pages by state", labels=[*names, "state"]
     )
     pages.add_metric([*values, "used"], t.host_pages_used)
     pages.add_metric([*values, "free"], t.host_pages_total - t.host_pages_used)
     yield pages
+    bandwidth = (
+        "The rank's measured load bandwidth from each tier, which prices a load against a recompute "
+        "(0 until measured)"
+    )
     yield by_tier(
-        GaugeMetricFamily(
-            "tandem_kv_tier_measured_bytes_per_second",
-            "The rank's measured load bandwidth from each tier, which prices a load against a "
-            "recompute (0 until measured)",
-            labels=tier,
-        ),
+        GaugeMetricFamily("tandem_kv_tier_measured_bytes_per_second", bandwidth, labels=tier),
         t.host_bytes_per_s,
         t.store_bytes_per_s,
     )
+    rate = "The rank's measured prefill rate, which prices a recompute against a load (0 until measured)"
     yield one(
-        GaugeMetricFamily(
-            "tandem_prefill_measured_tokens_per_second",
-            "The rank's measured prefill rate, which prices a recompute against a load (0 until measured)",
-            labels=names,
-        ),
+        GaugeMetricFamily("tandem_prefill_measured_tokens_per_second", rate, labels=names),
         t.prefill_tokens_per_s,
     )
