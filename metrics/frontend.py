@@ -72,6 +72,18 @@ class FrontendMetrics:
         self._base = base
         self._children: dict[tuple[Any, ...], Any] = {}  # labelled children, by metric and labels
 
+        self._latency_histograms(names, base)
+        self._token_counters(names, clients)
+        self._router_counters(names, base)
+        if streams_open is not None:
+            Gauge("tandem_streams_open", "Requests this frontend is streaming now", names, registry=r).labels(
+                **base
+            ).set_function(streams_open)
+
+    def _latency_histograms(self, names: list[str], base: dict[str, str]) -> None:
+        """TTFT, ITL, TPOT, end-to-end and queue time, and each part of a request's latency."""
+        r = self.registry
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             """This frontend's series of a histogram."""
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**base)
@@ -121,8 +133,9 @@ class FrontendMetrics:
         for part in PREFILL_PARTS:
             self._child(self._prefill_parts, part=part)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=r)
+    def _token_counters(self, names: list[str], clients: Sequence[str]) -> None:
+        """Prompt, cached (by tier), new and output tokens, per client."""
+        r = self.registry
 
         def per_client(name: str, doc: str) -> Counter:
             return Counter(name, doc, [*names, "client"], registry=r)
@@ -150,6 +163,14 @@ class FrontendMetrics:
                 self._child(self._cached_prompt_tokens, tier=tier, client=client)
             for metric in (self._prompt_tokens, self._new_prompt_tokens, self._generation_tokens):
                 self._child(metric, client=client)
+
+    def _router_counters(self, names: list[str], base: dict[str, str]) -> None:
+        """The router's decisions and its predictions against what the ranks found."""
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r)
+
         self._route = Counter(
             "tandem_router_decisions",
             "Routing decisions, by the branch of the prefill policy that chose the rank",
@@ -173,10 +194,6 @@ class FrontendMetrics:
             "tandem_request_migrations",
             "Requests moved to another decode rank because theirs failed (each resumed there)",
         ).labels(**base)
-        if streams_open is not None:
-            Gauge("tandem_streams_open", "Requests this frontend is streaming now", names, registry=r).labels(
-                **base
-            ).set_function(streams_open)
 
     def routed(self, branch: str, predicted_cached_tokens: int, prompt_tokens: int) -> None:
         """A request routed: its branch, the cached tokens predicted, and the new ones its
