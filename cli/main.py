@@ -126,12 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--preset", default=None, help="run disaggregated on a topology of deploy/presets")
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    from tandem.cli.serving import add_speculative_arguments, add_tier_arguments
+    from tandem.cli.serving_parsers import add_speculative_arguments, add_tier_arguments
 
     add_speculative_arguments(gen)
     add_tier_arguments(gen)
 
-    from tandem.cli.serving import add_serving_parsers
+    from tandem.cli.serving_parsers import add_serving_parsers
 
     add_serving_parsers(sub, _sampling_args)
     from tandem.cli.deployment import add_deployment_parsers

@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 
 def add_plan_parsers(sub: Any) -> None:
-    from tandem.cli.serving import add_speculative_arguments
+    from tandem.cli.serving_parsers import add_speculative_arguments
 
     plan = sub.add_parser("plan", help="plan a deployment before it starts").add_subparsers(
         dest="plan_command", required=True

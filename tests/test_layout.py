@@ -83,6 +83,7 @@ TORCH_FREE = (
     "tandem.client.prompts",
     "tandem.client.output",
     "tandem.cli.serving",
+    "tandem.cli.serving_parsers",
     "tandem.cli.deployment",
     "tandem.cli.plan",
     "tandem.cluster.memory_plan",
