@@ -43,7 +43,7 @@ from tandem.frontend.running import GenerateSpec
 from tandem.frontend.status import StatusView
 from tandem.protos import tandem_pb2, tandem_pb2_grpc
 from tandem.wire.logprobs import TokenLogprobs
-from tandem.wire.messages import CachedByTier, ProcessPlace, RankId
+from tandem.wire.messages import CachedByTier, PrefillAttempt, ProcessPlace, RankId, RankStats
 from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, SamplingParams, check_prompt
 from tandem.wire.stream_summary import StreamSummary
 
@@ -330,20 +330,10 @@ def guide_field(message: tandem_pb2.SamplingParams) -> str:
 
 
 # ---- protobuf out ---------------------------------------------------------------------------
-def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.GenerateResponse:
-    if isinstance(item, StreamChunk):  # columns in, columns out: no object per token
-        response = tandem_pb2.GenerateResponse(request_id=request_id)
-        chunk = response.chunk
-        chunk.token_ids.extend(item.token_ids)
-        chunk.text = item.text
-        chunk.first_index = item.first_index
-        chunk.server_times_s.extend(item.server_times_s)
-        chunk.gaps_s.extend(item.gaps_s)
-        if item.logprobs is not None:
-            chunk.logprobs.extend(_logprob(t, e) for t, e in zip(item.token_ids, item.logprobs, strict=True))
-        return response
+def _latency(item: StreamSummary) -> tandem_pb2.Latency:
+    """The bill's latency composition: the frontend's parts (its route), then the ranks'."""
     bill, route = item.bill, item.route
-    latency = tandem_pb2.Latency(
+    return tandem_pb2.Latency(
         queue_s=route.queue_s if route else 0.0,
         routing_s=route.routing_s if route else 0.0,
         pickup_s=bill.pickup_s,
@@ -360,26 +350,43 @@ def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.
         ttft_s=item.ttft_s,
         e2e_s=item.e2e_s,
     )
-    attempts = [
-        tandem_pb2.Attempt(
-            attempt=a.attempt,
-            prefill_rank=_name(a.prefill_rank),
-            delivered=a.delivered,
-            error=a.error or "",
-            prompt_tokens=a.prompt_tokens,
-            cached_tokens=a.cached_tokens,
-            cached_tokens_by_tier=_by_tier(a.cached_by_tier),
-            kv_bytes=a.kv_bytes,
-            kv_wait_s=a.kv_wait_s,
-            kv_accept_s=a.kv_accept_s,
-            prefill_pickup_s=a.prefill_pickup_s,
-            prefill_queue_s=a.prefill_queue_s,
-            prefill_compute_s=a.prefill_compute_s,
-            kv_transfer_s=a.kv_transfer_s,
-            kv_transfer_exposed_s=a.kv_transfer_exposed_s,
-        )
-        for a in bill.attempts
-    ]
+
+
+def _attempt(a: PrefillAttempt) -> tandem_pb2.Attempt:
+    """One attempt of the bill: its prefill rank, tokens, bytes and times."""
+    return tandem_pb2.Attempt(
+        attempt=a.attempt,
+        prefill_rank=_name(a.prefill_rank),
+        delivered=a.delivered,
+        error=a.error or "",
+        prompt_tokens=a.prompt_tokens,
+        cached_tokens=a.cached_tokens,
+        cached_tokens_by_tier=_by_tier(a.cached_by_tier),
+        kv_bytes=a.kv_bytes,
+        kv_wait_s=a.kv_wait_s,
+        kv_accept_s=a.kv_accept_s,
+        prefill_pickup_s=a.prefill_pickup_s,
+        prefill_queue_s=a.prefill_queue_s,
+        prefill_compute_s=a.prefill_compute_s,
+        kv_transfer_s=a.kv_transfer_s,
+        kv_transfer_exposed_s=a.kv_transfer_exposed_s,
+    )
+
+
+def _response(request_id: str, item: StreamChunk | StreamSummary) -> tandem_pb2.GenerateResponse:
+    if isinstance(item, StreamChunk):  # columns in, columns out: no object per token
+        response = tandem_pb2.GenerateResponse(request_id=request_id)
+        chunk = response.chunk
+        chunk.token_ids.extend(item.token_ids)
+        chunk.text = item.text
+        chunk.first_index = item.first_index
+        chunk.server_times_s.extend(item.server_times_s)
+        chunk.gaps_s.extend(item.gaps_s)
+        if item.logprobs is not None:
+            chunk.logprobs.extend(_logprob(t, e) for t, e in zip(item.token_ids, item.logprobs, strict=True))
+        return response
+    bill, route = item.bill, item.route
+    latency, attempts = _latency(item), [_attempt(a) for a in bill.attempts]
     summary = tandem_pb2.Summary(
         finish_reason=item.finish_reason,
         error=item.error or "",
@@ -437,42 +444,42 @@ def _by_tier(cached: CachedByTier) -> tandem_pb2.CachedTokensByTier:
     return tandem_pb2.CachedTokensByTier(device=cached.device, host=cached.host, store=cached.store)
 
 
+def _rank_counts(s: RankStats | None) -> dict[str, Any]:
+    """A rank's figures as ``RankStatus`` fields (none before its first report)."""
+    if s is None:
+        return {}
+    return {
+        "queued": s.queued,
+        "running": s.running,
+        "waiting_for_kv": s.waiting_for_kv,
+        "computing": s.computing,
+        "transferring": s.transferring,
+        "free_pages": s.free_pages,
+        "total_pages": s.total_pages,
+        "cached_pages": s.cached_pages,
+        "transfers_in_flight": s.sends_in_flight + s.receives_in_flight,
+        "incarnation": s.incarnation,
+        "kv_cache_usage_ratio": (s.total_pages - s.free_pages) / s.total_pages if s.total_pages else 0.0,
+        "sends_in_flight": s.sends_in_flight,
+        "receives_in_flight": s.receives_in_flight,
+        "kv_bytes_sent": s.kv_bytes_sent,
+        "kv_bytes_received": s.kv_bytes_received,
+        "prefix_queried_tokens": s.prefix_queried_tokens,
+        "prefix_hit_tokens": s.prefix_hit_tokens,
+        "preemptions": s.preemptions,
+        "weight_bytes": s.weight_bytes,
+        "transfer_failures": {f"{d}/{c}": n for d, c, n in s.transfer_failures},
+        "steps": s.loop.steps,
+        "step_s": s.loop.step_s,
+    }
+
+
 def _status(view: StatusView) -> tandem_pb2.ClusterStatusResponse:
     groups = []
     for g in view.groups:
         ranks = []
         for r in g.ranks:
-            s = r.stats
-            counts: dict[str, Any] = (
-                {
-                    "queued": s.queued,
-                    "running": s.running,
-                    "waiting_for_kv": s.waiting_for_kv,
-                    "computing": s.computing,
-                    "transferring": s.transferring,
-                    "free_pages": s.free_pages,
-                    "total_pages": s.total_pages,
-                    "cached_pages": s.cached_pages,
-                    "transfers_in_flight": s.sends_in_flight + s.receives_in_flight,
-                    "incarnation": s.incarnation,
-                    "kv_cache_usage_ratio": (s.total_pages - s.free_pages) / s.total_pages
-                    if s.total_pages
-                    else 0.0,
-                    "sends_in_flight": s.sends_in_flight,
-                    "receives_in_flight": s.receives_in_flight,
-                    "kv_bytes_sent": s.kv_bytes_sent,
-                    "kv_bytes_received": s.kv_bytes_received,
-                    "prefix_queried_tokens": s.prefix_queried_tokens,
-                    "prefix_hit_tokens": s.prefix_hit_tokens,
-                    "preemptions": s.preemptions,
-                    "weight_bytes": s.weight_bytes,
-                    "transfer_failures": {f"{d}/{c}": n for d, c, n in s.transfer_failures},
-                    "steps": s.loop.steps,
-                    "step_s": s.loop.step_s,
-                }
-                if s is not None
-                else {}
-            )
+            counts = _rank_counts(r.stats)
             ranks.append(
                 tandem_pb2.RankStatus(
                     name=r.name,
