@@ -13,6 +13,7 @@ import pytest
 from tandem.engine import kv_block_codec, prefix_cache
 from tandem.engine.kv_block_codec import MAGIC, StoredBlock, encode_block
 from tandem.engine.prefix_cache import block_hashes
+from tandem.wire import block_chain
 from tests.engine.test_kv_tiers import (
     LAYOUT,
     PAGE,
@@ -126,6 +127,7 @@ def test_a_block_whose_hash_matches_but_whose_tokens_differ_is_rejected(
     def weak_hash(parent: int | None, token_ids) -> int:
         return ((parent or 0) * 31 + sum(token_ids)) % (1 << 64)
 
+    monkeypatch.setattr(block_chain, "block_hash", weak_hash)
     monkeypatch.setattr(prefix_cache, "block_hash", weak_hash)
     monkeypatch.setattr(kv_block_codec, "block_hash", weak_hash, raising=False)
     store = DictStore()
