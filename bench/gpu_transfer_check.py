@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from tandem.decode.decode_request import Routing
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
+from tandem.decode.worker import DecodeWorker, PrefillDispatcher
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import Request

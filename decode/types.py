@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.config_checks import (
     check_context,
@@ -15,6 +16,9 @@ from tandem.engine.config_checks import (
 from tandem.engine.request import Request
 from tandem.kvtransfer.types import KVDestination
 from tandem.wire.request_params import FinishReason
+
+if TYPE_CHECKING:
+    from tandem.decode.decode_request import DecodeRequest
 
 
 class AbortAction(enum.Enum):
@@ -59,6 +63,7 @@ class DecodeFinished:
     # freed, but not written again before the step that finished it is over (the write-back's)
     page_ids: tuple[int, ...] = ()
     num_computed_tokens: int = 0
+    record: DecodeRequest | None = None  # the scheduler's record of it (``decode_request``)
 
     @property
     def request_id(self) -> str:

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from tandem.bench.gpu_transfer_check import DirectDispatcher as _Direct
+from tandem.decode.decode_request import Routing
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeWorker, Routing
+from tandem.decode.worker import DecodeWorker
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.rank_context import guided_rows

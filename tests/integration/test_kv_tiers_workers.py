@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from tandem.cluster.kv_store_master import StoreMaster
+from tandem.decode.decode_request import Routing
 from tandem.decode.dispatch import PrefillDispatcher
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeWorker, Routing
+from tandem.decode.worker import DecodeWorker
 from tandem.engine.kv_block_codec import StoredBlock, encode_block
 from tandem.engine.kv_tiers import TierConfig, TierPrices
 from tandem.engine.prefix_cache import block_hashes

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.decode.decode_request import Routing
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.types import DecodeSchedulerConfig
-from tandem.decode.worker import DecodeWorker, PrefillDispatcher, Routing
+from tandem.decode.worker import DecodeWorker, PrefillDispatcher
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.kvtransfer.metadata import InMemoryMetadataStore
