@@ -12,12 +12,14 @@ and carry a decode rank's prefill jobs.
 The shell knows no role: what a rank does lives in its worker (``prefill/``, ``decode/``, the
 colocated engine), built from ``RankSpec.role``. Items a caller submits are checked on the
 caller's thread (``worker.admit``: a bad request fails alone, never the rank), then run on the
-loop thread. This module stays free of torch: the processes that start ranks import it.
+loop thread: every message a rank receives is one of ``wire/rank_inbox.py`` on its loop's one
+inbox. This module stays free of torch: the processes that start ranks import it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,24 @@ import ray
 from tandem.cluster.channel_server import ChannelServer
 from tandem.cluster.rank_spec import RankSpec
 from tandem.engine.process_place import this_place
-from tandem.engine.rank_loop import RankFailed, RankLoop, RankWorker
+from tandem.engine.rank_loop import RankFailed, RankLoop
 from tandem.metrics.http import MetricsServer
 from tandem.metrics.labels import RankLabels
 from tandem.metrics.rank import RankMetrics
 from tandem.wire.channel import Endpoint
 from tandem.wire.messages import ProcessPlace, RankId, RankStats, RequestResult
 from tandem.wire.prefill_job import PrefillJob, PrefillJobAnswer
+from tandem.wire.rank_inbox import (
+    Abort,
+    CheckIntegrity,
+    ConnectPeers,
+    JobAnswers,
+    PeersLost,
+    Reply,
+    SetPeers,
+    Submit,
+    Subscribe,
+)
 
 
 class ModelFilesMissing(FileNotFoundError):
@@ -150,12 +163,7 @@ class RankActor:
         """Requests (decode, colocated) or prefill jobs (prefill); ``InvalidRequestError`` for the
         first bad one, taking none of them."""
         loop = self._require()
-        admitted = loop.worker.admit(items)
-
-        def take(worker: RankWorker) -> None:
-            worker.submit(admitted)
-
-        loop.post(take)
+        loop.post(Submit(loop.worker.admit(items)))
 
     def submit_jobs(self, jobs: list[PrefillJob], reply_to: Any) -> None:
         """A decode rank's prefill jobs (a prefill rank), each answered to ``reply_to`` (that
@@ -163,8 +171,7 @@ class RankActor:
         whose loop has failed, refuses them at once."""
         try:
             loop = self._require()
-            admitted = loop.worker.admit(jobs)
-            loop.post(lambda worker: _answer(reply_to, worker.submit(admitted) or []))
+            loop.post(Submit(loop.worker.admit(jobs), functools.partial(_answer, reply_to)))
         except (RankNotReady, RankFailed) as exc:
             name = self.spec.rank_id.name
             _answer(reply_to, [PrefillJobAnswer(job.request_id, name, str(exc)) for job in jobs])
@@ -172,24 +179,16 @@ class RankActor:
     def prefill_answers(self, answers: list[PrefillJobAnswer]) -> None:
         """Prefill ranks' answers to this decode rank's jobs."""
 
-        def answered(worker: RankWorker) -> None:
-            for answer in answers:
-                worker.prefill_answered(answer)  # type: ignore[attr-defined]
-
         with contextlib.suppress(RankFailed):  # a failed rank has ended its requests already
-            self._require().post(answered)
+            self._require().post(JobAnswers(tuple(answers)))
 
     def channel_endpoint(self) -> Endpoint:
         """Where a frontend opens its channel to this rank: host, port and the secret."""
         return self._channels.endpoint()
 
     def abort(self, request_ids: list[str]) -> None:
-        def abort_all(worker: RankWorker) -> None:
-            for request_id in request_ids:
-                worker.abort(request_id)
-
         with contextlib.suppress(RankFailed):  # a failed rank has ended its requests already
-            self._require().post(abort_all)
+            self._require().post(Abort(tuple(request_ids)))
 
     def collect(self, timeout_s: float) -> list[RequestResult]:
         return self._require().collect(timeout_s)
@@ -200,30 +199,30 @@ class RankActor:
     def check_integrity(self, timeout_s: float = 30.0) -> None:
         """Page accounting, checked on the loop thread between two iterations; raises
         ``PageAccountingError`` when it does not hold."""
-        self._require().call(lambda worker: worker.check_integrity(), timeout_s)
+        self._require().ask(CheckIntegrity(Reply()), timeout_s)
 
     def subscribe(self, subscriber: str) -> Any:
         """Push this rank's KV events to the frontend on its channel from now on (its
         ``Subscribe``, on the channel's thread); the starting snapshot, made on the loop thread
         so that no event falls between it and the next batch."""
-        return self._require().call(lambda worker: worker.subscribe(subscriber), timeout_s=30.0)
+        return self._require().ask(Subscribe(subscriber, Reply()), timeout_s=30.0)
 
     def set_peers(self, peers: dict[RankId, Any]) -> None:
         """The ranks this one sends work to (a decode rank's prefill ranks), with their handles.
         A rank whose loop has failed needs none: its group is about to be rebuilt."""
         with contextlib.suppress(RankFailed):
-            self._require().post(lambda worker: worker.set_peers(peers))
+            self._require().post(SetPeers(peers))
 
     def connect_peers(self, ranks: list[str]) -> None:
         """Reach the transports of these ranks of the other role now, on the loop thread (the
         membership changed): the first transfer with each pays no wire-up."""
         with contextlib.suppress(RankFailed):
-            self._require().post(lambda worker: worker.connect_peers(ranks))
+            self._require().post(ConnectPeers(tuple(ranks)))
 
     def peers_lost(self, ranks: list[str]) -> None:
         """The controller's word that these ranks' processes are gone (see ``RankWorker``)."""
         with contextlib.suppress(RankFailed):
-            self._require().post(lambda worker: worker.peers_lost(ranks))
+            self._require().post(PeersLost(tuple(ranks)))
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,10 +1,12 @@
 """The one step loop of every rank of a DEP group: prefill, decode and colocated alike.
 
-Threads: ``run`` is the loop and the only thread that touches the worker. Calls from other
-threads (submits, aborts, questions) are queued as functions that the loop runs at the top of an
-iteration (``post``, or ``call`` to wait for the answer). Per iteration every rank:
+Threads: ``run`` is the loop and the only thread that touches the worker. Everything a rank
+receives from other threads (submits, aborts, prefill jobs and their answers, the peers, the
+questions) is a message of ``wire/rank_inbox.py`` on its one inbox (``post``, or ``ask`` to wait
+for the answer), taken at the top of an iteration and dispatched by one ``match``
+(``_dispatch``). Per iteration every rank:
 
-  1. runs the queued calls, then ``worker.tick()`` (polls its transport),
+  1. takes its inbox, then ``worker.tick()`` (polls its transport),
   2. with nothing to compute, waits a little for a call (an idle group does not spin; a rank
      with a KV transfer in flight waits less, as its transport progresses when polled),
   3. joins the one-integer all-reduce that tells whether any rank of the group has work,
@@ -24,11 +26,21 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from tandem.wire.messages import LoopStats, RankStats, RequestResult
-
-T = TypeVar("T")
+from tandem.wire.prefill_job import PrefillJobAnswer
+from tandem.wire.rank_inbox import (
+    Abort,
+    CheckIntegrity,
+    ConnectPeers,
+    JobAnswers,
+    PeersLost,
+    RankMessage,
+    SetPeers,
+    Submit,
+    Subscribe,
+)
 
 
 class Observer(Protocol):
@@ -136,6 +148,9 @@ class RankWorker(ABC):
         """These ranks' incarnations are dead (their processes are gone): fail every transfer
         with them at once instead of waiting for its deadline."""
 
+    def prefill_answered(self, answer: PrefillJobAnswer) -> None:
+        raise RoleMismatch(f"rank {self.name} sends no prefill jobs")
+
 
 class RankDraining(RuntimeError):
     """The rank is being drained: it finishes what it holds and takes nothing new (the caller
@@ -175,40 +190,26 @@ class RankLoop:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._results_ready = threading.Condition(self._lock)
-        self._calls: list[Callable[[RankWorker], None]] = []
+        self._inbox: list[RankMessage] = []
         self._results: list[RequestResult] = []
         self._steps = self._idle_waits = 0
         self._agree_s = self._step_s = self._idle_s = self._tick_s = self._publish_s = 0.0
         self.failure: str | None = None
 
-    def post(self, call: Callable[[RankWorker], None]) -> None:
-        """Run ``call(worker)`` on the loop thread (validate arguments before posting)."""
+    def post(self, message: RankMessage) -> None:
+        """Put ``message`` on the rank's inbox (its payload checked before); ``RankFailed`` once
+        the loop has failed."""
         with self._lock:
             if self.failure is not None:
                 raise RankFailed(self.name, self.failure)
-            self._calls.append(call)
+            self._inbox.append(message)
         self._ready.set()
 
-    def call(self, function: Callable[[RankWorker], T], timeout_s: float) -> T:
-        """Run ``function(worker)`` on the loop thread and return its result (or raise its
-        exception); ``TimeoutError`` when the loop does not get to it within ``timeout_s``."""
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def run(worker: RankWorker) -> None:
-            try:
-                outcome.append((True, function(worker)))
-            except Exception as exc:  # handed to the caller, not the loop
-                outcome.append((False, exc))
-            done.set()
-
-        self.post(run)
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"rank {self.name}: the step loop did not answer within {timeout_s} s")
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+    def ask(self, message: CheckIntegrity | Subscribe, timeout_s: float) -> Any:
+        """Post a question and wait for its answer (or raise the exception it gave);
+        ``TimeoutError`` when the loop does not get to it within ``timeout_s``."""
+        self.post(message)
+        return message.reply.wait(timeout_s, self.name)
 
     def collect(self, timeout_s: float) -> list[RequestResult]:
         """Results since the last call; waits up to ``timeout_s`` for at least one."""
@@ -271,10 +272,35 @@ class RankLoop:
 
     def _run_calls(self) -> None:
         with self._lock:
-            calls, self._calls = self._calls, []
+            messages, self._inbox = self._inbox, []
             self._ready.clear()
-        for call in calls:
-            call(self.worker)
+        for message in messages:
+            self._dispatch(message)
+
+    def _dispatch(self, message: RankMessage) -> None:
+        """One message of the inbox, on the loop thread."""
+        worker = self.worker
+        match message:
+            case Submit(admitted, answer):
+                answers = worker.submit(admitted)
+                if answer is not None and answers:
+                    answer(answers)
+            case Abort(request_ids):
+                for request_id in request_ids:
+                    worker.abort(request_id)
+            case JobAnswers(answers):
+                for job_answer in answers:
+                    worker.prefill_answered(job_answer)
+            case SetPeers(peers):
+                worker.set_peers(peers)
+            case ConnectPeers(ranks):
+                worker.connect_peers(list(ranks))
+            case PeersLost(ranks):
+                worker.peers_lost(list(ranks))
+            case CheckIntegrity(reply):
+                reply.give(worker.check_integrity)
+            case Subscribe(subscriber, reply):
+                reply.give(lambda: worker.subscribe(subscriber))
 
     def _publish(self, results: list[RequestResult]) -> None:
         if results:
