@@ -204,6 +204,10 @@ def _check_edges(args: argparse.Namespace) -> tuple[EdgeLimits, str | None, str]
         raise InvalidRequestError("--port", f"must be in [0, 65535], got {args.port}")
     if args.max_running_requests < 1:
         raise InvalidRequestError("--max-running-requests", "must be at least 1")
+    if not 0 <= args.migration_wait <= 86_400:
+        raise InvalidRequestError(
+            "--migration-wait", f"must be in [0, 86400] seconds, got {args.migration_wait}"
+        )
     limits = edge_limits(args)  # a bad value is refused here, before anything starts
     auth_token = read_auth_tokens(args.auth_token_file)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
@@ -299,6 +303,7 @@ def _serve_options(
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         max_running_requests=args.max_running_requests,
+        migration_wait_s=args.migration_wait,
         metrics_port=metrics_port,
         metrics_token_file=args.metrics_token_file,
         metrics_tls_cert_file=args.metrics_tls_cert,

@@ -59,6 +59,13 @@ def _serve_edge_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
     srv.add_argument("--max-running-requests", type=int, default=256, help="beyond: RESOURCE_EXHAUSTED")
     srv.add_argument(
+        "--migration-wait",
+        type=float,
+        default=60.0,
+        help="seconds a stream whose decode rank failed waits for a decode rank to resume on (its own "
+        "group rebuilt, where no other takes work) before it ends with the error; 0: it ends at once",
+    )
+    srv.add_argument(
         "--auth-token-file",
         type=Path,
         default=None,

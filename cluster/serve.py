@@ -88,6 +88,8 @@ class ServeOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     max_running_requests: int = 256
+    # a stream whose decode rank failed waits this long for one to resume on (``FrontendConfig``)
+    migration_wait_s: float = 60.0
     ready_timeout_s: float = 600.0
     metrics_port: int | None = None  # the frontend's /metrics and /sd (0: a free port); None: none
     # every metrics endpoint's bearer token (a file holding it) and TLS (PEM files); None: none
@@ -243,6 +245,7 @@ class Server:
             host=o.host,
             port=o.port + i if o.port else 0,
             max_running_requests=o.max_running_requests,
+            migration_wait_s=o.migration_wait_s,
             auth_token=o.auth_token,
             tls_cert_file=o.tls_cert_file,
             tls_key_file=o.tls_key_file,

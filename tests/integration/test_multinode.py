@@ -68,6 +68,14 @@ class Deployment:
         return list(json.loads(out.stdout)["outputs"])
 
 
+MIGRATION_WAIT_S = 15  # a stream whose decode rank is lost waits this long for another (serve's flag)
+
+
+def _decode_running(reply: Any) -> int:
+    """Requests the decode ranks run, in a ClusterStatus reply."""
+    return sum(r.running for g in reply.groups if g.role == "decode" for r in g.ranks)
+
+
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
     """Started as a Ray job (``ray job submit -- tandem serve --address auto --detach``): the
@@ -79,6 +87,7 @@ def deployment() -> Iterator[Deployment]:
         out = nodes.submit_job(
             *CLI, "serve", "--address", "auto", "--name", NAME, "--detach", "--frontends", "2",
             "--port", "0", "--metrics-port", "0", "--dtype", "float64", "--preset", "local",
+            "--migration-wait", str(MIGRATION_WAIT_S),
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
         assert "deployment multi, detached" in out.stdout, out.stdout
@@ -235,20 +244,22 @@ def test_losing_the_decode_node_fails_its_streams_and_the_group_comes_back(deplo
          "--ignore-eos", "--concurrency", "2", "--json", "--addr", survivor],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=nodes.env,
     )  # fmt: skip
-    time.sleep(8)  # the streams are running on the decode node
-    assert streams.poll() is None, streams.communicate()
+    options = ClientOptions(survivor, timeout_s=10)
+    deadline = time.monotonic() + 60
+    while _decode_running(asyncio.run(status(options))) < 2:  # the streams run on the decode node
+        assert streams.poll() is None and time.monotonic() < deadline, streams.communicate()
+        time.sleep(0.5)
     nodes.kill_raylet(decode)
     killed = time.monotonic()
-    out, err = streams.communicate(timeout=150)  # they wait a minute for a decode rank first
+    out, err = streams.communicate(timeout=150)  # they wait --migration-wait for a decode rank first
     ended_s = time.monotonic() - killed
     assert streams.returncode == 0, err
     outputs = json.loads(out)["outputs"]
     assert all(o["finish_reason"] == "error" and "decode0" in o["error"] for o in outputs), outputs
     print(f"streams ended {ended_s:.1f} s after the decode node was lost: {outputs[0]['error']}")
-    assert ended_s < 120
+    assert MIGRATION_WAIT_S <= ended_s < MIGRATION_WAIT_S + 60
 
     # the surviving frontend answers health and status; the group says why it is down
-    options = ClientOptions(survivor, timeout_s=10)
     reply = asyncio.run(status(options))
     down = next(g for g in reply.groups if g.group_id == "decode0")
     assert down.state == "failed", down
