@@ -97,7 +97,7 @@ class _Pool:
 
 
 def _pools(topology: Topology) -> list[_Pool]:
-    """The pools as ``cluster/controller.py`` builds their roles."""
+    """The pools as ``cluster/pools.py`` builds their roles."""
     c = topology.colocated
     if c is not None:
         return [_Pool(Role.COLOCATED, c, False, c.max_num_batched_tokens, c.max_num_seqs)]

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ from tandem.frontend.limits import EdgeLimits
 from tandem.frontend.membership import Membership
 from tandem.frontend.migration import Migration
 from tandem.frontend.rank_channel import SUBMIT_ERRORS, RankNotReachable, refusal
+from tandem.frontend.request_checks import check_capacity
 from tandem.frontend.request_stream import RequestStream, StreamChunk
 from tandem.frontend.running import GenerateSpec, RequestKey, Running
 from tandem.frontend.status import StatusView, read_status
@@ -62,7 +63,7 @@ from tandem.router.router import NoRankAvailable, Router, RouterConfig
 from tandem.wire.block_chain import block_hashes
 from tandem.wire.kv_events import KVEventBatch
 from tandem.wire.messages import Bill, RankId, RankRequest, RequestResult, StreamBatch
-from tandem.wire.request_params import FinishReason, Guide, InvalidRequestError, max_kv_pages
+from tandem.wire.request_params import FinishReason, Guide
 from tandem.wire.routing_view import CONTROLLER_NAME, RoutingView
 from tandem.wire.stream_summary import Route, StreamSummary
 
@@ -204,21 +205,10 @@ class FrontendCore:
         if not self.ready or view is None:
             raise FrontendUnavailable("the cluster is not ready: no prefill or no decode rank takes work")
         key = RequestKey(spec.client, spec.request_id)
-        if key in self.running:
-            raise DuplicateRequest(f"request_id: {spec.request_id!r} is already running")
-        if len(self.running) >= self.config.max_running_requests:
-            raise FrontendOverloaded(
-                f"{len(self.running)} requests are running, the most this frontend takes "
-                f"(max_running_requests={self.config.max_running_requests}); retry later"
-            )
-        per_client, mine = self.config.limits.max_requests_per_client, self._per_client.get(spec.client, 0)
-        if per_client is not None and mine >= per_client:
-            raise FrontendOverloaded(
-                f"this client runs {mine} requests, the most one client may "
-                f"(max_requests_per_client={per_client}); retry later"
-            )
+        _check_room(self.config, key, self.running, self._per_client.get(spec.client, 0))
         prompt = spec.prompt_token_ids
-        self._check_capacity(view, len(prompt), spec.sampling.max_tokens)
+        context = self.model_config.max_position_embeddings
+        check_capacity(view, len(prompt), spec.sampling.max_tokens, context)
         if spec.sampling.guide is not None:  # the edges checked theirs (cached): this is for the rest
             await self.check_guide(spec.sampling.guide, "sampling.guide")
         if spec.sampling.seed is None:  # drawn once: every rank and every attempt use it
@@ -376,22 +366,6 @@ class FrontendCore:
         )
         return running, self.membership.submit(channel, [request])
 
-    def _check_capacity(self, view: RoutingView, prompt_tokens: int, max_tokens: int) -> None:
-        """A request no rank could ever hold is refused here, naming the field to change."""
-        if prompt_tokens > view.prefill_capacity_tokens:
-            raise InvalidRequestError(
-                "prompt",
-                f"{prompt_tokens} tokens exceed a prefill rank's KV pool of {view.prefill_capacity_tokens}",
-            )
-        size = view.page_size
-        pages = max_kv_pages(prompt_tokens, max_tokens, self.model_config.max_position_embeddings, size)
-        if pages * size > view.decode_capacity_tokens:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) need more KV than a "
-                f"decode rank holds ({view.decode_capacity_tokens} tokens); lower max_tokens",
-            )
-
     def abort(self, request_id: str, client: str = ANONYMOUS) -> bool:
         """Abort a running request of ``client`` (by its id); its stream ends when the rank
         reports the abort. False when the client runs no such request here."""
@@ -508,3 +482,23 @@ class FrontendCore:
             self.view, self.router, self.config.model_name, self.ready, len(self.running), check_integrity
         )
         return dataclasses.replace(view, clients=self.usage.totals())
+
+
+def _check_room(
+    config: FrontendConfig, key: RequestKey, running: Mapping[RequestKey, Any], mine: int
+) -> None:
+    """Room for one more request of ``key``'s client, which runs ``mine`` here already: its id
+    not running, fewer than ``max_running_requests`` in all and than the client's cap."""
+    if key in running:
+        raise DuplicateRequest(f"request_id: {key.request_id!r} is already running")
+    if len(running) >= config.max_running_requests:
+        raise FrontendOverloaded(
+            f"{len(running)} requests are running, the most this frontend takes "
+            f"(max_running_requests={config.max_running_requests}); retry later"
+        )
+    per_client = config.limits.max_requests_per_client
+    if per_client is not None and mine >= per_client:
+        raise FrontendOverloaded(
+            f"this client runs {mine} requests, the most one client may "
+            f"(max_requests_per_client={per_client}); retry later"
+        )

@@ -1,14 +1,16 @@
 """The checks both edges (gRPC and the OpenAI API) make of a request before it is admitted, with
 one wording: prompt sizes against the context, stop token ids, and the sampling parameters (a
-greedy temperature passed on as 0). Each raises ``InvalidRequestError`` naming the field as the
-caller calls it; the OpenAI edge turns that into its own error shape."""
+greedy temperature passed on as 0); and, once routed, a request's size against the ranks' KV.
+Each raises ``InvalidRequestError`` naming the field as the caller calls it; the OpenAI edge
+turns that into its own error shape."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from tandem.wire.request_params import InvalidRequestError, SamplingParams, context_overflow
+from tandem.wire.request_params import InvalidRequestError, SamplingParams, context_overflow, max_kv_pages
+from tandem.wire.routing_view import RoutingView
 
 MAX_STOP_TOKEN_IDS = 64
 TEXT_CHARS_PER_TOKEN = 16  # a text longer than this many characters per context token cannot fit
@@ -55,3 +57,20 @@ def checked_sampling(
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{prefix}{exc.field}", exc.message) from None
     return sampling.canonical()
+
+
+def check_capacity(view: RoutingView, prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """A request no rank of ``view`` could ever hold is refused, naming the field to change."""
+    if prompt_tokens > view.prefill_capacity_tokens:
+        raise InvalidRequestError(
+            "prompt",
+            f"{prompt_tokens} tokens exceed a prefill rank's KV pool of {view.prefill_capacity_tokens}",
+        )
+    size = view.page_size
+    pages = max_kv_pages(prompt_tokens, max_tokens, context, size)
+    if pages * size > view.decode_capacity_tokens:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) need more KV than a "
+            f"decode rank holds ({view.decode_capacity_tokens} tokens); lower max_tokens",
+        )

@@ -32,13 +32,15 @@ import enum
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tandem.engine.config_checks import check_context, check_positive_ints
 from tandem.engine.page_allocator import PageAccountingError, PageAllocator
-from tandem.engine.prefix_cache import LowerTiers, PendingFetch, PrefixCache, PrefixMatch, block_hashes
+from tandem.engine.prefix_cache import LowerTiers, PendingFetch, PrefixCache, PrefixMatch
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StaleSchedulerOutputError
+from tandem.prefill.invariants import check_prefill_invariants
+from tandem.prefill.job_state import JobState
 from tandem.wire.kv_events import KVEvent
 from tandem.wire.prefill_job import PrefillDone, PrefillExpired, PrefillJob, PrefillTimings
 from tandem.wire.request_params import InvalidRequestError
@@ -90,24 +92,6 @@ class PrefillStateError(RuntimeError):
         self.status = status
 
 
-@dataclass(eq=False)
-class _JobState:
-    """A job's progress; only the scheduler changes it. ``page_ids[i]`` holds positions
-    ``[i*page_size, (i+1)*page_size)``; ``scheduled_end`` is where the planned chunk ends
-    (equal to ``num_computed_tokens`` when no chunk is in flight)."""
-
-    job: PrefillJob
-    arrival_s: float
-    status: RequestStatus = RequestStatus.WAITING
-    page_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_host_tokens: int = 0  # of the cached ones, loaded from the host tier
-    num_store_tokens: int = 0  # and from the store
-    scheduled_end: int = 0
-    start_s: float = 0.0
-
-
 class PrefillScheduler:
     """Owns its jobs from ``add_job`` until ``transfer_over``, ``abort`` or expiry, and asks
     ``kv_cache`` (its ``PrefixCache``) for every page. The caller drives it::
@@ -129,9 +113,9 @@ class PrefillScheduler:
             tiers=tiers,
         )
         # Insertion order is arrival order (admission is FIFO, so computing is in arrival order too).
-        self._queued: OrderedDict[str, _JobState] = OrderedDict()
-        self._computing: dict[str, _JobState] = {}
-        self._transferring: dict[str, _JobState] = {}
+        self._queued: OrderedDict[str, JobState] = OrderedDict()
+        self._computing: dict[str, JobState] = {}
+        self._transferring: dict[str, JobState] = {}
         self._expired: list[PrefillExpired] = []
         # queued jobs the last plan passed over, with the store fetch each waits on
         self._held_for_store: dict[str, PendingFetch] = {}
@@ -183,7 +167,7 @@ class PrefillScheduler:
             request_id not in held or held[request_id].settled() for request_id in self._queued
         )
 
-    def _store_fetch(self, state: _JobState) -> PendingFetch | None:
+    def _store_fetch(self, state: JobState) -> PendingFetch | None:
         """The store fetch ``state``'s prefix lookup waits on (``None``: it may run now)."""
         if _wants_prompt_logprobs(state.job):
             return None
@@ -209,7 +193,7 @@ class PrefillScheduler:
         error = self.refusal(job)
         if error is not None:
             raise error
-        self._queued[job.request_id] = _JobState(job=job, arrival_s=now)
+        self._queued[job.request_id] = JobState(job=job, arrival_s=now)
 
     def refusal(self, job: PrefillJob) -> InvalidRequestError | None:
         """Why ``add_job`` would refuse ``job`` now (it can never run here, or its id is in
@@ -363,7 +347,7 @@ class PrefillScheduler:
                     PrefillExpired(request_id, job.destination, job.deadline_s, queue_s=now - state.arrival_s)
                 )
 
-    def _admit(self, state: _JobState, budget: int, now: float) -> ScheduledChunk | None:
+    def _admit(self, state: JobState, budget: int, now: float) -> ScheduledChunk | None:
         """Match the cached prefix and plan the first chunk; all or nothing."""
         prompt = state.job.prompt_token_ids
         # a prompt's logprobs need every position's logits, which its cached pages do not keep
@@ -383,7 +367,7 @@ class PrefillScheduler:
         self._computing[state.job.request_id] = state
         return chunk
 
-    def _next_chunk(self, state: _JobState, budget: int) -> ScheduledChunk | None:
+    def _next_chunk(self, state: JobState, budget: int) -> ScheduledChunk | None:
         """Take pages for the longest chunk the budget, the prompt and the pool allow; ``None``
         (nothing taken) when not one more token fits."""
         size, job = self.config.page_size, state.job
@@ -412,7 +396,7 @@ class PrefillScheduler:
             else (),
         )
 
-    def _find(self, request_id: str) -> _JobState | None:
+    def _find(self, request_id: str) -> JobState | None:
         return (
             self._queued.get(request_id)
             or self._computing.get(request_id)
@@ -423,57 +407,7 @@ class PrefillScheduler:
 
     def check_integrity(self) -> None:
         """Raise ``PageAccountingError`` unless jobs and the KV pool agree (O(all tokens): for tests)."""
-        cache = self.kv_cache
-        cache.check_integrity()
-        groups = (
-            (RequestStatus.WAITING, self._queued),
-            (RequestStatus.RUNNING, self._computing),
-            (RequestStatus.SENDING_KV, self._transferring),
-        )
-        seen: set[str] = set()
-        owners: dict[int, int] = {}
-        for status, jobs in groups:
-            for rid, state in jobs.items():
-                if rid in seen or rid != state.job.request_id or state.status != status:
-                    raise PageAccountingError(f"job {rid} is listed twice or under the wrong state")
-                seen.add(rid)
-                self._check_job(state)
-                for page_id in state.page_ids:
-                    owners[page_id] = owners.get(page_id, 0) + 1
-        mid_prefill = [r for r, s in self._computing.items() if s.scheduled_end < s.job.num_prompt_tokens]
-        if len(mid_prefill) > 1:
-            raise PageAccountingError(f"more than one job is mid-prefill: {mid_prefill}")
-        for page_id in range(cache.num_total_pages):
-            count, refcount = owners.get(page_id, 0), cache.refcount(page_id)
-            if count != refcount:
-                raise PageAccountingError(f"page {page_id}: refcount {refcount} but {count} owning jobs")
-            if count > 1 and not cache.is_cached(page_id):
-                raise PageAccountingError(f"page {page_id} is shared by {count} jobs but not cached")
-
-    def _check_job(self, state: _JobState) -> None:
-        cache, size = self.kv_cache, self.config.page_size
-        rid, pages, prompt = state.job.request_id, state.page_ids, state.job.prompt_token_ids
-        computed = state.num_computed_tokens
-        if state.status == RequestStatus.WAITING:
-            if pages or computed:
-                raise PageAccountingError(f"queued job {rid} holds pages or computed tokens")
-            return
-        if len(set(pages)) != len(pages):
-            raise PageAccountingError(f"job {rid} lists a page twice: {pages}")
-        if not state.num_cached_tokens <= computed <= state.scheduled_end <= len(prompt):
-            raise PageAccountingError(
-                f"job {rid}: cached {state.num_cached_tokens}, computed {computed}, "
-                f"planned {state.scheduled_end} of {len(prompt)} tokens"
-            )
-        if len(pages) != math.ceil(state.scheduled_end / size):
-            raise PageAccountingError(f"job {rid}: {len(pages)} pages for {state.scheduled_end} tokens")
-        if state.status == RequestStatus.SENDING_KV and computed != len(prompt):
-            raise PageAccountingError(f"transferring job {rid} computed only {computed} of {len(prompt)}")
-        expected_hashes = block_hashes(prompt[:computed], size, state.job.cache_salt)
-        for page_id, expected in zip(pages, expected_hashes, strict=False):
-            cached = cache.cached_hash(page_id)
-            if cached is not None and cached != expected:
-                raise PageAccountingError(f"job {rid} uses cached page {page_id} of another prefix")
+        check_prefill_invariants(self.kv_cache, self._queued, self._computing, self._transferring)
 
 
 def _history(job: PrefillJob) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -42,7 +42,7 @@ def test_the_tree_keeps_its_layers_and_has_no_cycle() -> None:
         # the wire, the lowest layer, reaching up to the controller
         (
             "wire/messages.py",
-            "from tandem.cluster.controller import Cluster",
+            "from tandem.cluster.pools import Cluster",
             "tandem.wire.messages -> tandem.cluster",
         ),
         # two modules of one package importing each other

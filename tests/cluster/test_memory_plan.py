@@ -8,7 +8,6 @@ import pytest
 import ray
 
 from tandem.cli.main import main
-from tandem.cluster.controller import Cluster
 from tandem.cluster.memory_plan import (
     GIB,
     MemoryPlanError,
@@ -18,6 +17,7 @@ from tandem.cluster.memory_plan import (
     workspace_bytes,
 )
 from tandem.cluster.placement import RankResources
+from tandem.cluster.pools import Cluster
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
 from tandem.engine.role_spec import PooledRole

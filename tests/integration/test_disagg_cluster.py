@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from tandem.cluster.controller import Cluster
+from tandem.cluster.pools import Cluster
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
