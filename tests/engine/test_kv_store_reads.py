@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tandem.engine.kv_tiers import KVTiers, StoreWriter, TierConfig, TierPrices
+from tandem.engine.kv_store_io import StoreWriter
+from tandem.engine.kv_tiers import KVTiers, TierConfig, TierPrices
 from tandem.engine.request import RequestStatus
 from tandem.kvtransfer.kv_store import StoreError
 from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
