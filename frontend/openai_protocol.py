@@ -5,8 +5,8 @@ seeded request gives the same tokens on either edge.
 
 Fields this server implements: ``model``, ``prompt`` (one string or one list of token ids),
 ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
-``presence_penalty``, ``frequency_penalty``, ``n`` (1 only), ``stop`` (stop strings, matched
-here on the detokenised text: :class:`StopMatcher`), ``stream``, ``stream_options.include_usage``
+``presence_penalty``, ``frequency_penalty``, ``n`` and ``best_of``, ``stop`` (stop strings, matched
+on the detokenised text: ``frontend/stop_cut.py``), ``stream``, ``stream_options.include_usage``
 and vLLM's ``stream_options.continuous_usage_stats`` (the usage so far on every chunk), and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos`` and ``return_token_ids``. Structured outputs (``openai_structured``): ``response_format``
@@ -18,17 +18,16 @@ EBNF grammar, a choice of strings). Logprobs (``openai_logprobs``): completions'
 (token ids in the vocabulary, biases in [-100, 100], added before the penalties). OpenAI's
 fields that do not change the output are checked and otherwise ignored: ``user``, ``store``
 (nothing is stored), ``metadata`` (at most 16 string pairs), ``service_tier`` (one tier) and
-``parallel_tool_calls`` (no tools). A field OpenAI defines that would change the output but is
-not implemented (``best_of``, ``tools``, ...) is refused when set, and so is any field OpenAI
+``parallel_tool_calls``. A field OpenAI defines that would change the output but is
+not implemented is refused when set, and so is any field OpenAI
 does not define: :class:`OpenAIError` 400 naming it in ``param`` (a nested one by its path:
 ``stream_options.made_up``, ``messages.0.made_up``). Responses' ``usage`` carries one field
-OpenAI does not define, ``prompt_tokens_details.cached_tokens_by_tier`` (:func:`usage`).
+OpenAI does not define, ``prompt_tokens_details.cached_tokens_by_tier`` (``openai_shapes.usage``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -44,18 +43,15 @@ from tandem.frontend.openai_tools import (
     ToolCall,
     ToolChoice,
     ToolPlan,
-    held_back,
     plan_tools,
     tools_text,
 )
 from tandem.frontend.request_checks import check_ids_fit, check_text_fits, checked_sampling, stop_token_ids
 from tandem.frontend.running import GenerateSpec
 from tandem.model.tokenizer import Tokenizer
-from tandem.wire.messages import Bill, CachedByTier
 from tandem.wire.request_params import (
     MAX_LOGPROBS,
     MAX_SEED,
-    FinishReason,
     InvalidRequestError,
     SamplingParams,
     check_prompt,
@@ -596,159 +592,3 @@ def _edge(check: Callable[..., T], *args: Any) -> T:
         return check(*args)
     except InvalidRequestError as exc:
         raise OpenAIError.from_invalid(exc) from None
-
-
-# ---- stop strings ---------------------------------------------------------------------------
-class StopMatcher:
-    """Stop strings on streamed text: :meth:`feed` gives the text that is safe to send (text that
-    could be the start of a stop string is held back until the next piece tells), and whether a
-    stop string was found; the text is cut before it. :meth:`flush` gives what is held back once
-    the stream ended without one."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self._held = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        if not self.stops:
-            return text
-        text = self._held + text
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.stopped, self._held = True, ""
-            return text[: min(found)]
-        keep = max((held_back(text, s) for s in self.stops), default=0)
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-
-# ---- responses ------------------------------------------------------------------------------
-def finish_reason(reason: FinishReason, stopped_by_string: bool) -> str:
-    """OpenAI's ``finish_reason``: a stop string, EOS or a stop token is ``stop``."""
-    return "stop" if stopped_by_string else str(reason)
-
-
-def cached_within(by_tier: CachedByTier, limit: int) -> CachedByTier:
-    """``by_tier`` with at most ``limit`` tokens in all, the excess taken off the store's part
-    first, then the host's, then the device's."""
-    store = min(by_tier.store, max(0, limit - by_tier.device - by_tier.host))
-    host = min(by_tier.host, max(0, limit - by_tier.device))
-    return CachedByTier(min(by_tier.device, limit), host, store)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, bill: Bill) -> dict[str, Any]:
-    """OpenAI's ``usage`` from the bill. ``prompt_tokens_details.cached_tokens`` is a part of
-    ``prompt_tokens``, so the bill's (which counts a retry's or a re-prefill's tokens again) is
-    capped at the prompt; ``cached_tokens_by_tier`` (an extension) splits it by the tier the
-    tokens came from, ``device``, ``host`` and ``store``, and adds up to it."""
-    cached = cached_within(bill.cached_tokens_by_tier, min(bill.cached_tokens, prompt_tokens))
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached.total, "cached_tokens_by_tier": cached.as_dict()},
-        # speculative decoding's drafts, in the fields OpenAI gives predicted outputs
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": bill.speculation.accepted_tokens,
-            "rejected_prediction_tokens": bill.speculation.draft_tokens - bill.speculation.accepted_tokens,
-        },
-    }
-
-
-@dataclass(frozen=True)
-class ResponseShape:
-    """How one endpoint's responses look: ids, object names, where the text goes."""
-
-    chat: bool
-    id: str
-    model: str
-    created: int
-    index: int = 0  # the choice's (``n`` > 1: each choice's stream has its own)
-
-    @staticmethod
-    def of(chat: bool, request_id: str, model: str) -> ResponseShape:
-        return ResponseShape(chat, request_id, model, int(time.time()))
-
-    def _envelope(self, stream: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def choice(
-        self,
-        text: str,
-        finish: str | None,
-        token_ids: list[int] | None,
-        first: bool = False,
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A streamed choice (a chunk); ``first`` carries the assistant's role on chat."""
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        return self._choice("delta", delta, text, logprobs, finish, token_ids)
-
-    def _choice(
-        self,
-        key: str,
-        message: dict[str, Any],
-        text: str | None,
-        logprobs: dict[str, Any] | None,
-        finish: str | None,
-        token_ids: list[int] | None,
-    ) -> dict[str, Any]:
-        """A choice: on chat its ``message`` under ``key`` (``delta`` in a chunk), else ``text``."""
-        choice: dict[str, Any] = {"index": self.index}
-        if self.chat:
-            choice[key] = message
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": logprobs, "finish_reason": finish}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return choice
-
-    def calls_choice(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """A streamed chat choice carrying complete tool calls (each with its ``index``)."""
-        return {"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
-
-    def chunk(self, choice: dict[str, Any], seed: int | None = None) -> dict[str, Any]:
-        """A streamed chunk; the last one (with the finish reason) carries the request's seed."""
-        body = self._envelope(True, [choice])
-        if seed is not None:
-            body["seed"] = seed
-        return body
-
-    def usage_chunk(self, used: dict[str, Any]) -> dict[str, Any]:
-        return {**self._envelope(True, []), "usage": used}
-
-    def response(
-        self,
-        text: str | None,
-        finish: str,
-        token_ids: list[int] | None,
-        used: dict[str, Any],
-        seed: int | None = None,
-        logprobs: dict[str, Any] | None = None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        """``tool_calls``: the chat output's parsed calls (then ``text`` is what came before them,
-        ``None`` when nothing did)."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["content"], message["tool_calls"] = text or None, tool_calls
-        choice = self._choice("message", message, text, logprobs, finish, token_ids)
-        body = {**self._envelope(False, [choice]), "usage": used}
-        if seed is not None:  # the seed of the request's draws (``seed``, an extension field)
-            body["seed"] = seed
-        return body

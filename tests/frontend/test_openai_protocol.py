@@ -18,15 +18,12 @@ from tandem.frontend.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     OpenAIError,
-    ResponseShape,
     ServedModel,
-    StopMatcher,
-    cached_within,
     parse_request,
     prepare_chat,
     prepare_completion,
-    usage,
 )
+from tandem.frontend.openai_shapes import ResponseShape, cached_within, usage
 from tandem.model.make_tiny import BOS_ID, write_tokenizer
 from tandem.model.tokenizer import Tokenizer
 from tandem.wire.messages import Bill, CachedByTier, Speculation
@@ -304,18 +301,6 @@ def test_a_template_is_sandboxed_and_a_broken_one_fails_at_load(tmp_path: Path, 
     del config["chat_template"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert ChatTemplate.from_dir(tmp_path) is None
-
-
-def test_stop_strings_cut_the_text_before_them_across_chunks() -> None:
-    matcher = StopMatcher(("STOP", "\n\n"))
-    sent = [matcher.feed(piece) for piece in ["Hello S", "T", "nothing", " more ST", "OP and after"]]
-    assert "".join(sent) == "Hello STnothing more "
-    assert sent[0] == "Hello " and sent[1] == ""  # "ST" could begin STOP: held back
-    assert matcher.stopped and matcher.feed("later") == ""
-    open_end = StopMatcher(("STOP",))
-    assert open_end.feed("a ST") == "a " and not open_end.stopped
-    assert open_end.flush() == "ST"  # the stream ended without the stop string: nothing is lost
-    assert StopMatcher(()).feed("x") == "x"
 
 
 def test_usage_and_response_shapes() -> None:
