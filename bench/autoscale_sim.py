@@ -51,6 +51,7 @@ from typing import Any
 from tandem.autoscaler.config import AutoscalingConfig
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.signals import BURST_WINDOW_S, PoolSignals
+from tandem.bench.hindsight import HINDSIGHT_BIN_S, hindsight_schedule, met_by_bin
 from tandem.bench.router_bench import BLOCK_TOKENS, TraceRequest
 from tandem.cluster.topology import AutoscalingSpec, PoolBounds
 from tandem.wire.messages import Role
@@ -512,7 +513,7 @@ def run_autoscale_bench(
             sim = Simulation(arrivals, requests, model, config, p, d, autoscale=False)
             result = sim.run()
             static.append({"prefill_groups": p, "decode_groups": d, **result.as_dict()})
-            met_by_minute[p, d], ranks_of[p, d] = _met_by_bin(sim.outcomes, HINDSIGHT_BIN_S), ranks
+            met_by_minute[p, d], ranks_of[p, d] = met_by_bin(sim.outcomes, HINDSIGHT_BIN_S), ranks
     auto = scaled.as_dict()
 
     def cheapest(at_least: float) -> dict[str, Any] | None:
@@ -540,59 +541,6 @@ def run_autoscale_bench(
     }
 
 
-HINDSIGHT_BIN_S = 60.0
-
-
-def _met_by_bin(outcomes: list[tuple[float, bool]], bin_s: float) -> dict[int, int]:
-    met: dict[int, int] = {}
-    for arrival, ok in outcomes:
-        if ok:
-            met[int(arrival // bin_s)] = met.get(int(arrival // bin_s), 0) + 1
-    return met
-
-
-def hindsight_schedule(
-    met_by_bin: dict[tuple[int, int], dict[int, int]],
-    ranks: dict[tuple[int, int], int],
-    at_least: float,
-    total: int,
-    bin_s: float,
-) -> dict[str, Any] | None:
-    """What a schedule chosen in hindsight would cost: for each ``bin_s`` of arrivals, one of the
-    static pairs, as that pair served those arrivals in its own run, with the SLO met for at least
-    ``at_least`` of all requests at the fewest rank-seconds (the pairs' ranks over the bins).
-
-    It knows the future and starts groups in no time, and each bin keeps the cache and the queue
-    its static pair had there, so it is a bound to measure a policy against, not one a policy can
-    reach. Found by a Lagrangian search: for a price ``lam`` per request met, each bin takes the
-    pair with the least ``ranks * bin_s - lam * met``; the smallest price whose schedule meets
-    the target is bisected for. ``None`` when no schedule reaches it."""
-    if not met_by_bin or total <= 0:
-        return None
-    bins = range(max((max(m, default=-1) for m in met_by_bin.values()), default=-1) + 1)
-
-    def schedule(lam: float) -> tuple[float, int, list[tuple[int, int]]]:
-        chosen = [min(met_by_bin, key=lambda p: (ranks[p] * bin_s - lam * met_by_bin[p].get(b, 0), ranks[p]))
-                  for b in bins]  # fmt: skip
-        cost = sum(ranks[p] * bin_s for p in chosen)
-        return cost, sum(met_by_bin[p].get(b, 0) for b, p in zip(bins, chosen, strict=True)), chosen
-
-    need = math.ceil(at_least * total - 1e-9)
-    high = max(ranks.values()) * bin_s + 1.0  # a price above any pair's cost: every bin's most met
-    if schedule(high)[1] < need:
-        return None
-    low = 0.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if schedule(mid)[1] >= need:
-            high = mid
-        else:
-            low = mid
-    cost, met, chosen = schedule(high)
-    return {"rank_seconds": round(cost, 1), "slo_attainment": round(met / total, 4),
-            "bins": len(chosen), "bin_s": bin_s}  # fmt: skip
-
-
 # The generated traces' rates for this bench: each keeps its shape's 30 minutes and is dense
 # enough that its peak needs most of the default budget.
 BENCH_SHAPES: dict[str, dict[str, float]] = {
@@ -615,43 +563,3 @@ def generated_trace(shape: str, seed: int = 0) -> list[TraceRequest]:
         TraceRequest(r["timestamp"] / 1000.0, r["input_length"], r["output_length"], tuple(r["hash_ids"]))
         for r in records
     ]
-
-
-def format_report(results: list[dict[str, Any]], config: AutoscalingConfig) -> str:
-    """One row per trace: the autoscaler next to the cheapest static pair at or above its
-    attainment, the best static pair within its rank-seconds, and the cheapest at 0.99."""
-
-    def pair(s: dict[str, Any] | None) -> str:
-        if s is None:
-            return "none"
-        sizes = f"{s['prefill_groups']}P+{s['decode_groups']}D"
-        return f"{sizes} {s['slo_attainment']:.3f} / {s['rank_seconds']:,.0f}"
-
-    def hindsight(r: dict[str, Any]) -> str:
-        h, at = r.get("hindsight_at_autoscaler_attainment"), r["cheapest_static_at_autoscaler_attainment"]
-        if h is None:
-            return "none"
-        ratio = f" ({h['rank_seconds'] / at['rank_seconds']:.2f})" if at else ""
-        return f"{h['slo_attainment']:.3f} / {h['rank_seconds']:,.0f}{ratio}"
-
-    lines = [
-        f"SLO: TTFT <= {config.ttft_slo_s:g} s and mean ITL <= {config.itl_slo_s:g} s; budget "
-        f"{config.rank_budget} ranks; attainment / rank-seconds",
-        "| trace | autoscaler | cheapest static at >= its attainment (ratio) | best static within its "
-        "rank-seconds | cheapest static at >= 0.99 (ratio) | hindsight schedule at its attainment "
-        "(ratio) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        a = r["autoscaler"]
-        c99 = r["cheapest_static_at_0.99"]
-        ratio99 = f" ({a['rank_seconds'] / c99['rank_seconds']:.2f})" if c99 else ""
-        ratio = r["rank_seconds_ratio"]
-        lines.append(
-            f"| {r['trace']} | {a['slo_attainment']:.3f} / {a['rank_seconds']:,.0f} ({a['adds']} adds, "
-            f"{a['drains']} drains) | {pair(r['cheapest_static_at_autoscaler_attainment'])}"
-            f"{f' ({ratio:.2f})' if ratio is not None else ''} | "
-            f"{pair(r['best_static_at_autoscaler_rank_seconds'])} | {pair(c99)}{ratio99} | "
-            f"{hindsight(r)} |"
-        )
-    return "\n".join(lines)

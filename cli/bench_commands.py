@@ -115,7 +115,7 @@ def _autoscale_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_autoscale(args: argparse.Namespace) -> int:
-    from tandem.bench import autoscale_sim
+    from tandem.bench import autoscale_report, autoscale_sim
     from tandem.bench.router_bench import TraceError, read_trace
 
     if not args.rate_swing >= 1:
@@ -144,7 +144,7 @@ def _run_autoscale(args: argparse.Namespace) -> int:
         swing = args.rate_swing
         result = autoscale_sim.run_autoscale_bench(requests, config, swing=swing, time_scale=scale)
         results.append({"trace": name, **result})
-    emit(json.dumps(results) if args.json else autoscale_sim.format_report(results, config))
+    emit(json.dumps(results) if args.json else autoscale_report.format_report(results, config))
     return 0
 
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tandem.bench.autoscale_report import format_report
 from tandem.bench.autoscale_sim import (
     SimModel,
     Simulation,
     bench_config,
-    format_report,
-    hindsight_schedule,
     retime,
     run_autoscale_bench,
 )
+from tandem.bench.hindsight import hindsight_schedule
 from tandem.bench.router_bench import TraceRequest
 from tandem.cli.main import main
 from tandem.cluster.topology import AutoscalingSpec
