@@ -10,12 +10,10 @@ Ordering and timing: every layer's writes are posted as their own transfer (the 
 in layer order, each only once the ready event the sender handed over with it completes (on a GPU,
 a CUDA event recorded after the layer's kernels: no write reads KV the device has not produced
 yet). A layer handed over with ``READY`` (a CPU's forward) is posted at once on the caller's
-thread, behind any layer still waiting. Any other event goes to the watcher, a thread of the
-transport's own, started with the first such event: it blocks on the oldest event not yet seen
-complete (``synchronize``, which releases the GIL), stamps the host's monotonic clock the moment
-it returns (the device's completion, as the host sees it) and posts that send's ready layers, in
-order, while the forward is still running. Events recorded on one stream complete in order, so
-waiting on the oldest first delays none. The last layer's stamp is when its KV was computed: the
+thread, behind any layer still waiting. Any other event goes to the watcher
+(:mod:`kvtransfer.event_watcher`), a thread of the transport's own that stamps each event's
+completion and posts that send's ready layers, in order, while the forward is still running.
+The last layer's stamp is when its KV was computed: the
 sender's ``compute_done_s`` and the notification's ``prefill_compute_s`` end there, not at the
 host's queueing of that layer (``finish_send``).
 
@@ -53,20 +51,20 @@ list of bounded length from which it could fall out.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import dataclasses
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.kvtransfer.descriptors import PageRun, page_runs, prepared_indices
+from tandem.kvtransfer.descriptors import page_runs
+from tandem.kvtransfer.event_watcher import EventWatcher
 from tandem.kvtransfer.metadata import MetadataStore
+from tandem.kvtransfer.nixl_peers import NixlPeers
+from tandem.kvtransfer.nixl_records import Layers, Recv, Send, page_descs, parse_notification, seconds_until
+from tandem.kvtransfer.nixl_writes import NixlWrites
 from tandem.kvtransfer.transport import (
     KVTransport,
     ReceivedKV,
@@ -88,8 +86,6 @@ from tandem.kvtransfer.types import (
     PoolLayout,
     RankMetadata,
     ReadyEvent,
-    SenderTimings,
-    StalePeerError,
     TransferStats,
     decode_message,
     encode_message,
@@ -102,56 +98,6 @@ configure_ucx()  # before NIXL loads UCX: see kvtransfer/ucx_config.py
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 _WATCHER_JOIN_S = 5.0  # how long ``close`` waits for the watcher to end
-
-
-@dataclass
-class _Peer:
-    meta: RankMetadata
-    dlist: Any  # prepared descriptor list of the peer's pool
-
-
-@dataclass(eq=False)
-class _Layers:
-    """Layers handed over with one ready event, waiting to be posted."""
-
-    layers: list[int]
-    ready: ReadyEvent
-    done_s: float | None = None  # when the watcher saw ``ready`` complete
-
-    def complete(self) -> bool:
-        return self.ready is READY or self.done_s is not None
-
-
-@dataclass
-class _Send:
-    request_id: str
-    peer: _Peer
-    runs: list[PageRun]
-    stats: TransferStats
-    deadline: float
-    posted: list[Any] = field(default_factory=list)  # transfer handles in flight or done
-    waiting: list[_Layers] = field(default_factory=list)  # handed over, not posted yet, in order
-    device_done_s: float = 0.0  # the latest completion the watcher stamped among posted layers
-    layers_sent: set[int] = field(default_factory=set)  # handed over, posted or waiting
-    whole: bool = False
-    notification: KVNotification | None = None
-    error: KVTransferError | None = None  # set once aborting
-    # the receiver asked for the abort: it is told with ABORT_ACK, once no write is in flight
-    receiver_aborted: bool = False
-
-    def all_posted(self, num_layers: int) -> bool:
-        return self.notification is not None and len(self.layers_sent) == num_layers and not self.waiting
-
-
-@dataclass
-class _Recv:
-    request_id: str
-    peer_rank: str
-    page_ids: tuple[int, ...]
-    start: float
-    deadline: float
-    error: KVTransferError | None = None  # set once aborting
-    ack_deadline: float = 0.0
 
 
 def progress_thread_enabled(mem_type: str) -> bool:
@@ -195,10 +141,11 @@ class NixlTransport(KVTransport):
         self._registration = self.agent.register_memory(
             [(layout.base_address, total, layout.device_id, "")], layout.mem_type
         )
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(layout), layout.mem_type)
-        self._peers: dict[str, _Peer] = {}
-        self._sends: dict[str, _Send] = {}
-        self._recvs: dict[str, _Recv] = {}
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(layout), layout.mem_type)
+        self._writes = NixlWrites(self.agent, local, layout)
+        self._peers = NixlPeers(self.agent, store, layout)
+        self._sends: dict[str, Send] = {}
+        self._recvs: dict[str, Recv] = {}
         self.late_messages_dropped = 0
         self.warm_messages = 0  # peers that connected ahead of a transfer (``connect``)
         self.messages_undeliverable = 0
@@ -207,41 +154,12 @@ class NixlTransport(KVTransport):
         self._cancelled: dict[str, tuple[str, str, float]] = {}
         # guards everything above and the agent, between the caller's thread and the watcher
         self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)  # the watcher waits here for events
-        self._watch: deque[tuple[_Send, _Layers]] = deque()  # events for the watcher, oldest first
-        self._watcher: threading.Thread | None = None
-        self._closing = False
+        self._watcher = EventWatcher(self._lock, f"kv-watcher-{self.agent_name}", self._layers_ready)
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
         )
 
     # -- peers ---------------------------------------------------------------------------------
-    def _peer(self, rank: str, incarnation: int | None, request_id: str) -> _Peer:
-        """The peer at ``incarnation`` (any published one if ``None``), fetched on first contact
-        and again when the cached incarnation is not the one asked for."""
-        cached = self._peers.get(rank)
-        if cached is not None and incarnation in (None, cached.meta.incarnation):
-            return cached
-        meta = self.store.fetch(rank)
-        if meta is None or (incarnation is not None and meta.incarnation != incarnation):
-            raise StalePeerError(request_id, rank, incarnation if incarnation is not None else -1,
-                                 None if meta is None else meta.incarnation)  # fmt: skip
-        problem = self.layout.compatible_with(meta.layout)
-        if problem:
-            raise KVTransferError(request_id, f"pool of {rank} cannot take this pool's pages: {problem}")
-        try:
-            if cached is not None:
-                self.agent.remove_remote_agent(cached.meta.agent_name)
-                del self._peers[rank]
-            self.agent.add_remote_agent(meta.agent_metadata)
-            dlist = self.agent.prep_xfer_dlist(
-                meta.agent_name, _page_descs(meta.layout), meta.layout.mem_type
-            )
-        except Exception as exc:  # NIXL's own errors: the peer's agent cannot be reached
-            raise KVTransferError(request_id, f"cannot reach {rank} ({type(exc).__name__}: {exc})") from exc
-        self._peers[rank] = peer = _Peer(meta, dlist)
-        return peer
-
     def connect(self, ranks: Sequence[str]) -> list[str]:
         """Each peer's agent loaded and its pool's descriptors prepared now; then a WARM message
         to it, which makes UCX wire the endpoint up (its first use otherwise: 0.03-1 s of the
@@ -252,7 +170,7 @@ class NixlTransport(KVTransport):
                 if rank == self.rank or rank in self._peers:
                     continue
                 try:
-                    peer = self._peer(rank, None, "connect")
+                    peer = self._peers.get(rank, None, "connect")
                 except KVTransferError:  # not published yet, or an incompatible pool: the first transfer says
                     missed.append(rank)
                     continue
@@ -286,10 +204,10 @@ class NixlTransport(KVTransport):
                 raise KVTransferError(
                     request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
                 )
-            peer = self._peer(dest.rank, dest.incarnation, request_id)
+            peer = self._peers.get(dest.rank, dest.incarnation, request_id)
             runs = page_runs(src_page_ids, dest.page_ids)
             stats = TransferStats(request_id, dest.rank)
-            self._sends[request_id] = _Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
+            self._sends[request_id] = Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 
     def send_layer(self, request_id: str, layer: int, ready: ReadyEvent = READY) -> None:
         with self._lock:
@@ -336,7 +254,7 @@ class NixlTransport(KVTransport):
                 return
             rank, agent_name, _ = entry
             with contextlib.suppress(KVTransferError):  # first contact: this side never wrote to it
-                self._peer(rank, None, request_id)
+                self._peers.get(rank, None, request_id)
             self._message(agent_name, ABORT_ACK, request_id)  # the job is dropped: pages may be freed
 
     def abort_send(self, request_id: str) -> None:
@@ -345,7 +263,7 @@ class NixlTransport(KVTransport):
             if send is not None and send.error is None:
                 send.error = KVTransferAborted(request_id, f"prefill rank {self.rank}")
 
-    def _send(self, request_id: str) -> _Send | None:
+    def _send(self, request_id: str) -> Send | None:
         """The send in flight; ``None`` for one that already ended (aborted or timed out while
         its prefill kept computing), an error for one never begun."""
         send = self._sends.get(request_id)
@@ -353,93 +271,36 @@ class NixlTransport(KVTransport):
             raise KVTransferError(request_id, "no transfer was begun with this request id")
         return send
 
-    def _hand_over(self, send: _Send, layers: list[int], ready: ReadyEvent) -> None:
+    def _hand_over(self, send: Send, layers: list[int], ready: ReadyEvent) -> None:
         """Queue ``layers`` behind the send's waiting ones; an event not complete yet goes to the
-        watcher (started now if it is not running)."""
-        entry = _Layers(layers, ready)
+        watcher."""
+        entry = Layers(layers, ready)
         send.waiting.append(entry)
         if ready is not READY:
-            self._watch.append((send, entry))
-            if self._watcher is None:
-                self._watcher = threading.Thread(
-                    target=self._watch_events, name=f"kv-watcher-{self.agent_name}", daemon=True
-                )
-                self._watcher.start()
-            self._wake.notify()
+            self._watcher.watch(send, entry)
         self._post_ready(send)
 
-    def _watch_events(self) -> None:
-        """The watcher: for each event handed over, oldest first, block until it completes (the
-        lock not held), stamp that moment and post the send's layers that are ready. An event
-        shared by several sends (one layer of a batch) is waited for once."""
-        last: tuple[ReadyEvent, float] | None = None  # the event waited for last, and its stamp
-        while True:
-            with self._lock:
-                while not self._watch and not self._closing:
-                    self._wake.wait()
-                if self._closing:
-                    return
-                send, entry = self._watch.popleft()
-                if send.error is not None or entry not in send.waiting:
-                    continue  # aborted or failed: nothing of it will be posted
-            failure: Exception | None = None
-            if last is not None and last[0] is entry.ready:
-                done_s = last[1]
-            else:
-                try:
-                    entry.ready.synchronize()
-                except Exception as exc:  # the device failed: its KV will never be there
-                    failure = exc
-                done_s = time.monotonic()  # the device's completion, as this host sees it
-                last = (entry.ready, done_s)
-            with self._lock:
-                if self._closing:
-                    return
-                if failure is not None and send.error is None:
-                    send.error = KVTransferError(
-                        send.request_id,
-                        f"waiting for layers {entry.layers}: {type(failure).__name__}: {failure}",
-                    )
-                entry.done_s = done_s
-                self._post_ready(send)
+    def _layers_ready(self, send: Send, entry: Layers, failure: Exception | None) -> None:
+        """The watcher saw ``entry``'s event complete (or fail): post what is ready."""
+        if failure is not None and send.error is None:
+            send.error = KVTransferError(
+                send.request_id, f"waiting for layers {entry.layers}: {type(failure).__name__}: {failure}"
+            )
+        self._post_ready(send)
 
-    def _post_ready(self, send: _Send) -> None:
+    def _post_ready(self, send: Send) -> None:
         """Post, in order, the waiting layers whose events have completed; the first one still
         running holds back the rest. Called with the lock held."""
         while send.waiting and send.error is None and send.waiting[0].complete():
             entry = send.waiting.pop(0)
             if entry.done_s is not None:
                 send.device_done_s = max(send.device_done_s, entry.done_s)
-            self._post(send, entry.layers)
+            self._writes.post(send, entry.layers)
 
-    def _post(self, send: _Send, layers: list[int]) -> None:
-        """Post the writes of ``layers``. A write NIXL refuses fails this transfer alone (``poll``
-        reports it once the writes already posted are drained), never the caller's step."""
-        peer_layout = send.peer.meta.layout
-        src, dst = prepared_indices(send.runs, layers, self.layout.num_pages, peer_layout.num_pages)
-        try:
-            handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
-            if send.stats.start_s == 0.0:
-                send.stats.start_s = time.monotonic()  # the first post
-            refused = self.agent.transfer(handle) == "ERR"
-        except Exception as exc:  # NIXL's own errors
-            refused, handle = True, None
-            detail = f"{type(exc).__name__}: {exc}"
-        else:
-            detail = "refused"
-        if refused:  # nothing of it is in flight
-            if handle is not None:
-                handle.release()
-            send.error = KVTransferError(send.request_id, f"NIXL write to {send.peer.meta.rank}: {detail}")
-            return
-        send.posted.append(handle)
-        send.stats.bytes += len(src) * self.layout.page_bytes  # one descriptor entry per page
-        send.stats.layers_written += len(layers)
-
-    def _progress_send(self, send: _Send, now: float, events: TransportEvents) -> bool:
+    def _progress_send(self, send: Send, now: float, events: TransportEvents) -> bool:
         """Advance one send; True when it is over (reported in ``events``)."""
         self._post_ready(send)
-        states = [self._state(h) for h in send.posted]
+        states = self._writes.states(send)
         if "ERR" in states and send.error is None:
             send.error = KVTransferError(send.request_id, f"a write to {send.peer.meta.rank} failed")
         if send.error is None and now > send.deadline:
@@ -447,7 +308,7 @@ class NixlTransport(KVTransport):
         if send.error is not None:
             if "PROC" in states:
                 return False  # a write is still landing in the receiver's pages: no word yet
-            self._release(send)
+            self._writes.release(send)
             # every posted write completed or failed: the receiver's pages may now be reused
             reply = ABORT_ACK if send.receiver_aborted else ABORT
             self._message(send.peer.meta.agent_name, reply, send.request_id)
@@ -455,24 +316,11 @@ class NixlTransport(KVTransport):
             return True
         if not send.all_posted(self.layout.num_layers) or any(state != "DONE" for state in states):
             return False
-        assert send.notification is not None
         send.stats.end_s = time.monotonic()  # the last write completed, as NIXL reports it
-        # the last layer's KV was in the pool when the watcher saw its event complete, which is
-        # after the host queued it; with events complete when handed over, the caller's figure
-        queued_s = send.stats.compute_done_s
-        send.stats.compute_done_s = max(queued_s, send.device_done_s)
-        device_lag_s = send.stats.compute_done_s - queued_s  # the compute figure ends there too
-        send.stats.descriptors = sum(self._descriptors(h) for h in send.posted)
-        self._release(send)
+        send.stats.descriptors = self._writes.descriptors(send)
+        self._writes.release(send)
         send.stats.notified_s = time.monotonic()  # sent now: what the receiver waits for
-        timings = dataclasses.replace(
-            send.notification.timings,
-            prefill_compute_s=send.notification.timings.prefill_compute_s + device_lag_s,
-            kv_transfer_s=send.stats.duration_s,
-            kv_sender_exposed_s=send.stats.sender_exposed_s,
-        )
-        notified = dataclasses.replace(send.notification, timings=timings, kv_bytes=send.stats.bytes)
-        fields = notification_fields(notified)
+        fields = notification_fields(send.completed())
         try:
             self.agent.send_notif(
                 send.peer.meta.agent_name, encode_message(DONE, send.request_id, self.rank, **fields)
@@ -483,31 +331,13 @@ class NixlTransport(KVTransport):
         events.sent.append(send.stats)
         return True
 
-    def _state(self, handle: Any) -> str:
-        try:
-            return str(self.agent.check_xfer_state(handle))
-        except Exception:  # NIXL's own errors: this transfer failed, nothing else did
-            return "ERR"
-
-    def _descriptors(self, handle: Any) -> int:
-        try:
-            return int(self.agent.get_xfer_telemetry(handle).descCount)
-        except Exception:  # telemetry is a figure, never a reason to fail a transfer
-            return 0
-
-    def _release(self, send: _Send) -> None:
-        for handle in send.posted:
-            handle.release()
-        send.posted = []
-        send.waiting = []
-
     # -- receiver ------------------------------------------------------------------------------
     def expect(self, request_id: str, peer_rank: str, page_ids: Sequence[int], timeout_s: float) -> None:
         with self._lock:
             if request_id in self._recvs:
                 raise KVTransferError(request_id, "already expecting a transfer with this request id")
             now = time.monotonic()
-            self._recvs[request_id] = _Recv(request_id, peer_rank, tuple(page_ids), now, now + timeout_s)
+            self._recvs[request_id] = Recv(request_id, peer_rank, tuple(page_ids), now, now + timeout_s)
 
     def abort_receive(self, request_id: str) -> None:
         with self._lock:
@@ -517,11 +347,11 @@ class NixlTransport(KVTransport):
                     recv, KVTransferAborted(request_id, f"decode rank {self.rank}"), time.monotonic()
                 )
 
-    def _start_abort(self, recv: _Recv, error: KVTransferError, now: float) -> None:
+    def _start_abort(self, recv: Recv, error: KVTransferError, now: float) -> None:
         # without an ack, the pages are safe once the job's deadline is past (see above)
         recv.error, recv.ack_deadline = error, max(now, recv.deadline) + self.abort_grace_s
         try:
-            peer = self._peer(recv.peer_rank, None, recv.request_id)
+            peer = self._peers.get(recv.peer_rank, None, recv.request_id)
         except KVTransferError:
             recv.ack_deadline = now  # no such peer: nothing can write into the pages
             return
@@ -537,10 +367,7 @@ class NixlTransport(KVTransport):
             for send in self._sends.values():
                 if send.peer.meta.rank == rank and send.error is None:
                     send.error = PeerLost(send.request_id, rank)  # drained, then failed
-            peer = self._peers.pop(rank, None)
-            if peer is not None:  # its connection closed; a new incarnation is fetched afresh
-                with contextlib.suppress(Exception):  # an agent NIXL already dropped
-                    self.agent.remove_remote_agent(peer.meta.agent_name)
+            self._peers.forget(rank)
 
     def poll(self) -> TransportEvents:
         with self._lock:
@@ -588,7 +415,7 @@ class NixlTransport(KVTransport):
                 self._message(agent_name, ABORT_ACK, request_id)
                 return
             # not begun: acked once the caller has dropped the job (or on its arrival, refused)
-            until = now + _seconds_until(msg.get("deadline_unix_s"), self.abort_grace_s)
+            until = now + seconds_until(msg.get("deadline_unix_s"), self.abort_grace_s)
             self._cancelled[request_id] = (str(msg["sender"]), agent_name, until)
             events.cancelled.append(request_id)
             return
@@ -597,7 +424,7 @@ class NixlTransport(KVTransport):
             self.late_messages_dropped += 1  # a notification for a request already aborted
             return
         if kind == DONE and recv.error is None:
-            notification = _notification(request_id, msg)
+            notification = parse_notification(request_id, msg)
             if notification is None:  # sent after its writes: the pages are safe to give up
                 recv.error = KVTransferError(request_id, f"malformed notification from {recv.peer_rank}")
                 self._fail_recv(recv, events)
@@ -613,7 +440,7 @@ class NixlTransport(KVTransport):
             recv.error = recv.error or KVTransferAborted(request_id, f"prefill rank {msg['sender']}")
             self._fail_recv(recv, events)
 
-    def _fail_recv(self, recv: _Recv, events: TransportEvents) -> None:
+    def _fail_recv(self, recv: Recv, events: TransportEvents) -> None:
         assert recv.error is not None
         self._recvs.pop(recv.request_id, None)
         events.failed.append(TransferFailure(recv.request_id, "recv", recv.error))
@@ -623,59 +450,12 @@ class NixlTransport(KVTransport):
             return len(self._sends), len(self._recvs)
 
     def close(self) -> None:
-        """Stop the watcher, then drop every transfer and the pool's registration. A watcher still
-        blocked on an event after ``_WATCHER_JOIN_S`` (a device that never finishes) is left to
-        end by itself: once the event completes it sees the transport closed and posts nothing."""
-        with self._lock:
-            self._closing = True
-            self._wake.notify_all()
-            watcher = self._watcher
-        if watcher is not None:
-            watcher.join(_WATCHER_JOIN_S)
+        """Stop the watcher (``EventWatcher.close``), then drop every transfer and the pool's
+        registration."""
+        self._watcher.close(_WATCHER_JOIN_S)
         with self._lock:
             for send in self._sends.values():
-                self._release(send)
+                self._writes.release(send)
             self._sends.clear()
             self._recvs.clear()
-            self._watch.clear()
             self.agent.deregister_memory(self._registration)
-
-
-def _seconds_until(deadline_unix_s: Any, grace_s: float) -> float:
-    """Seconds from now until a wall-clock deadline a peer sent, plus ``grace_s`` for clocks that
-    disagree; a missing or malformed one counts as no time at all."""
-    try:
-        return max(0.0, float(deadline_unix_s) - time.time()) + grace_s
-    except (TypeError, ValueError):
-        return grace_s
-
-
-def _notification(request_id: str, msg: dict[str, Any]) -> KVNotification | None:
-    """The DONE message's notification, or ``None`` when a field is missing or of the wrong type."""
-    try:
-        timings = SenderTimings.parse(msg.get("timings"))
-        first_token, cached = msg["first_token"], msg["cached_tokens"]
-        kv_bytes = msg.get("kv_bytes") or 0
-        host, store = msg.get("cached_host_tokens") or 0, msg.get("cached_store_tokens") or 0
-        if not all(type(v) is int and v >= 0 for v in (first_token, cached, kv_bytes, host, store)):
-            return None
-        if host + store > cached:
-            return None
-        state = base64.b64decode(msg.get("draft_state") or "", validate=True)
-        logprobs = msg.get("logprobs")
-        if logprobs is not None and not isinstance(logprobs, dict):
-            return None
-        return KVNotification(
-            request_id, first_token, cached, timings, kv_bytes, state, host, store, logprobs
-        )
-    except (KeyError, TypeError, ValueError, binascii.Error):
-        return None
-
-
-def _page_descs(layout: PoolLayout) -> list[tuple[int, int, int]]:
-    """One (address, length, device) per (layer, page), layer-major: entry ``layer * pages + page``."""
-    return [
-        (layout.page_address(layer, page), layout.page_bytes, layout.device_id)
-        for layer in range(layout.num_layers)
-        for page in range(layout.num_pages)
-    ]
