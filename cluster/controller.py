@@ -16,9 +16,9 @@ import ray
 
 from tandem.autoscaler.policy import Autoscaler
 from tandem.autoscaler.prometheus_source import PrometheusSource
-from tandem.cluster.autoscaling import AutoscalerLoop, DrainTimeout
-from tandem.cluster.controller_state import AutoscalerSettings, ControllerRecord, RecordStore, Removal
-from tandem.cluster.group import RankGroup
+from tandem.cluster.autoscaling import AutoscalerLoop
+from tandem.cluster.controller_state import AutoscalerSettings, ControllerRecord, RecordStore
+from tandem.cluster.group_removal import GroupRemovals
 from tandem.cluster.pools import Cluster
 from tandem.cluster.rank_spec import MetricsSpec
 from tandem.cluster.topology import Topology
@@ -72,11 +72,10 @@ class Controller:
             self._metrics = MetricsServer(figures.registry, host, security=metrics.security)
             self._own_target = (ScrapeTarget(self._metrics.address, "controller", labels.as_dict()),)
         self._settings: AutoscalerSettings | None = None
-        self._removing: dict[str, Removal] = {}  # group id -> its removal under way
-        self._drain_timeouts = {role.value: 0 for role in (Role.PREFILL, Role.DECODE)}  # by pool
+        self._removals = GroupRemovals(self.cluster, self._lock, self._stop, self._save_record, self._publish)
         self._record = RecordStore(ray.get_runtime_context().namespace)
         self.cluster.on_draining_changed = self._save_record
-        self._view = self._routing_view()
+        self._publish()
         self.rebuilt: list[str] = []
         if ray.get_runtime_context().was_current_actor_reconstructed:  # Ray restarted this actor
             self._resume(self._record.load())
@@ -94,48 +93,33 @@ class Controller:
             adopted = self.cluster.adopt()
             gone = self.cluster.forget_unknown_draining()
             known = {g.group_id for g in self.cluster.groups}
-            self._removing = {r.group_id: r for r in record.removing if r.group_id in known}
+            self._removals.pending = {r.group_id: r for r in record.removing if r.group_id in known}
             self._settings = record.autoscaler
             self._save_record()
-            self._view = self._routing_view()
+            self._publish()
         log.warning(
             "controller restarted: adopted groups %s; draining %s; removing %s%s",
             ", ".join(adopted) or "none",
             ", ".join(sorted(self.cluster.draining)) or "none",
-            ", ".join(sorted(self._removing)) or "none",
+            ", ".join(sorted(self._removals.pending)) or "none",
             f"; forgot draining groups no longer there: {', '.join(gone)}" if gone else "",
         )
         if record.autoscaler is not None:
             self._start_loop(record.autoscaler)
-        for removal in list(self._removing.values()):
-            self._resume_removal(removal)
-
-    def _resume_removal(self, removal: Removal) -> None:
-        group = self.cluster.group(removal.group_id)
-        loop = self._autoscaler
-
-        def step() -> str:
-            self._await_removal(group, removal)
-            return removal.group_id
-
-        if removal.by_autoscaler and loop is not None:
-            loop.resume(group.config.role.role, "drain", step)
-            return
-
-        def alone() -> None:
-            try:
-                step()
-            except Exception:
-                log.exception("the resumed removal of %s failed", removal.group_id)
-
-        threading.Thread(target=alone, name=f"remove-{removal.group_id}", daemon=True).start()
+        for removal in list(self._removals.pending.values()):
+            self._removals.resume(removal, self._autoscaler)
 
     def _save_record(self) -> None:
         """What a restarted controller resumes (``cluster/controller_state.py``); called with
         the lock held, whenever the settings, the draining set or the removals change."""
-        draining = {*self.cluster.draining, *self._removing}
-        removing = tuple(self._removing[g] for g in sorted(self._removing))
+        pending = self._removals.pending
+        draining = {*self.cluster.draining, *pending}
+        removing = tuple(pending[g] for g in sorted(pending))
         self._record.save(ControllerRecord(self._settings, tuple(sorted(draining)), removing))
+
+    def _publish(self) -> None:
+        """A new routing view, after a change (called with the lock held)."""
+        self._view = self._routing_view()
 
     def _routing_view(self) -> RoutingView:
         view = self.cluster.routing_view()
@@ -162,18 +146,18 @@ class Controller:
         """A frontend tells where it serves; the view lists it (status, metrics discovery)."""
         with self._lock:
             self._frontends[info.name] = info
-            self._view = self._routing_view()
+            self._publish()
 
     def unregister_frontend(self, name: str) -> None:
         with self._lock:
             self._frontends.pop(name, None)
-            self._view = self._routing_view()
+            self._publish()
 
     def _autoscaler_figures(self) -> AutoscalerFigures | None:
         loop = self._autoscaler
         if loop is None:
             return None
-        return replace(loop.figures(), drain_timeouts=dict(self._drain_timeouts))
+        return replace(loop.figures(), drain_timeouts=dict(self._removals.drain_timeouts))
 
     def autoscaler_figures(self) -> AutoscalerFigures | None:
         """The autoscaler's counters (ticks, errors, drain timeouts...); ``None`` when it is off."""
@@ -212,7 +196,7 @@ class Controller:
         def remove(pool: Role) -> str:
             with self._lock:
                 newest = self.cluster.taking_work(pool)[-1].group_id
-            self._remove_group(newest, settings.drain_timeout_s, by_autoscaler=True)
+            self._removals.remove(newest, settings.drain_timeout_s, by_autoscaler=True)
             return newest
 
         source = PrometheusSource(settings.prometheus_url, self.cluster.model_name, window=window)
@@ -236,7 +220,7 @@ class Controller:
         if loop is None:
             raise RuntimeError("the autoscaler is not running: start_autoscaler first")
         decisions = loop.tick()
-        self._view = self._routing_view()
+        self._publish()
         return decisions
 
     def wait_autoscaler(self, timeout_s: float = 300.0) -> bool:
@@ -264,7 +248,7 @@ class Controller:
     def start(self) -> dict[str, str]:
         with self._lock:
             self.cluster.start()
-            self._view = self._routing_view()
+            self._publish()
         self._watch.start()
         return self.cluster.status()
 
@@ -296,12 +280,12 @@ class Controller:
                     next_prune = time.monotonic() + 2.0
                 with self._lock:
                     self.cluster.watch()
-                    self._view = self._routing_view()  # a failure shows before the rebuild
+                    self._publish()  # a failure shows before the rebuild
                 with self._lock:
                     rebuilt = self.cluster.heal()
                     if rebuilt:
                         self.rebuilt += rebuilt
-                        self._view = self._routing_view()
+                        self._publish()
                 if self._autoscaler is not None:
                     self._autoscaler.ensure_running()
             except Exception:  # a rebuild that failed is tried again; the watch never stops
@@ -326,7 +310,7 @@ class Controller:
     def drain(self, group_id: str) -> None:
         with self._lock:
             self.cluster.drain(group_id)
-            self._view = self._routing_view()
+            self._publish()
 
     def add_group(self, role: str) -> str:
         """Start one more group in ``role``'s pool ("prefill" or "decode"); its id once it takes
@@ -339,23 +323,23 @@ class Controller:
         with self._lock:
             group = self.cluster.new_group(Role(role))
             self.cluster.starting.add(group.group_id)
-            self._view = self._routing_view()
+            self._publish()
         try:
             group.start()
         except BaseException:
             with self._lock:
                 self.cluster.starting.discard(group.group_id)
                 self.cluster.forget_group(group)
-                self._view = self._routing_view()
+                self._publish()
             raise
         with self._lock:
             self.cluster.starting.discard(group.group_id)
             if self._stop.is_set():  # stopped while this group started: it goes too
                 self.cluster.forget_group(group)
-                self._view = self._routing_view()
+                self._publish()
                 raise RuntimeError(f"the controller stopped while {group.group_id} started")
             self.cluster.joined(group)
-            self._view = self._routing_view()
+            self._publish()
         return group.group_id
 
     def remove_group(self, group_id: str, timeout_s: float = 300.0, quiet_s: float = 1.0) -> None:
@@ -365,75 +349,7 @@ class Controller:
         route them elsewhere; a drained prefill group gets no new jobs. A group that still holds
         requests after ``timeout_s`` is not stopped: the drain is cancelled, the group takes work
         again and :class:`DrainTimeout` is raised."""
-        self._remove_group(group_id, timeout_s, quiet_s)
-
-    def _remove_group(
-        self, group_id: str, timeout_s: float, quiet_s: float = 1.0, by_autoscaler: bool = False
-    ) -> None:
-        with self._lock:
-            group = self.cluster.group(group_id)
-            if group_id in self.cluster.starting:
-                raise ValueError(f"{group_id} is still starting; remove it once it serves")
-            if not [g for g in self.cluster.taking_work(group.config.role.role) if g is not group]:
-                raise ValueError(f"{group_id} is the last group of its pool that takes work; add one first")
-            removal = Removal(group_id, time.time(), timeout_s, by_autoscaler)
-            self._removing[group_id] = removal
-            try:
-                self.cluster.drain(group_id)  # saves the record first: a restart resumes the removal
-            except BaseException:
-                self._removing.pop(group_id, None)
-                self._save_record()  # still draining: the error says why
-                raise
-            finally:
-                self._view = self._routing_view()
-        self._await_removal(group, removal, quiet_s)
-
-    def _await_removal(self, group: RankGroup, removal: Removal, quiet_s: float = 1.0) -> None:
-        """Wait until the draining group is quiet, then stop it; at the removal's deadline,
-        cancel the drain instead (:class:`DrainTimeout`). Returns early if the controller stops
-        (it stops every group)."""
-        quiet_since: float | None = None
-        while True:
-            if self._stop.is_set():
-                return
-            now = time.monotonic()
-            try:
-                idle = group.state is not GroupState.READY or self.cluster.idle(group)
-            except ray.exceptions.RayError:  # a rank died mid-drain: the watch fails the group
-                idle = False
-            if idle:
-                quiet_since = quiet_since if quiet_since is not None else now
-                if now - quiet_since >= quiet_s:
-                    break
-            else:
-                quiet_since = None
-            if time.time() > removal.deadline_unix_s:
-                self._cancel_removal(group, removal)
-                raise DrainTimeout(group.group_id, time.time() - removal.started_unix_s)
-            time.sleep(0.1)
-        with self._lock:
-            self.cluster.forget_group(group)
-            self._removing.pop(group.group_id, None)
-            self._save_record()
-            self._view = self._routing_view()
-
-    def _cancel_removal(self, group: RankGroup, removal: Removal) -> None:
-        with self._lock:
-            self._removing.pop(group.group_id, None)
-            self._save_record()
-            pool = group.config.role.role.value
-            self._drain_timeouts[pool] = self._drain_timeouts.get(pool, 0) + 1
-            try:
-                if group in self.cluster.groups:
-                    self.cluster.undrain(group.group_id)
-            except ray.exceptions.RayError as exc:  # a rank died: the watch fails and rebuilds it
-                log.warning("cancelling the drain of %s: %s", group.group_id, exc)
-            self._view = self._routing_view()
-        log.warning(
-            "drain of %s cancelled: it still held requests after %.0f s; it takes work again",
-            group.group_id,
-            removal.timeout_s,
-        )
+        self._removals.remove(group_id, timeout_s, quiet_s)
 
     def stop(self) -> None:
         """Stop the autoscaler and every group; a clean stop leaves nothing to resume."""
@@ -443,6 +359,6 @@ class Controller:
         with self._lock:
             self._record.clear()
             self.cluster.stop()
-            self._view = self._routing_view()
+            self._publish()
         if self._metrics is not None:
             self._metrics.close()

@@ -25,6 +25,7 @@ import ray
 
 from tandem.cluster.topology import StoreSpec
 from tandem.kvtransfer.bind_guard import BindGuardError, guard_library, is_loopback, preload_env
+from tandem.kvtransfer.kv_store import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +150,28 @@ def _listening(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def store_setup(
+    spec: StoreSpec | None,
+) -> tuple[StoreConfig | None, StoreMaster | None, tuple[tuple[str, str], ...]]:
+    """The ranks' store client settings, the deployment's own master if the topology names
+    none (started now), and what each rank's process starts with; nothing without a store.
+
+    Mooncake's clients and master listen on every interface whatever they are told, so each
+    rank starts with the bind guard preloaded and keeps its client's listeners on its node's
+    address (``kvtransfer/mooncake_store.py``), as the master keeps its own on ``spec.host``.
+    A node whose address is not loopback needs ``trusted_network``."""
+    if spec is None:
+        return None, None, ()
+    refuse_untrusted_nodes(spec)
+    rank_env = tuple(preload_env(guard_library()).items())
+    segment, trusted = spec.segment_mb << 20, spec.trusted_network
+    if spec.master is not None:
+        host = spec.master.rsplit(":", 1)[0]
+        metadata = spec.metadata or f"http://{host}:8080/metadata"
+        config = StoreConfig(spec.master, metadata, segment_bytes=segment, trusted_network=trusted)
+        return config, None, rank_env
+    master = StoreMaster.start(spec.host)
+    config = StoreConfig(master.master, master.metadata, segment_bytes=segment, trusted_network=trusted)
+    return config, master, rank_env

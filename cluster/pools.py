@@ -14,21 +14,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import ray
 
-from tandem.cluster.group import GroupConfig, GroupFailed, RankGroup, parse_rank_actor_name, start_groups
-from tandem.cluster.kv_store_master import StoreMaster, refuse_untrusted_nodes
+from tandem.cluster.group import GroupFailed, RankGroup, parse_rank_actor_name, start_groups
+from tandem.cluster.group_factory import GroupFactory
+from tandem.cluster.kv_store_master import store_setup
 from tandem.cluster.placement import RankResources
 from tandem.cluster.pool_roles import pool_roles
 from tandem.cluster.rank_spec import MetricsSpec
 from tandem.cluster.store_secret import store_secret
-from tandem.cluster.topology import PoolSpec, StoreSpec, Topology
-from tandem.engine.role_spec import RoleSpec
-from tandem.kvtransfer.bind_guard import guard_library, preload_env
-from tandem.kvtransfer.kv_store import StoreConfig
+from tandem.cluster.topology import Topology
 from tandem.metrics.labels import RankLabels
 from tandem.wire.messages import RankId, RankStats, Role
 from tandem.wire.routing_view import GroupState, GroupView, RoutingView
@@ -54,78 +51,23 @@ class Cluster:
         self.topology = topology
         self.model_name = model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
         resources = RankResources.detect(topology.cpus_per_rank)
-
-        per_rank = topology.pin_cores_per_rank
-
-        def groups(name: str, pool: PoolSpec, role: RoleSpec) -> list[RankGroup]:
-            first = self._next_ordinal
-            self._next_ordinal += pool.ranks
-            template = GroupConfig(
-                f"{name}0",
-                model_dir,
-                pool.dep,
-                role,
-                dtype,
-                resources,
-                metrics=metrics,
-                placement=topology.placement,
-                detached=detached,
-                deployment=deployment,
-                env=self._rank_env,
-            )
-            self._templates[role.role] = template
-            self._next_index[role.role] = pool.groups
-            return [
-                RankGroup(replace(template, group_id=f"{name}{i}", cores=cores(first + i * pool.dep)))
-                for i in range(pool.groups)
-            ]
-
-        def cores(ordinal: int) -> tuple[int, int] | None:
-            return None if per_rank is None else (ordinal, per_rank)
-
-        self._templates: dict[Role, GroupConfig] = {}
-        self._next_index: dict[Role, int] = {}
-        self._next_ordinal = 0  # of the next group's first rank, for core pinning
-
         self._draining: set[str] = set()
         self.on_draining_changed: Callable[[], None] = lambda: None  # before ranks hear of it
         self._retry_at: dict[str, float] = {}  # failed group -> monotonic time of its next rebuild
         self.starting: set[str] = set()  # groups ``Controller.add_group`` starts outside the lock
-        self.store_master: StoreMaster | None = None
-        self._rank_env: tuple[tuple[str, str], ...] = ()  # what each rank's process starts with
-        store = self._store_config(topology.store)
+        store, self.store_master, rank_env = store_setup(topology.store)
         secret = store_secret(topology.store)  # in the roles only: never logged, never in status
         self.colocated = topology.colocated is not None
+        self._factory = GroupFactory(
+            topology, model_dir, dtype, resources, metrics, detached, deployment, rank_env
+        )
         self.prefill: list[RankGroup] = []
         self.decode: list[RankGroup] = []
         for name, pool, role in pool_roles(topology, store, secret):
             # a colocated pool prefills and decodes: held as `decode`
-            (self.prefill if role.role is Role.PREFILL else self.decode).extend(groups(name, pool, role))
-
-    def _store_config(self, spec: StoreSpec | None) -> StoreConfig | None:
-        """The ranks' store client settings; starts the deployment's own master if asked to.
-
-        Mooncake's clients and master listen on every interface whatever they are told, so
-        each rank starts with the bind guard preloaded and keeps its client's listeners on its
-        node's address (``kvtransfer/mooncake_store.py``), as the master keeps its own on
-        ``spec.host``. A node whose address is not loopback needs ``trusted_network``."""
-        if spec is None:
-            return None
-        refuse_untrusted_nodes(spec)
-        self._rank_env = tuple(preload_env(guard_library()).items())
-        segment = spec.segment_mb << 20
-        if spec.master is not None:
-            host = spec.master.rsplit(":", 1)[0]
-            metadata = spec.metadata or f"http://{host}:8080/metadata"
-            trusted = spec.trusted_network
-            return StoreConfig(spec.master, metadata, segment_bytes=segment, trusted_network=trusted)
-        self.store_master = StoreMaster.start(spec.host)
-        return StoreConfig(
-            self.store_master.master,
-            self.store_master.metadata,
-            segment_bytes=segment,
-            trusted_network=spec.trusted_network,
-        )
+            (self.prefill if role.role is Role.PREFILL else self.decode).extend(
+                self._factory.pool(name, pool, role)
+            )
 
     @property
     def groups(self) -> list[RankGroup]:
@@ -308,27 +250,17 @@ class Cluster:
         for g in self.groups:
             if g.group_id == group_id:
                 return g
-        for role, template in self._templates.items():
-            index = group_id.removeprefix(role.value)
-            if index != group_id and index.isdigit():
-                self._next_index[role] = max(self._next_index[role], int(index) + 1)
-                group = RankGroup(replace(template, group_id=group_id))
-                (self.prefill if role is Role.PREFILL else self.decode).append(group)
-                return group
-        return None
+        remade = self._factory.remade(group_id)
+        if remade is None:
+            return None
+        role, group = remade
+        (self.prefill if role is Role.PREFILL else self.decode).append(group)
+        return group
 
     def new_group(self, role: Role) -> RankGroup:
         """A group more for ``role``'s pool (named after the pool, never reusing a name), not
         started yet; ``Controller.add_group`` starts it."""
-        if role not in self._templates:
-            raise ValueError(f"role: expected prefill or decode, got {role!r}")
-        index = self._next_index[role]
-        self._next_index[role] = index + 1
-        template = self._templates[role]
-        per_rank, ordinal = self.topology.pin_cores_per_rank, self._next_ordinal
-        self._next_ordinal += template.size
-        cores = None if per_rank is None else (ordinal, per_rank)
-        group = RankGroup(replace(template, group_id=f"{role.value}{index}", cores=cores))
+        group = self._factory.new(role)
         group.state = GroupState.STARTING  # shown as starting (a pending action) until it is ready
         (self.prefill if role is Role.PREFILL else self.decode).append(group)
         return group
