@@ -133,69 +133,127 @@ class Answer:
     names: TokenNames
 
 
-async def sse_events(answer: Answer, tail: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
-    """The response's server-sent events: a chunk per piece of text, the last with the finish
-    reason, the usage when asked for, then ``[DONE]``. With ``continuous_usage_stats`` every
-    chunk carries the usage so far (the last one the bill's, as the usage chunk does). An echoed
-    prompt is the first chunk (with its logprobs, when asked: they came with the first tokens).
-    With ``tail`` (one choice of several), the usage is put there instead of sent, and no
-    ``[DONE]`` ends the events: the choices' merged stream sends them."""
-    core, prepared, shape, names = answer.core, answer.prepared, answer.shape, answer.names
-    items, first = answer.items, answer.first
-    stopper, ids = StopCut(prepared.stop, core.detokenizer_cache), prepared.return_token_ids
-    prompt_tokens, completion_tokens = len(prepared.spec.prompt_token_ids), 0
-    calls = CallStream() if prepared.tool_calls else None
+class _Events:
+    """What one choice's events have sent so far: completion tokens (none past a stop string),
+    the text offset of the next token (completions' logprobs), the stop strings' and the tool
+    calls' held-back text."""
 
-    def event(body: dict[str, Any], bill: Bill | None = None) -> bytes:
-        if prepared.continuous_usage:
+    def __init__(self, answer: Answer) -> None:
+        self.answer, self.prepared, self.shape = answer, answer.prepared, answer.shape
+        self.stopper = StopCut(self.prepared.stop, answer.core.detokenizer_cache)
+        self.calls = CallStream() if self.prepared.tool_calls else None
+        self.ids = self.prepared.return_token_ids
+        self.prompt_tokens, self.completion_tokens = len(self.prepared.spec.prompt_token_ids), 0
+        self.offset = 0
+
+    def event(self, body: dict[str, Any], bill: Bill | None = None) -> bytes:
+        """With ``continuous_usage_stats`` every chunk carries the usage so far (the last one
+        the bill's, as the usage chunk does)."""
+        if self.prepared.continuous_usage:
+            prompt, completion = self.prompt_tokens, self.completion_tokens
             body["usage"] = (
-                usage(prompt_tokens, completion_tokens, bill)
+                usage(prompt, completion, bill)
                 if bill is not None
                 else {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
                 }
             )
         return sse_event(body)
 
-    if shape.chat:
-        yield event(shape.chunk(shape.choice("", None, [] if ids else None, first=True)))
-    offset = 0  # text_offset of the next token (completions' logprobs)
-    if prepared.echo is not None:
-        prompt_entries = first.prompt_logprobs  # a chunk's or the summary's
-        body = logprobs_body(names, prepared, False, [], [], prompt_entries, 0, with_prompt=True)
-        offset = sum(len(t) for t in body["tokens"]) if body else 0
-        yield event(shape.chunk(shape.choice(prepared.echo, None, [] if ids else None, logprobs=body)))
-    item, summary = first, None
-    while True:
-        if isinstance(item, StreamChunk) and prepared.prompt_only:
-            pass  # its one computed token is not the client's
-        elif isinstance(item, StreamChunk):
-            released = stopper.feed(item.token_ids, item.text, item.logprobs)
-            completion_tokens += len(released.token_ids)  # none past a stop string
-            text = released.text
-            called: list[dict[str, Any]] = []
-            if calls is not None:
-                text, called = calls.feed(text)
-            body = logprobs_body(
-                names, prepared, shape.chat, released.token_ids, released.logprobs, text_offset=offset
-            )
-            if body is not None and "tokens" in body:
-                offset += sum(len(t) for t in body["tokens"])
-            if text or (ids and released.token_ids) or (body is not None and released.token_ids):
-                token_ids = released.token_ids if ids else None
-                yield event(shape.chunk(shape.choice(text, None, token_ids, logprobs=body)))
+    def usage(self, bill: Bill) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, bill)
+
+    def opening(self) -> list[bytes]:
+        """The chat's role chunk; an echoed prompt, with its logprobs when asked (they came
+        with the first tokens)."""
+        shape, prepared = self.shape, self.prepared
+        empty: list[int] | None = [] if self.ids else None
+        out = [self.event(shape.chunk(shape.choice("", None, empty, first=True)))] if shape.chat else []
+        if prepared.echo is not None:
+            entries = self.answer.first.prompt_logprobs  # a chunk's or the summary's
+            body = logprobs_body(self.answer.names, prepared, False, [], [], entries, 0, with_prompt=True)
+            self.offset = sum(len(t) for t in body["tokens"]) if body else 0
+            out.append(self.event(shape.chunk(shape.choice(prepared.echo, None, empty, logprobs=body))))
+        return out
+
+    def _logprobs(self, released: Released) -> dict[str, Any] | None:
+        body = logprobs_body(
+            self.answer.names, self.prepared, self.shape.chat, released.token_ids, released.logprobs,
+            text_offset=self.offset,
+        )  # fmt: skip
+        if body is not None and "tokens" in body:
+            self.offset += sum(len(t) for t in body["tokens"])
+        return body
+
+    def chunk(self, item: StreamChunk) -> list[bytes]:
+        """A chunk's text, token ids and logprobs, as far as the stop strings release them, and
+        the tool calls it completes."""
+        shape, out = self.shape, []
+        released = self.stopper.feed(item.token_ids, item.text, item.logprobs)
+        self.completion_tokens += len(released.token_ids)
+        text, called = released.text, list[dict[str, Any]]()
+        if self.calls is not None:
+            text, called = self.calls.feed(text)
+        body = self._logprobs(released)
+        if text or (self.ids and released.token_ids) or (body is not None and released.token_ids):
+            token_ids = released.token_ids if self.ids else None
+            out.append(self.event(shape.chunk(shape.choice(text, None, token_ids, logprobs=body))))
+        if called:
+            out.append(self.event(shape.chunk(shape.calls_choice(called))))
+        return out
+
+    def stopped(self, summary: StreamSummary | None) -> bytes:
+        """The last chunk once a stop string matched (``summary``: the rank's report, if it came)."""
+        seed = summary.bill.seed if summary is not None else None
+        bill = summary.bill if summary is not None else Bill()
+        rest = self.calls.finish() if self.calls is not None else ""
+        finish = with_calls("stop", self.calls is not None and self.calls.calls > 0)
+        return self.event(
+            self.shape.chunk(self.shape.choice(rest, finish, [] if self.ids else None), seed), bill
+        )
+
+    def ended(self, summary: StreamSummary) -> list[bytes]:
+        """The last chunk once the rank ended the request: what the stop strings held back (the
+        last tokens, their text and logprobs; a stop string in the text an incomplete character
+        ended with cuts it too), the tool calls it completes, the finish reason."""
+        shape, out = self.shape, []
+        released = self.stopper.finish()
+        self.completion_tokens += len(released.token_ids)
+        finish = "stop" if self.stopper.stopped else finish_reason(summary.finish_reason, False)
+        rest = released.text
+        if self.calls is not None:
+            rest, called = self.calls.feed(rest)
             if called:
-                yield event(shape.chunk(shape.calls_choice(called)))
-            if stopper.stopped:
-                summary = await stopped_summary(core, prepared, items)
-                seed = summary.bill.seed if summary is not None else None
-                bill = summary.bill if summary is not None else Bill()
-                rest = calls.finish() if calls is not None else ""
-                finish = with_calls("stop", calls is not None and calls.calls > 0)
-                yield event(shape.chunk(shape.choice(rest, finish, [] if ids else None), seed), bill)
-                break
+                out.append(self.event(shape.chunk(shape.calls_choice(called))))
+            rest += self.calls.finish(cut=finish != "stop")
+            finish = with_calls(finish, self.calls.calls > 0)
+        body = self._logprobs(released) if released.token_ids else None
+        token_ids = released.token_ids if self.ids else None
+        choice = shape.choice(rest, finish, token_ids, logprobs=body)
+        out.append(self.event(shape.chunk(choice, summary.bill.seed), summary.bill))
+        return out
+
+
+async def sse_events(answer: Answer, tail: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
+    """The response's server-sent events: a chunk per piece of text, the last with the finish
+    reason, the usage when asked for, then ``[DONE]`` (``_Events`` says what each holds). With
+    ``tail`` (one choice of several), the usage is put there instead of sent, and no ``[DONE]``
+    ends the events: the choices' merged stream sends them."""
+    events = _Events(answer)
+    for event in events.opening():
+        yield event
+    item, summary = answer.first, None
+    while True:
+        if isinstance(item, StreamChunk):
+            if not answer.prepared.prompt_only:  # else its one computed token is not the client's
+                for event in events.chunk(item):
+                    yield event
+                if events.stopper.stopped:
+                    summary = await stopped_summary(answer.core, answer.prepared, answer.items)
+                    yield events.stopped(summary)
+                    break
         else:
             summary = item
             if summary.finish_reason == FinishReason.ERROR:
@@ -203,32 +261,16 @@ async def sse_events(answer: Answer, tail: list[dict[str, Any]] | None = None) -
                 if tail is None:
                     yield b"data: [DONE]\n\n"
                 return
-            # what the stop strings held back: the last tokens, their text and logprobs (a stop
-            # string in the text an incomplete character ended with cuts it too)
-            released = stopper.finish()
-            completion_tokens += len(released.token_ids)
-            finish = "stop" if stopper.stopped else finish_reason(summary.finish_reason, False)
-            rest = released.text
-            if calls is not None:
-                rest, called = calls.feed(rest)
-                if called:
-                    yield event(shape.chunk(shape.calls_choice(called)))
-                rest += calls.finish(cut=finish != "stop")
-                finish = with_calls(finish, calls.calls > 0)
-            body = logprobs_body(
-                names, prepared, shape.chat, released.token_ids, released.logprobs, text_offset=offset
-            )
-            token_ids = released.token_ids if ids else None
-            choice = shape.choice(rest, finish, token_ids, logprobs=body if released.token_ids else None)
-            yield event(shape.chunk(choice, summary.bill.seed), summary.bill)
+            for event in events.ended(summary):
+                yield event
             break
-        item = await anext(items)
+        item = await anext(answer.items)
     bill = summary.bill if summary is not None else Bill()
     if tail is not None:
-        tail.append(usage(prompt_tokens, completion_tokens, bill))
+        tail.append(events.usage(bill))
         return
-    if prepared.include_usage:
-        yield sse_event(shape.usage_chunk(usage(prompt_tokens, completion_tokens, bill)))
+    if answer.prepared.include_usage:
+        yield sse_event(answer.shape.usage_chunk(events.usage(bill)))
     yield b"data: [DONE]\n\n"
 
 
