@@ -135,31 +135,23 @@ def _paged(
     return pool, tables
 
 
-def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
-    from tandem.model.attention_metadata import AttentionMetadata
-    from tandem.model.kernels.mla_attention import (
-        decode_attention_torch,
-        extend_attention_torch,
-        kv_store_torch,
-    )
-    from tandem.model.kernels.mla_decode_triton import _num_sms, choose_num_kv_splits, decode_attention_splits
-    from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
-    from tandem.model.kernels.norm import rms_norm_torch
-    from tandem.model.kernels.registry import get_backend
-    from tandem.model.kernels.rope import apply_rope_torch
-    from tandem.model.kernels.tuning import DEFAULT_MLA_DECODE, mla_decode_tiles
+class _Checks:
+    """The rows of one run: each kernel's output against its torch reference, and its time."""
 
-    tri = get_backend(device, "triton")
-    gen = torch.Generator().manual_seed(0)
-    item = torch.empty((), dtype=dtype).element_size()
-    scale = (s.nope + s.rope) ** -0.5
+    def __init__(self, s: Shapes, device: torch.device, dtype: torch.dtype) -> None:
+        from tandem.model.kernels.registry import get_backend
 
-    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
-        return (std * torch.randn(*shape, generator=gen)).to(device, dtype)
+        self.s, self.device, self.dtype = s, device, dtype
+        self.tri = get_backend(device, "triton")
+        self.gen = torch.Generator().manual_seed(0)
+        self.item = torch.empty((), dtype=dtype).element_size()
+        self.rows: list[Row] = []
 
-    rows: list[Row] = []
+    def rand(self, *shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(*shape, generator=self.gen)).to(self.device, self.dtype)
 
     def add(
+        self,
         name: str,
         shape: str,
         out: Any,
@@ -172,10 +164,27 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
         outs = out if isinstance(out, tuple) else (out,)
         refs = ref if isinstance(ref, tuple) else (ref,)
         err = max(_rel_err(o, r) for o, r in zip(outs, refs, strict=True))
-        rows.append(Row(name, shape, err, _time(fn, device), nbytes, flops, target=target))
+        self.rows.append(Row(name, shape, err, _time(fn, self.device), nbytes, flops, target=target))
 
-    # decode attention: a batch at one length, and one very long request, with the default tiles
-    # and with this GPU kind's (when they differ)
+
+def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    checks = _Checks(s, device, dtype)
+    _check_attention(checks)
+    _check_pointwise(checks)
+    _check_moe(checks)
+    return checks.rows
+
+
+def _check_attention(c: _Checks) -> None:
+    """Decode attention: a batch at one length, and one very long request, with the default
+    tiles and with this GPU kind's (when they differ); extend attention over cached prefixes."""
+    from tandem.model.attention_metadata import AttentionMetadata
+    from tandem.model.kernels.mla_attention import decode_attention_torch, extend_attention_torch
+    from tandem.model.kernels.mla_decode_triton import _num_sms, choose_num_kv_splits, decode_attention_splits
+    from tandem.model.kernels.tuning import DEFAULT_MLA_DECODE, mla_decode_tiles
+
+    s, device, dtype, gen, tri, rand = c.s, c.device, c.dtype, c.gen, c.tri, c.rand
+    scale = (s.nope + s.rope) ** -0.5
     narrow = dtype in (torch.bfloat16, torch.float16)
     tilings = {DEFAULT_MLA_DECODE["narrow" if narrow else "wide"], mla_decode_tiles(narrow)}
     for batch, length in [(s.decode_batch, s.decode_len), (1, s.long_len)]:
@@ -183,17 +192,16 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
         meta = AttentionMetadata.build(s.page_size, [1] * batch, [length] * batch, tables, device)
         q_lat, q_pe = rand(batch, s.heads, s.latent), rand(batch, s.heads, s.rope)
         ref = decode_attention_torch(q_lat, q_pe, pool, meta, scale)
-        kv_bytes = batch * length * (s.latent + s.rope) * item
+        kv_bytes = batch * length * (s.latent + s.rope) * c.item
         for tiles in sorted(tilings, key=lambda t: t.block_h):
             splits = choose_num_kv_splits(length, batch, s.heads, _num_sms(device), tiles.block_h)
             decode = functools.partial(
                 decode_attention_splits, q_lat, q_pe, pool, meta, scale, splits, tiles=tiles
             )
             target = 0.6 if (batch, length) == (64, 4096) else None
-            add(f"mla_decode[{tiles.block_h}h x {tiles.block_n}]", f"B={batch} len={length} H={s.heads}",
-                decode(), ref, decode, nbytes=kv_bytes, target=target)  # fmt: skip
+            c.add(f"mla_decode[{tiles.block_h}h x {tiles.block_n}]", f"B={batch} len={length} H={s.heads}",
+                  decode(), ref, decode, nbytes=kv_bytes, target=target)  # fmt: skip
 
-    # extend attention over cached prefixes
     n, pre, new = s.extend_requests, s.extend_prefix, s.extend_new
     pool, tables = _paged(s, [pre + new] * n, dtype, device, gen)
     meta = AttentionMetadata.build(s.page_size, [new] * n, [pre + new] * n, tables, device)
@@ -204,49 +212,61 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     ref = extend_attention_torch(*args)
     keys = n * sum(pre + i + 1 for i in range(new))
     flops = 2 * keys * s.heads * (2 * s.latent + s.rope) + 2 * n * new * s.heads * s.latent * (s.nope + s.v)
-    add("mla_extend", f"{n}x(prefix {pre} + new {new}) H={s.heads}", out, ref,
-        lambda: tri.extend_attention(*args), flops=flops)  # fmt: skip
+    c.add("mla_extend", f"{n}x(prefix {pre} + new {new}) H={s.heads}", out, ref,
+          lambda: tri.extend_attention(*args), flops=flops)  # fmt: skip
 
-    # KV store
+
+def _check_pointwise(c: _Checks) -> None:
+    """The KV store, RMSNorm with residual, RoPE (YaRN table), and latent norm + RoPE + KV
+    store fused on the strided views MLAttention passes (against the torch backend's three
+    reference calls)."""
+    from tandem.model.kernels.mla_attention import kv_store_torch
+    from tandem.model.kernels.norm import rms_norm_torch
+    from tandem.model.kernels.registry import get_backend
+    from tandem.model.kernels.rope import apply_rope_torch
+
+    s, gen, tri, rand, item = c.s, c.gen, c.tri, c.rand, c.item
     t = s.tokens
     pool_a = rand(-(-t // s.page_size) + 2, s.page_size, s.latent + s.rope)
     pool_b = pool_a.clone()
-    slots = torch.randperm(pool_a.shape[0] * s.page_size, generator=gen)[:t].to(device)
+    slots = torch.randperm(pool_a.shape[0] * s.page_size, generator=gen)[:t].to(c.device)
     latent, k_pe = rand(t, s.latent), rand(t, s.rope)
     tri.kv_store(pool_a, slots, latent, k_pe)
     kv_store_torch(pool_b, slots, latent, k_pe)
-    add("kv_store", f"T={t} dim={s.latent + s.rope}", pool_a, pool_b,
-        lambda: tri.kv_store(pool_a, slots, latent, k_pe),
-        nbytes=2 * t * (s.latent + s.rope) * item)  # fmt: skip
+    c.add("kv_store", f"T={t} dim={s.latent + s.rope}", pool_a, pool_b,
+          lambda: tri.kv_store(pool_a, slots, latent, k_pe),
+          nbytes=2 * t * (s.latent + s.rope) * item)  # fmt: skip
 
-    # RMSNorm with residual
     x, res, w = rand(t, s.hidden), rand(t, s.hidden), 1 + rand(s.hidden, std=0.1)
-    add("rms_norm+residual", f"T={t} D={s.hidden}", tri.rms_norm(x, w, 1e-6, res),
-        rms_norm_torch(x, w, 1e-6, res), lambda: tri.rms_norm(x, w, 1e-6, res),
-        nbytes=4 * t * s.hidden * item)  # fmt: skip
+    c.add("rms_norm+residual", f"T={t} D={s.hidden}", tri.rms_norm(x, w, 1e-6, res),
+          rms_norm_torch(x, w, 1e-6, res), lambda: tri.rms_norm(x, w, 1e-6, res),
+          nbytes=4 * t * s.hidden * item)  # fmt: skip
 
-    # RoPE (YaRN table)
     q_pe, k_pe = rand(t, s.heads, s.rope), rand(t, s.rope)
     cos, sin = rand(t, s.rope // 2), rand(t, s.rope // 2)
-    add("rope", f"T={t} H={s.heads} R={s.rope}", tri.rope(q_pe, k_pe, cos, sin, True),
-        apply_rope_torch(q_pe, k_pe, cos, sin, True), lambda: tri.rope(q_pe, k_pe, cos, sin, True),
-        nbytes=2 * t * (s.heads + 1) * s.rope * item)  # fmt: skip
+    c.add("rope", f"T={t} H={s.heads} R={s.rope}", tri.rope(q_pe, k_pe, cos, sin, True),
+          apply_rope_torch(q_pe, k_pe, cos, sin, True), lambda: tri.rope(q_pe, k_pe, cos, sin, True),
+          nbytes=2 * t * (s.heads + 1) * s.rope * item)  # fmt: skip
 
-    # latent norm + RoPE + KV store fused, on the strided views MLAttention passes, against the
-    # torch backend's three reference calls
     q_full, kv_a = rand(t, s.heads, s.nope + s.rope), rand(t, s.latent + s.rope)
-    c, k_raw = kv_a.split([s.latent, s.rope], dim=-1)
-    fused = (q_full[..., s.nope :], k_raw, c, 1 + rand(s.latent, std=0.1), 1e-6, cos, sin, True)
+    lat, k_raw = kv_a.split([s.latent, s.rope], dim=-1)
+    fused = (q_full[..., s.nope :], k_raw, lat, 1 + rand(s.latent, std=0.1), 1e-6, cos, sin, True)
     pool_a = rand(-(-t // s.page_size) + 2, s.page_size, s.latent + s.rope)
     pool_b = pool_a.clone()
     out = tri.rope_kv_store(*fused, pool_a, slots)
-    ref = get_backend(device, "torch").rope_kv_store(*fused, pool_b, slots)
+    ref = get_backend(c.device, "torch").rope_kv_store(*fused, pool_b, slots)
     # q_pe read and written, latent and k_pe read, pool rows written, cos/sin read, slots read
     fused_bytes = (2 * t * s.heads * s.rope + 2 * t * (s.latent + s.rope) + t * s.rope) * item + 8 * t
-    add("rope_kv_store", f"T={t} H={s.heads} R={s.rope} L={s.latent}", (out, pool_a), (ref, pool_b),
-        lambda: tri.rope_kv_store(*fused, pool_a, slots), nbytes=fused_bytes)  # fmt: skip
+    c.add("rope_kv_store", f"T={t} H={s.heads} R={s.rope} L={s.latent}", (out, pool_a), (ref, pool_b),
+          lambda: tri.rope_kv_store(*fused, pool_a, slots), nbytes=fused_bytes)  # fmt: skip
 
-    # MoE routing
+
+def _check_moe(c: _Checks) -> None:
+    """MoE routing, the gate's fused routing, and the fused experts on this rank's slice (in the
+    run's dtype and in FP8)."""
+    from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
+
+    s, device, gen, tri, rand = c.s, c.device, c.gen, c.tri, c.rand
     logits = torch.randn(s.moe_tokens, s.experts, generator=gen).to(device)
     bias = (0.1 * torch.randn(s.experts, generator=gen)).to(device)
     route = (s.top_k, s.n_group, s.topk_group, True, 2.5)
@@ -255,11 +275,10 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     same = torch.equal(ids_tri.sort(-1).values, ids_ref.sort(-1).values)
     err = _rel_err(w_tri.sort(-1).values, w_ref.sort(-1).values) if same else float("inf")
     route_s = _time(lambda: tri.moe_route(logits, bias, *route), device)
-    rows.append(Row("moe_route", f"T={s.moe_tokens} E={s.experts} k={s.top_k}", err, route_s,
-                    bytes_moved=s.moe_tokens * s.experts * 4))  # fmt: skip
-    rows += check_gate_route(s, tri, device, dtype)
+    c.rows.append(Row("moe_route", f"T={s.moe_tokens} E={s.experts} k={s.top_k}", err, route_s,
+                      bytes_moved=s.moe_tokens * s.experts * 4))  # fmt: skip
+    c.rows.extend(check_gate_route(s, tri, device, c.dtype))
 
-    # fused experts on this rank's slice
     x = rand(s.moe_tokens, s.hidden)
     w13 = rand(s.local_experts, 2 * s.moe_inter, s.hidden, std=s.hidden**-0.5)
     w2 = rand(s.local_experts, s.hidden, s.moe_inter, std=s.moe_inter**-0.5)
@@ -268,10 +287,9 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     ref = fused_experts_torch(x, w_ref, ids_ref, w13, w2, first)
     pairs = int(((ids_ref >= first) & (ids_ref < first + s.local_experts)).sum())
     shape = f"T={s.moe_tokens} pairs={pairs} E_local={s.local_experts} D={s.hidden} I={s.moe_inter}"
-    add("moe_experts", shape, out, ref, lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first),
-        flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
-    rows += check_fp8_experts(s, tri, device, x, w_ref, ids_ref)
-    return rows
+    c.add("moe_experts", shape, out, ref, lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first),
+          flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
+    c.rows.extend(check_fp8_experts(s, tri, device, x, w_ref, ids_ref))
 
 
 def check_fp8_experts(

@@ -106,47 +106,66 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_dir(tiny)
         weights = load_checkpoint(tiny, cfg, torch.float32)
         cpu = ColocatedEngine.from_model_dir(tiny, torch.float32, EngineConfig(page_size=PAGE, num_pages=512))
-    models = [DeepseekV3(cfg, torch.float32, device) for _ in range(2)]
-    for model in models:
-        model.load_weights(weights)
-    if device == "cuda":
-        _spin_before_attention(models[0], 50_000_000)  # tens of milliseconds a layer
-    store = InMemoryMetadataStore()
-    p_pool = KVPool(cfg, PREFILL_PAGES, PAGE, torch.float32, device)
-    d_pool = KVPool(cfg, DECODE_PAGES, PAGE, torch.float32, device)
-    sender = _RecordingTransport(PREFILL.name, 1, p_pool.layout, store)
-    prefill = PrefillWorker(
-        PREFILL,
-        1,
-        PrefillScheduler(
-            PrefillSchedulerConfig(
-                num_pages=PREFILL_PAGES,
-                page_size=PAGE,
-                max_num_batched_tokens=256,
-                max_model_len=512,
-                vocab_size=cfg.vocab_size,
-            )
-        ),
-        ModelRunner(models[0], p_pool),
-        sender,
-        layerwise=True,
-    )
-    decode = DecodeWorker(
-        DECODE,
-        1,
-        DecodeScheduler(DecodeSchedulerConfig(num_pages=DECODE_PAGES, page_size=PAGE, max_model_len=512)),
-        ModelRunner(models[1], d_pool),
-        NixlTransport(DECODE.name, 1, d_pool.layout, store),
-        DirectDispatcher(prefill),
-    )
+    pair = _Pair(cfg, weights, device)
     want = cpu.generate(prompts, [sampling] * len(prompts))
     bad = 0
     for i, prompt in enumerate(prompts):
-        request_id = f"p{i}"
-        request = Request(request_id, prompt, sampling, frozenset(), 512)
-        decode.submit([(request, Routing(), time.monotonic())])
-        checked = False
-        result = None
+        problems = pair.serve(f"p{i}", prompt, sampling, want[i].token_ids)
+        for problem in problems:
+            print(f"prompt {i}: {problem}")
+        if not problems:
+            print(f"prompt {i}: {len(prompt)} tokens, pages and tokens match")
+        bad += bool(problems)
+    pair.close()
+    path = f"{pair.p_pool.layout.mem_type} to {pair.d_pool.layout.mem_type}"
+    print(f"gpu transfer check: {len(prompts) - bad}/{len(prompts)} prompts match (layer-wise, {path})")
+    return 1 if bad else 0
+
+
+class _Pair:
+    """A prefill worker and a decode worker on ``device``, the KV written layer by layer over
+    NIXL, driven by hand on this thread."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str) -> None:
+        self.device = device
+        models = [DeepseekV3(cfg, torch.float32, device) for _ in range(2)]
+        for model in models:
+            model.load_weights(weights)
+        if device == "cuda":
+            _spin_before_attention(models[0], 50_000_000)  # tens of milliseconds a layer
+        store = InMemoryMetadataStore()
+        self.p_pool = KVPool(cfg, PREFILL_PAGES, PAGE, torch.float32, device)
+        self.d_pool = KVPool(cfg, DECODE_PAGES, PAGE, torch.float32, device)
+        self.sender = _RecordingTransport(PREFILL.name, 1, self.p_pool.layout, store)
+        config = PrefillSchedulerConfig(
+            num_pages=PREFILL_PAGES,
+            page_size=PAGE,
+            max_num_batched_tokens=256,
+            max_model_len=512,
+            vocab_size=cfg.vocab_size,
+        )
+        runner = ModelRunner(models[0], self.p_pool)
+        self.prefill = PrefillWorker(
+            PREFILL, 1, PrefillScheduler(config), runner, self.sender, layerwise=True
+        )
+        self.decode = DecodeWorker(
+            DECODE,
+            1,
+            DecodeScheduler(DecodeSchedulerConfig(num_pages=DECODE_PAGES, page_size=PAGE, max_model_len=512)),
+            ModelRunner(models[1], self.d_pool),
+            NixlTransport(DECODE.name, 1, self.d_pool.layout, store),
+            DirectDispatcher(self.prefill),
+        )
+
+    def serve(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, want: list[int]
+    ) -> list[str]:
+        """One request through both; what went wrong (nothing: the pages and tokens match)."""
+        prefill, decode, problems = self.prefill, self.decode, []
+        decode.submit(
+            [(Request(request_id, prompt, sampling, frozenset(), 512), Routing(), time.monotonic())]
+        )
+        checked, result = False, None
         deadline = time.monotonic() + 60
         while result is None and time.monotonic() < deadline:
             decode.tick()
@@ -154,30 +173,24 @@ def main(argv: list[str] | None = None) -> int:
             if prefill.has_work():
                 prefill.step()
             if not checked and decode.scheduler.num_running:  # the KV arrived: compare it now
-                key = next(k for k in sender.pages if k.startswith(request_id))
-                src, dst = sender.pages[key]
-                if device == "cuda":
+                key = next(k for k in self.sender.pages if k.startswith(request_id))
+                src, dst = self.sender.pages[key]
+                if self.device == "cuda":
                     torch.cuda.synchronize()
-                same = torch.equal(p_pool.kv[:, src].cpu(), d_pool.kv[:, dst].cpu())
                 checked = True
-                if not same:
-                    bad += 1
-                    print(f"prompt {i}: decode pages differ from the prefill pages after the transfer")
+                if not torch.equal(self.p_pool.kv[:, src].cpu(), self.d_pool.kv[:, dst].cpu()):
+                    problems.append("decode pages differ from the prefill pages after the transfer")
             if decode.has_work():
                 decode.step()
             results = decode.take_results()
             result = results[0] if results else None
-        if result is None or list(result.token_ids) != want[i].token_ids:
-            bad += 1
-            got = None if result is None else list(result.token_ids)
-            print(f"prompt {i}: tokens {got} != {want[i].token_ids}")
-        else:
-            print(f"prompt {i}: {len(prompt)} tokens, pages and tokens match")
-    sender.close()
-    decode.transport.close()
-    path = f"{p_pool.layout.mem_type} to {d_pool.layout.mem_type}"
-    print(f"gpu transfer check: {len(prompts) - bad}/{len(prompts)} prompts match (layer-wise, {path})")
-    return 1 if bad else 0
+        if result is None or list(result.token_ids) != want:
+            problems.append(f"tokens {None if result is None else list(result.token_ids)} != {want}")
+        return problems
+
+    def close(self) -> None:
+        self.sender.close()
+        self.decode.transport.close()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,36 +183,7 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
             warm = SyntheticWorkload(o.prompt_tokens, 4, 0, 1, vocab, seed=1)
             asyncio.run(run_plan(client, Plan((2,), warm, requests_per_point=4)))
             for c in o.concurrency:
-                # a round of the bare forward, then a round served, ``rounds`` times: each
-                # ratio is of two figures taken a moment apart, as the machine's load moves
-                pairs = []
-                before = _decode_stats(server.controller)
-                for r in range(o.rounds):
-                    on("decode")
-                    forward = bare.measure(c, seed=100 * c + r)
-                    workload = SyntheticWorkload(
-                        o.prompt_tokens, o.output_tokens, 0, 1, vocab, seed=c + 2 + r
-                    )
-                    on("frontend")
-                    result = asyncio.run(run_plan(client, Plan((c,), workload, requests_per_point=c)))
-                    point = result["points"][0]
-                    pairs.append((point["itl_ms"]["p50"], point["itl_ms"]["p90"], forward))
-                after = _decode_stats(server.controller)
-                ratios = [itl / forward["forward_ms"] for itl, _, forward in pairs]
-                median = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]
-                itl_ms, itl_p90_ms, forward = pairs[median]
-                points.append(
-                    {
-                        "concurrency": c,
-                        "itl_p50_ms": round(itl_ms, 3),
-                        "itl_p90_ms": round(itl_p90_ms, 3),
-                        "bare_forward_ms": forward["forward_ms"],
-                        "bare_step_ms": forward["step_ms"],
-                        "itl_over_forward": round(ratios[median], 3),
-                        "rounds_itl_over_forward": [round(x, 3) for x in ratios],
-                        "decode_step": step_split(before, after),
-                    }
-                )
+                points.append(_decode_point(c, o, bare, server.controller, client, vocab, on))
         finally:
             server.stop()
     finally:
@@ -225,4 +196,45 @@ def measure_decode(options: DecodeOptions | None = None) -> dict[str, Any]:
         "output_tokens": o.output_tokens,
         "points": points,
         "decode_itl_over_forward": points[0]["itl_over_forward"] if points else None,
+    }
+
+
+def _decode_point(
+    c: int,
+    o: DecodeOptions,
+    bare: BareForward,
+    controller: Any,
+    client: Any,
+    vocab: int,
+    on: Callable[[str], None],
+) -> dict[str, Any]:
+    """One concurrency: a round of the bare forward, then a round served, ``rounds`` times: each
+    ratio is of two figures taken a moment apart, as the machine's load moves. The median
+    round's figures, and the decode step's split over all of them."""
+    from tandem.bench.serve_bench import Plan, run_plan
+    from tandem.bench.serve_workload import SyntheticWorkload
+
+    pairs = []
+    before = _decode_stats(controller)
+    for r in range(o.rounds):
+        on("decode")
+        forward = bare.measure(c, seed=100 * c + r)
+        workload = SyntheticWorkload(o.prompt_tokens, o.output_tokens, 0, 1, vocab, seed=c + 2 + r)
+        on("frontend")
+        result = asyncio.run(run_plan(client, Plan((c,), workload, requests_per_point=c)))
+        point = result["points"][0]
+        pairs.append((point["itl_ms"]["p50"], point["itl_ms"]["p90"], forward))
+    after = _decode_stats(controller)
+    ratios = [itl / forward["forward_ms"] for itl, _, forward in pairs]
+    median = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]
+    itl_ms, itl_p90_ms, forward = pairs[median]
+    return {
+        "concurrency": c,
+        "itl_p50_ms": round(itl_ms, 3),
+        "itl_p90_ms": round(itl_p90_ms, 3),
+        "bare_forward_ms": forward["forward_ms"],
+        "bare_step_ms": forward["step_ms"],
+        "itl_over_forward": round(ratios[median], 3),
+        "rounds_itl_over_forward": [round(x, 3) for x in ratios],
+        "decode_step": step_split(before, after),
     }

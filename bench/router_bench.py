@@ -222,115 +222,132 @@ def simulate(
     setup = setup or TierSetup(capacity_blocks)
     speeds = speeds or TierSpeeds(prefill_tokens_per_s)
     router = Router(RouterConfig(policy=policy, policy_config=policy_config or PolicyConfig()))
-    names = [f"prefill0-r{i}" for i in range(num_prefill_ranks)]
-    router.set_ranks(names, [f"decode0-r{i}" for i in range(_DECODE_RANKS)])
-    for rank in router.decode_ranks:
-        router.update_decode_stats(rank, _DECODE_PAGES, 0, _DECODE_PAGES)
-    for name in names:  # what a rank's stats would tell the frontend
-        router.set_tier_costs(name, host=speeds.cost("host"), store=speeds.cost("store"))
-    store = SharedStore(setup.store_capacity_blocks) if setup.store else None
-    ranks = {
-        name: _Rank(RankTiers(setup.capacity_blocks, setup.host_capacity_blocks, store)) for name in names
-    }
-    load_host, load_store = speeds.loads("host"), speeds.loads("store")
-    timers: list[tuple[float, int, str, str, str]] = []  # (time, seq, kind, request id, rank)
-    started: dict[str, tuple[TraceRequest, float, int]] = {}  # id -> request, arrival, blocks used
-    predicted: dict[str, int] = {}
-    ttfts: list[float] = []
-    totals = dict.fromkeys(
-        ["blocks", "tokens", "hit_tokens", "exact", "device", "host", "store", "recomputed"], 0
-    )
-    clock = 0.0
-    seq = 0
+    replay = _Replay(router, num_prefill_ranks, setup, speeds)
+    replay.run(trace)
+    return replay.result(trace, policy, setup.name)
 
-    def advance(now: float) -> None:
-        nonlocal clock
-        if now > clock:
-            for name, load in router.loads().prefill_tokens.items():
-                ranks[name].load_area += load * (now - clock)
-            clock = now
 
-    def start_next(name: str, now: float) -> None:
-        nonlocal seq
-        rank = ranks[name]
+class _Replay:
+    """The trace's requests routed as they arrive and served by the simulated prefill ranks,
+    one request at a time each (its queue behind), then decoded for ``output_length`` steps."""
+
+    def __init__(self, router: Router, num_ranks: int, setup: TierSetup, speeds: TierSpeeds) -> None:
+        self.router, self.speeds = router, speeds
+        names = [f"prefill0-r{i}" for i in range(num_ranks)]
+        router.set_ranks(names, [f"decode0-r{i}" for i in range(_DECODE_RANKS)])
+        for rank in router.decode_ranks:
+            router.update_decode_stats(rank, _DECODE_PAGES, 0, _DECODE_PAGES)
+        for name in names:  # what a rank's stats would tell the frontend
+            router.set_tier_costs(name, host=speeds.cost("host"), store=speeds.cost("store"))
+        store = SharedStore(setup.store_capacity_blocks) if setup.store else None
+        self.ranks = {
+            name: _Rank(RankTiers(setup.capacity_blocks, setup.host_capacity_blocks, store)) for name in names
+        }
+        self.load_host, self.load_store = speeds.loads("host"), speeds.loads("store")
+        self.timers: list[tuple[float, int, str, str, str]] = []  # (time, seq, kind, request id, rank)
+        self.started: dict[str, tuple[TraceRequest, float, int]] = {}  # id -> request, arrival, blocks used
+        self.predicted: dict[str, int] = {}
+        self.ttfts: list[float] = []
+        self.totals = dict.fromkeys(
+            ["blocks", "tokens", "hit_tokens", "exact", "device", "host", "store", "recomputed"], 0
+        )
+        self.clock = 0.0
+        self.seq = 0
+
+    def run(self, trace: Sequence[TraceRequest]) -> None:
+        router = self.router
+        for number, request in enumerate(trace):
+            while self.timers and self.timers[0][0] <= request.arrival_s:
+                self._fire(*self._pop())
+            self._advance(request.arrival_s)
+            request_id = f"req{number}"
+            decision = router.route(
+                request_id, request.full_blocks, request.input_length, BLOCK_TOKENS, request.output_length
+            )
+            self.predicted[request_id] = decision.matched_blocks
+            self.ranks[decision.prefill_rank].queue.append((request_id, request, request.arrival_s))
+            self._start_next(decision.prefill_rank, request.arrival_s)
+        while self.timers:
+            self._fire(*self._pop())
+        router.check_integrity()
+        if router.num_in_flight:
+            raise AssertionError(f"{router.num_in_flight} requests still in flight after the replay")
+
+    def _pop(self) -> tuple[float, str, str, str]:
+        when, _, kind, request_id, name = heapq.heappop(self.timers)
+        return when, kind, request_id, name
+
+    def _push(self, when: float, kind: str, request_id: str, name: str) -> None:
+        self.seq += 1
+        heapq.heappush(self.timers, (when, self.seq, kind, request_id, name))
+
+    def _advance(self, now: float) -> None:
+        if now > self.clock:
+            for name, load in self.router.loads().prefill_tokens.items():
+                self.ranks[name].load_area += load * (now - self.clock)
+            self.clock = now
+
+    def _start_next(self, name: str, now: float) -> None:
+        rank, totals = self.ranks[name], self.totals
         if rank.busy or not rank.queue:
             return
         request_id, request, arrival = rank.queue.popleft()
         found = rank.tiers.match(request.full_blocks[: request.max_reusable_blocks])
-        totals["exact"] += predicted.pop(request_id) == found.blocks
+        totals["exact"] += self.predicted.pop(request_id) == found.blocks
         # The rank's rule: the blocks of a tier slower than computing are computed again (their
         # KV is the same, so the blocks after them are still used), as the router's price says.
-        used = TierMatch(found.device, found.host if load_host else 0, found.store if load_store else 0)
+        used = TierMatch(
+            found.device, found.host if self.load_host else 0, found.store if self.load_store else 0
+        )
         new_tokens = request.input_length - used.blocks * BLOCK_TOKENS
         for tier in ("device", "host", "store"):
             totals[tier] += getattr(used, tier)
         totals["recomputed"] += found.blocks - used.blocks
         rank.busy, rank.computed_tokens = True, rank.computed_tokens + new_tokens
-        started[request_id] = (request, arrival, used.blocks)
-        seq += 1
-        heapq.heappush(timers, (now + speeds.service_s(new_tokens, used), seq, "prefill", request_id, name))
+        self.started[request_id] = (request, arrival, used.blocks)
+        self._push(now + self.speeds.service_s(new_tokens, used), "prefill", request_id, name)
 
-    def fire(now: float, kind: str, request_id: str, name: str) -> None:
-        nonlocal seq
-        advance(now)
+    def _fire(self, now: float, kind: str, request_id: str, name: str) -> None:
+        self._advance(now)
         if kind == "decode":
-            router.finished(request_id)
+            self.router.finished(request_id)
             return
-        request, arrival, used = started.pop(request_id)
-        router.apply_events(name, ranks[name].tiers.complete(request.full_blocks, used))
-        router.prefill_done(request_id)
-        ttfts.append(now - arrival)
-        totals["blocks"] += len(request.hash_ids)
-        totals["tokens"] += request.input_length
-        totals["hit_tokens"] += used * BLOCK_TOKENS
-        ranks[name].busy = False
-        seq += 1
-        heapq.heappush(timers, (now + request.output_length * DECODE_STEP_S, seq, "decode", request_id, ""))
-        start_next(name, now)
+        request, arrival, used = self.started.pop(request_id)
+        self.router.apply_events(name, self.ranks[name].tiers.complete(request.full_blocks, used))
+        self.router.prefill_done(request_id)
+        self.ttfts.append(now - arrival)
+        self.totals["blocks"] += len(request.hash_ids)
+        self.totals["tokens"] += request.input_length
+        self.totals["hit_tokens"] += used * BLOCK_TOKENS
+        self.ranks[name].busy = False
+        self._push(now + request.output_length * DECODE_STEP_S, "decode", request_id, "")
+        self._start_next(name, now)
 
-    for number, request in enumerate(trace):
-        while timers and timers[0][0] <= request.arrival_s:
-            when, _, kind, request_id, name = heapq.heappop(timers)
-            fire(when, kind, request_id, name)
-        advance(request.arrival_s)
-        request_id = f"req{number}"
-        decision = router.route(
-            request_id, request.full_blocks, request.input_length, BLOCK_TOKENS, request.output_length
+    def result(self, trace: Sequence[TraceRequest], policy: str, tiers: str) -> SimResult:
+        totals, ttfts = self.totals, sorted(self.ttfts)
+        duration = max(self.clock, 1e-9)
+        areas = [rank.load_area / duration for rank in self.ranks.values()]
+        computed = [rank.computed_tokens for rank in self.ranks.values()]
+        blocks = totals["blocks"]
+        by_tier = {tier: totals[tier] / blocks for tier in ("device", "host", "store")}
+        capacity = self.speeds.prefill_tokens_per_s * len(self.ranks) * max(trace[-1].arrival_s, 1e-9)
+        return SimResult(
+            policy=policy,
+            tiers=tiers,
+            hit_rate=sum(totals[tier] for tier in by_tier) / blocks,
+            hits_by_tier=by_tier,
+            recomputed_rate=totals["recomputed"] / blocks,
+            token_hit_rate=totals["hit_tokens"] / totals["tokens"],
+            time_avg_load_max_over_mean=_max_over_mean(areas),
+            computed_tokens_max_over_mean=_max_over_mean(computed),
+            utilisation=sum(computed) / capacity,
+            mean_ttft_s=statistics.fmean(ttfts),
+            p50_ttft_s=_percentile(ttfts, 0.50),
+            p90_ttft_s=_percentile(ttfts, 0.90),
+            p99_ttft_s=_percentile(ttfts, 0.99),
+            prediction_exact_share=totals["exact"] / len(trace),
+            counters=self.router.counters(),
         )
-        predicted[request_id] = decision.matched_blocks
-        ranks[decision.prefill_rank].queue.append((request_id, request, request.arrival_s))
-        start_next(decision.prefill_rank, request.arrival_s)
-    while timers:
-        when, _, kind, request_id, name = heapq.heappop(timers)
-        fire(when, kind, request_id, name)
-    router.check_integrity()
-    if router.num_in_flight:
-        raise AssertionError(f"{router.num_in_flight} requests still in flight after the replay")
-
-    duration = max(clock, 1e-9)
-    areas = [rank.load_area / duration for rank in ranks.values()]
-    computed = [rank.computed_tokens for rank in ranks.values()]
-    ttfts.sort()
-    blocks = totals["blocks"]
-    by_tier = {tier: totals[tier] / blocks for tier in ("device", "host", "store")}
-    return SimResult(
-        policy=policy,
-        tiers=setup.name,
-        hit_rate=sum(totals[tier] for tier in by_tier) / blocks,
-        hits_by_tier=by_tier,
-        recomputed_rate=totals["recomputed"] / blocks,
-        token_hit_rate=totals["hit_tokens"] / totals["tokens"],
-        time_avg_load_max_over_mean=_max_over_mean(areas),
-        computed_tokens_max_over_mean=_max_over_mean(computed),
-        utilisation=sum(computed)
-        / (speeds.prefill_tokens_per_s * num_prefill_ranks * max(trace[-1].arrival_s, 1e-9)),
-        mean_ttft_s=statistics.fmean(ttfts),
-        p50_ttft_s=_percentile(ttfts, 0.50),
-        p90_ttft_s=_percentile(ttfts, 0.90),
-        p99_ttft_s=_percentile(ttfts, 0.99),
-        prediction_exact_share=totals["exact"] / len(trace),
-        counters=router.counters(),
-    )
 
 
 def _percentile(ordered: Sequence[float], share: float) -> float:
@@ -380,18 +397,7 @@ def run_router_bench(
     With a host tier or a store, ``policy`` runs once per tier setup, side by side (device
     only, then with the host tier, then with the store too: ``report["tiers"]``), and
     round-robin and the top-level ``router`` figures are the fullest setup's."""
-    if prefill_ranks < 1:
-        raise ValueError(f"--prefill-ranks must be at least 1, got {prefill_ranks}")
-    if capacity_blocks < 1:
-        raise ValueError(f"--capacity-blocks must be at least 1, got {capacity_blocks}")
-    if host_capacity_blocks < 0:
-        raise ValueError(f"--host-capacity-blocks must be >= 0, got {host_capacity_blocks}")
-    if store_capacity_blocks is not None and not store:
-        raise ValueError("--store-capacity-blocks needs --store")
-    if store_capacity_blocks is not None and store_capacity_blocks < 1:
-        raise ValueError(f"--store-capacity-blocks must be at least 1, got {store_capacity_blocks}")
-    if policy not in PREFILL_POLICIES:
-        raise UnknownPolicy(policy)
+    _check_args(prefill_ranks, capacity_blocks, host_capacity_blocks, store, store_capacity_blocks, policy)
     speeds = TierSpeeds(prefill_tokens_per_s, host_load_tokens_per_s, store_load_tokens_per_s)
     setups = [TierSetup(capacity_blocks)]
     if host_capacity_blocks:
@@ -447,6 +453,28 @@ def run_router_bench(
     if len(setups) > 1:
         report["tiers"] = tiers
     return report
+
+
+def _check_args(
+    prefill_ranks: int,
+    capacity_blocks: int,
+    host_capacity_blocks: int,
+    store: bool,
+    store_capacity_blocks: int | None,
+    policy: str,
+) -> None:
+    if prefill_ranks < 1:
+        raise ValueError(f"--prefill-ranks must be at least 1, got {prefill_ranks}")
+    if capacity_blocks < 1:
+        raise ValueError(f"--capacity-blocks must be at least 1, got {capacity_blocks}")
+    if host_capacity_blocks < 0:
+        raise ValueError(f"--host-capacity-blocks must be >= 0, got {host_capacity_blocks}")
+    if store_capacity_blocks is not None and not store:
+        raise ValueError("--store-capacity-blocks needs --store")
+    if store_capacity_blocks is not None and store_capacity_blocks < 1:
+        raise ValueError(f"--store-capacity-blocks must be at least 1, got {store_capacity_blocks}")
+    if policy not in PREFILL_POLICIES:
+        raise UnknownPolicy(policy)
 
 
 def _shared_bound(trace: Sequence[TraceRequest], setup: TierSetup, ranks: int, oracle: float) -> float:

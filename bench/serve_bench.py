@@ -123,32 +123,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             )
     slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms}
     if args.trace is not None:
-        replay = TraceReplay(
-            args.block_tokens,
-            args.time_scale,
-            args.max_output_tokens,
-            args.context_tokens,
-            args.vocab_size,
-            args.seed,
-        )
-        try:
-            replay.check()
-        except ValueError as exc:
-            flag, why = str(exc).split(": ", 1)
-            raise InvalidRequestError(flag, why) from None
-        if args.start < 0:
-            raise InvalidRequestError("--start", f"must be at least 0, got {args.start}")
-        if args.max_requests is not None and args.max_requests < 1:
-            raise InvalidRequestError("--max-requests", f"must be at least 1, got {args.max_requests}")
-        try:
-            entries = read_trace(args.trace)
-        except TraceError as exc:
-            raise InvalidRequestError("--trace", str(exc)) from None
-        end = None if args.max_requests is None else args.start + args.max_requests
-        sliced = entries[args.start : end]
-        if not sliced:
-            raise InvalidRequestError("--start", f"{args.start} is past the trace's {len(entries)} requests")
-        return Plan(trace=replay.requests(sliced), **slo)
+        return Plan(trace=_trace_requests(args), **slo)
     try:
         concurrency = tuple(int(c) for c in args.concurrency.split(","))
     except ValueError:
@@ -163,6 +138,46 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         )
     if args.duration is not None and not args.duration > 0:
         raise InvalidRequestError("--duration", f"must be > 0 seconds, got {args.duration}")
+    return Plan(concurrency, _workload(args), args.requests_per_point, args.duration, **slo)
+
+
+def _checked(workload: TraceReplay | TextWorkload | SyntheticWorkload) -> None:
+    """``workload.check()``, its error as the flag's."""
+    try:
+        workload.check()
+    except ValueError as exc:
+        flag, why = str(exc).split(": ", 1)
+        raise InvalidRequestError(flag, why) from None
+
+
+def _trace_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    """``--trace``'s requests from ``--start``, at most ``--max-requests`` of them."""
+    replay = TraceReplay(
+        args.block_tokens,
+        args.time_scale,
+        args.max_output_tokens,
+        args.context_tokens,
+        args.vocab_size,
+        args.seed,
+    )
+    _checked(replay)
+    if args.start < 0:
+        raise InvalidRequestError("--start", f"must be at least 0, got {args.start}")
+    if args.max_requests is not None and args.max_requests < 1:
+        raise InvalidRequestError("--max-requests", f"must be at least 1, got {args.max_requests}")
+    try:
+        entries = read_trace(args.trace)
+    except TraceError as exc:
+        raise InvalidRequestError("--trace", str(exc)) from None
+    end = None if args.max_requests is None else args.start + args.max_requests
+    sliced = entries[args.start : end]
+    if not sliced:
+        raise InvalidRequestError("--start", f"{args.start} is past the trace's {len(entries)} requests")
+    return replay.requests(sliced)
+
+
+def _workload(args: argparse.Namespace) -> TextWorkload | SyntheticWorkload:
+    """``--prompts-file``'s texts, or the synthetic prompts the options describe."""
     if args.prompts_file is not None:
         specs = read_prompts_file(args.prompts_file, SamplingParams())
         texts = tuple(s.text for s in specs if s.text is not None)
@@ -171,12 +186,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                 "--prompts-file", 'a text workload takes "prompt" lines, not prompt_ids'
             )
         workload = TextWorkload(texts, args.output_tokens)
-        try:
-            workload.check()
-        except ValueError as exc:
-            flag, why = str(exc).split(": ", 1)
-            raise InvalidRequestError(flag, why) from None
-        return Plan(concurrency, workload, args.requests_per_point, args.duration, **slo)
+        _checked(workload)
+        return workload
     synthetic = SyntheticWorkload(
         args.prompt_tokens,
         args.output_tokens,
@@ -185,18 +196,14 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         args.vocab_size,
         args.seed,
     )
-    try:
-        synthetic.check()
-    except ValueError as exc:
-        flag, why = str(exc).split(": ", 1)
-        raise InvalidRequestError(flag, why) from None
+    _checked(synthetic)
     if args.prompt_tokens + args.output_tokens > args.context_tokens:
         raise InvalidRequestError(
             "--prompt-tokens",
             f"{args.prompt_tokens} + --output-tokens {args.output_tokens} pass --context-tokens "
             f"{args.context_tokens}",
         )
-    return Plan(concurrency, synthetic, args.requests_per_point, args.duration, **slo)
+    return synthetic
 
 
 class Progress:
