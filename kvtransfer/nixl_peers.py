@@ -14,7 +14,7 @@ from tandem.kvtransfer.types import KVTransferError, PoolLayout, StalePeerError
 
 class NixlPeers:
     def __init__(self, agent: Any, store: MetadataStore, layout: PoolLayout) -> None:
-        self._agent, self._store, self._layout = agent, store, layout
+        self.agent, self._store, self._layout = agent, store, layout
         self._by_rank: dict[str, Peer] = {}
 
     def __len__(self) -> int:
@@ -38,12 +38,10 @@ class NixlPeers:
             raise KVTransferError(request_id, f"pool of {rank} cannot take this pool's pages: {problem}")
         try:
             if cached is not None:
-                self._agent.remove_remote_agent(cached.meta.agent_name)
+                self.agent.remove_remote_agent(cached.meta.agent_name)
                 del self._by_rank[rank]
-            self._agent.add_remote_agent(meta.agent_metadata)
-            dlist = self._agent.prep_xfer_dlist(
-                meta.agent_name, page_descs(meta.layout), meta.layout.mem_type
-            )
+            self.agent.add_remote_agent(meta.agent_metadata)
+            dlist = self.agent.prep_xfer_dlist(meta.agent_name, page_descs(meta.layout), meta.layout.mem_type)
         except Exception as exc:  # NIXL's own errors: the peer's agent cannot be reached
             raise KVTransferError(request_id, f"cannot reach {rank} ({type(exc).__name__}: {exc})") from exc
         self._by_rank[rank] = peer = Peer(meta, dlist)
@@ -54,4 +52,4 @@ class NixlPeers:
         peer = self._by_rank.pop(rank, None)
         if peer is not None:
             with contextlib.suppress(Exception):  # an agent NIXL already dropped
-                self._agent.remove_remote_agent(peer.meta.agent_name)
+                self.agent.remove_remote_agent(peer.meta.agent_name)

@@ -134,16 +134,16 @@ class NixlTransport(KVTransport):
         config = nixl_agent_config(
             enable_prog_thread=progress_thread, backends=["UCX"], capture_telemetry=True, num_threads=threads
         )
-        self.agent = nixl_agent(self.agent_name, config)
+        self._agent = agent = nixl_agent(self.agent_name, config)
         total = (
             layout.num_layers - 1
         ) * layout.layer_stride_bytes + layout.num_pages * layout.page_stride_bytes
-        self._registration = self.agent.register_memory(
+        self._registration = agent.register_memory(
             [(layout.base_address, total, layout.device_id, "")], layout.mem_type
         )
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(layout), layout.mem_type)
-        self._writes = NixlWrites(self.agent, local, layout)
-        self._peers = NixlPeers(self.agent, store, layout)
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(layout), layout.mem_type)
+        self._writes = NixlWrites(agent, local, layout)
+        self._peers = NixlPeers(agent, store, layout)
         self._sends: dict[str, Send] = {}
         self._recvs: dict[str, Recv] = {}
         self.late_messages_dropped = 0
@@ -158,6 +158,16 @@ class NixlTransport(KVTransport):
         store.publish(
             RankMetadata(rank, incarnation, self.agent_name, self.agent.get_agent_metadata(), layout)
         )
+
+    @property
+    def agent(self) -> Any:
+        """The NIXL agent every part of the transport calls through. One object: a wrapper set
+        here (one that delays or refuses writes, say) is the one the writes and peers use too."""
+        return self._agent
+
+    @agent.setter
+    def agent(self, agent: Any) -> None:
+        self._agent = self._writes.agent = self._peers.agent = agent
 
     # -- peers ---------------------------------------------------------------------------------
     def connect(self, ranks: Sequence[str]) -> list[str]:

@@ -14,7 +14,7 @@ from tandem.kvtransfer.types import KVTransferError, PoolLayout
 
 class NixlWrites:
     def __init__(self, agent: Any, local_dlist: Any, layout: PoolLayout) -> None:
-        self._agent, self._local, self._layout = agent, local_dlist, layout
+        self.agent, self._local, self._layout = agent, local_dlist, layout
 
     def post(self, send: Send, layers: list[int]) -> None:
         """Post the writes of ``layers``; one NIXL refuses sets the send's error (nothing of it is
@@ -22,10 +22,10 @@ class NixlWrites:
         peer_layout = send.peer.meta.layout
         src, dst = prepared_indices(send.runs, layers, self._layout.num_pages, peer_layout.num_pages)
         try:
-            handle = self._agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
+            handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
             if send.stats.start_s == 0.0:
                 send.stats.start_s = time.monotonic()  # the first post
-            refused = self._agent.transfer(handle) == "ERR"
+            refused = self.agent.transfer(handle) == "ERR"
         except Exception as exc:  # NIXL's own errors
             refused, handle = True, None
             detail = f"{type(exc).__name__}: {exc}"
@@ -46,7 +46,7 @@ class NixlWrites:
 
     def _state(self, handle: Any) -> str:
         try:
-            return str(self._agent.check_xfer_state(handle))
+            return str(self.agent.check_xfer_state(handle))
         except Exception:  # NIXL's own errors: this transfer failed, nothing else did
             return "ERR"
 
@@ -56,7 +56,7 @@ class NixlWrites:
 
     def _descriptors(self, handle: Any) -> int:
         try:
-            return int(self._agent.get_xfer_telemetry(handle).descCount)
+            return int(self.agent.get_xfer_telemetry(handle).descCount)
         except Exception:  # telemetry is a figure, never a reason to fail a transfer
             return 0
 
