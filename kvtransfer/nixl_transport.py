@@ -251,7 +251,7 @@ class NixlTransport(KVTransport):
                 send.layers_sent.update(layers)
                 self._hand_over(send, layers, ready)
             else:
-                self._post_ready(send)
+                self._writes.post_ready(send)
 
     def is_cancelled(self, request_id: str) -> bool:
         with self._lock:
@@ -288,7 +288,7 @@ class NixlTransport(KVTransport):
         send.waiting.append(entry)
         if ready is not READY:
             self._watcher.watch(send, entry)
-        self._post_ready(send)
+        self._writes.post_ready(send)
 
     def _layers_ready(self, send: Send, entry: Layers, failure: Exception | None) -> None:
         """The watcher saw ``entry``'s event complete (or fail): post what is ready."""
@@ -296,20 +296,11 @@ class NixlTransport(KVTransport):
             send.error = KVTransferError(
                 send.request_id, f"waiting for layers {entry.layers}: {type(failure).__name__}: {failure}"
             )
-        self._post_ready(send)
-
-    def _post_ready(self, send: Send) -> None:
-        """Post, in order, the waiting layers whose events have completed; the first one still
-        running holds back the rest. Called with the lock held."""
-        while send.waiting and send.error is None and send.waiting[0].complete():
-            entry = send.waiting.pop(0)
-            if entry.done_s is not None:
-                send.device_done_s = max(send.device_done_s, entry.done_s)
-            self._writes.post(send, entry.layers)
+        self._writes.post_ready(send)
 
     def _progress_send(self, send: Send, now: float, events: TransportEvents) -> bool:
         """Advance one send; True when it is over (reported in ``events``)."""
-        self._post_ready(send)
+        self._writes.post_ready(send)
         states = self._writes.states(send)
         if "ERR" in states and send.error is None:
             send.error = KVTransferError(send.request_id, f"a write to {send.peer.meta.rank} failed")

@@ -16,6 +16,15 @@ class NixlWrites:
     def __init__(self, agent: Any, local_dlist: Any, layout: PoolLayout) -> None:
         self.agent, self._local, self._layout = agent, local_dlist, layout
 
+    def post_ready(self, send: Send) -> None:
+        """Post, in order, the waiting layers whose events have completed; the first one still
+        running holds back the rest."""
+        while send.waiting and send.error is None and send.waiting[0].complete():
+            entry = send.waiting.pop(0)
+            if entry.done_s is not None:
+                send.device_done_s = max(send.device_done_s, entry.done_s)
+            self.post(send, entry.layers)
+
     def post(self, send: Send, layers: list[int]) -> None:
         """Post the writes of ``layers``; one NIXL refuses sets the send's error (nothing of it is
         in flight), and the transport reports it once the writes already posted are drained."""
