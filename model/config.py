@@ -207,18 +207,23 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(model_dir: Path | str) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not Path(model_dir).is_dir():
-            raise ModelConfigError(model_dir, "model directory does not exist")
-        if not path.is_file():
-            raise ModelConfigError(path, "config.json not found in the model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelConfigError(path, f"cannot read config.json: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ModelConfigError(path, "config.json must hold a JSON object")
-        return ModelConfig.from_dict(raw, path)
+        return ModelConfig.from_dict(read_config_json(model_dir), Path(model_dir) / "config.json")
+
+
+def read_config_json(model_dir: Path | str) -> dict[str, Any]:
+    """``config.json`` of a model directory as a dict; an error names the file."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelConfigError(model_dir, "model directory does not exist")
+    if not path.is_file():
+        raise ModelConfigError(path, "config.json not found in the model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(path, f"cannot read config.json: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelConfigError(path, "config.json must hold a JSON object")
+    return raw
 
 
 def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,101 @@
+"""The compressor of a CSA or HCA layer (and of CSA's indexer): every ``rate`` source tokens of
+a request become one compressed entry, a softmax-gated sum of their projected KV, normed, then
+rotated at the window's first position (the ``compress`` rope).
+
+With ``overlap`` (CSA and its indexer) each token projects to two series of ``dim`` numbers:
+``Ca`` (the first half, its part in the *next* window's entry) and ``Cb`` (the second half, its
+part in its own window's entry); entry ``w`` gates over window ``w - 1``'s ``Ca`` and window
+``w``'s ``Cb``, ``2 * rate`` slots (window 0 has no previous one: its ``Ca`` slots weigh 0).
+Without it (HCA) entry ``w`` gates over window ``w``'s ``rate`` tokens.
+
+A request's :class:`CompressorState` is what makes this independent of how its tokens are split
+into forward calls: the projections of the tokens of the window not yet complete (``buffer``),
+the previous window's ``Ca`` projections (``overlap``) and the entries so far. Entry ``w`` is
+visible to the query at position ``p`` once its window is complete: ``w < (p + 1) // rate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.model.v4.rope import rotate_tail
+
+
+@dataclass
+class CompressorState:
+    """One request's compressor state for one layer (float32 projections, entries in the
+    model's dtype)."""
+
+    buffer_kv: torch.Tensor | None = None  # [b < rate, width]
+    buffer_gate: torch.Tensor | None = None
+    overlap_kv: torch.Tensor | None = None  # [rate, dim]: the last complete window's Ca
+    overlap_gate: torch.Tensor | None = None
+    entries: torch.Tensor | None = None  # [E, dim]
+    count: int = 0  # entries so far
+
+
+class Compressor(nn.Module):
+    """``wkv, wgate [width, D]`` (``width = 2 * dim`` with overlap), ``ape [rate, width]`` (the
+    positional gate bias) and ``norm [dim]``, all float32 as the model's own code keeps them."""
+
+    def __init__(
+        self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.dim, self.rate, self.overlap, self.eps = dim, rate, overlap, eps
+        width = 2 * dim if overlap else dim
+        self.wkv = nn.Parameter(torch.empty(width, hidden, device=device), requires_grad=False)
+        self.wgate = nn.Parameter(torch.empty(width, hidden, device=device), requires_grad=False)
+        self.ape = nn.Parameter(torch.empty(rate, width, device=device), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(dim, device=device), requires_grad=False)
+
+    def forward(
+        self,
+        state: CompressorState,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Take a request's next tokens ``x [n, D]``; its entries so far ``[E, dim]``.
+        ``cos, sin`` are the compress rope's whole tables (entries rotate at their window's
+        first position)."""
+        kv = x.float() @ self.wkv.t()
+        gate = x.float() @ self.wgate.t()
+        if state.buffer_kv is not None:
+            assert state.buffer_gate is not None
+            kv, gate = torch.cat([state.buffer_kv, kv]), torch.cat([state.buffer_gate, gate])
+        usable = kv.shape[0] // self.rate * self.rate
+        state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
+        if usable:
+            windows = usable // self.rate
+            new = self._compress(
+                state, kv[:usable].view(windows, self.rate, -1), gate[:usable].view(windows, self.rate, -1)
+            )
+            positions = torch.arange(windows, device=x.device) * self.rate + state.count * self.rate
+            new = rotate_tail(new.to(dtype), cos[positions], sin[positions])
+            state.entries = new if state.entries is None else torch.cat([state.entries, new])
+            state.count += windows
+        if state.entries is None:
+            state.entries = torch.empty(0, self.dim, dtype=dtype, device=x.device)
+        return state.entries
+
+    def _compress(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Complete windows ``kv, gate [W, rate, width]`` -> their entries ``[W, dim]`` (float32)."""
+        gate = gate + self.ape
+        if self.overlap:
+            d, r, w = self.dim, self.rate, kv.shape[0]
+            slots_kv = kv.new_zeros(w, 2 * r, d)
+            slots_gate = gate.new_full((w, 2 * r, d), float("-inf"))
+            slots_kv[:, r:], slots_gate[:, r:] = kv[..., d:], gate[..., d:]
+            slots_kv[1:, :r], slots_gate[1:, :r] = kv[:-1, :, :d], gate[:-1, :, :d]
+            if state.overlap_kv is not None:
+                assert state.overlap_gate is not None
+                slots_kv[0, :r], slots_gate[0, :r] = state.overlap_kv, state.overlap_gate
+            state.overlap_kv, state.overlap_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+            kv, gate = slots_kv, slots_gate
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+        return pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + self.eps) * self.norm

@@ -1,0 +1,138 @@
+"""The DeepSeek-V4 model over a step's tokens, request after request, each request carrying its
+own state (:class:`~tandem.model.v4.attention.LayerState` per layer) from one forward call to
+the next: its tokens are the same whatever the split into calls (``model/v4/indexer.py`` says
+how the indexer's ties are broken so that this holds).
+
+Each token's residual is ``hc_mult`` streams (``model/v4/hyper.py``); every layer is attention
+then MoE, each wrapped in a hyper-connection; the hyper-head collapses the streams before the
+final norm and the head.
+
+Tensors load by DeepSeek's names (``embed.weight``, ``layers.N.attn.wq_a.weight``,
+``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn`` ...), with or without transformers'
+``model.`` prefix and its spellings of the top-level ones (``model.embed_tokens.weight``,
+``model.hc_head.hc_fn``, ``lm_head.weight``): ``model/v4/names.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.model.v4.attention import LayerState, V4Attention, rms_norm
+from tandem.model.v4.config import V4Config
+from tandem.model.v4.hyper import HyperConnection, HyperHead, spread
+from tandem.model.v4.moe import V4MoE
+from tandem.model.v4.names import parameter_for
+from tandem.model.v4.rope import rope_table
+
+
+class V4Layer(nn.Module):
+    def __init__(
+        self, cfg: V4Config, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.attn = V4Attention(cfg, index, dtype, device)
+        self.ffn = V4MoE(cfg, index, dtype, device, experts)
+        self.attn_norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device), requires_grad=False)
+        self.ffn_norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device), requires_grad=False)
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, device)
+        self.hc_attn = HyperConnection(*hc)
+        self.hc_ffn = HyperConnection(*hc)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(
+        self,
+        cfg: V4Config,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        experts: range | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.experts = experts if experts is not None else range(cfg.n_routed_experts)
+        v, h = cfg.vocab_size, cfg.hidden_size
+        self.embed = nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(
+            V4Layer(cfg, i, dtype, device, self.experts) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = nn.Parameter(torch.empty(h, device=device), requires_grad=False)
+        self.hc_head = HyperHead(cfg.hc_mult, h, cfg.hc_eps, cfg.rms_norm_eps, device)
+        self.head = nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, rope in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
+            cos, sin = rope_table(rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+            self.rope[name] = (cos.to(device), sin.to(device))
+
+    def new_state(self) -> list[LayerState]:
+        """A request's state before its first token: one :class:`LayerState` per layer."""
+        return [LayerState() for _ in self.layers]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: list[int],
+        states: list[list[LayerState]],
+    ) -> torch.Tensor:
+        """Hidden states ``[T, D]`` after the final norm for the step's tokens, packed request
+        after request (``query_lens`` each, at ``positions``, with ``states[r]`` the request's
+        state, which moves on past these tokens)."""
+        cfg = self.cfg
+        x = F.embedding(input_ids, self.embed)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            assert isinstance(layer, V4Layer)
+            cos, sin = self.rope["main" if layer.attn.rate == 0 else "compress"]
+            per_request = [s[layer.index] for s in states]
+            post, comb, collapsed = layer.hc_attn(streams)
+            out = layer.attn(
+                rms_norm(collapsed, layer.attn_norm, cfg.rms_norm_eps),
+                positions,
+                query_lens,
+                per_request,
+                cos,
+                sin,
+            )
+            streams = spread(post, comb, out, streams)
+            post, comb, collapsed = layer.hc_ffn(streams)
+            out = layer.ffn(rms_norm(collapsed, layer.ffn_norm, cfg.rms_norm_eps), input_ids)
+            streams = spread(post, comb, out, streams)
+        return rms_norm(self.hc_head(streams), self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head)
+
+    @torch.inference_mode()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by name, routed experts into their stacks (experts this
+        copy does not hold are skipped); a tensor of no parameter or of the wrong shape is an
+        error that names it."""
+        own = dict(self.named_parameters())
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        inter = self.cfg.moe_intermediate_size
+        for name, tensor in items:
+            target = parameter_for(name, self.cfg)
+            if target is None:
+                raise ValueError(f"tensor {name}: not a DeepSeek-V4 tensor")
+            param_name, expert, rows = target
+            if expert is not None and expert not in self.experts:
+                continue
+            param = own.get(param_name)
+            if param is None:
+                raise ValueError(f"tensor {name}: the model has no parameter {param_name}")
+            dst: torch.Tensor = param if expert is None else param[expert - self.experts.start]
+            if rows == "gate":
+                dst = dst[:inter]
+            elif rows == "up":
+                dst = dst[inter:]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+        if self.cfg.tie_word_embeddings:
+            self.head.copy_(self.embed)

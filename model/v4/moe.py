@@ -1,0 +1,77 @@
+"""DeepSeek-V4's MoE, in every layer: routed experts chosen by a frozen token-id -> experts table
+on ``hash_moe`` layers, by the top scores (``sqrtsoftplus`` by default) plus the correction bias
+on the others; the chosen experts' scores, normalised and scaled, weigh their outputs. The
+routed experts' and the shared expert's gate and up projections are clipped at
+``swiglu_limit`` (the gate from above, the up on both sides) before SiLU(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.model.v4.config import V4Config
+
+
+def score(logits: torch.Tensor, func: str) -> torch.Tensor:
+    if func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class V4MoE(nn.Module):
+    """Routed experts ``first_expert ..`` (``w_gate_up [E, 2I, D]``: gate rows then up rows,
+    ``w_down [E, D, I]``) and the shared expert (``w1``, ``w3`` gate and up, ``w2`` down)."""
+
+    def __init__(
+        self, cfg: V4Config, layer: int, dtype: torch.dtype, device: torch.device | str, experts: range
+    ) -> None:
+        super().__init__()
+        self.cfg, self.hash = cfg, cfg.is_hash_layer(layer)
+        self.first_expert = experts.start
+        h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, len(experts)
+
+        def param(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dt, device=device), requires_grad=False)
+
+        self.gate_weight = param(cfg.n_routed_experts, h)
+        if self.hash:
+            self.tid2eid = param(cfg.vocab_size, cfg.num_experts_per_tok, dt=torch.int64)
+        else:
+            self.gate_bias = param(cfg.n_routed_experts, dt=torch.float32)
+        self.w_gate_up = param(e, 2 * inter, h)
+        self.w_down = param(e, h, inter)
+        self.w1, self.w3, self.w2 = param(inter, h), param(inter, h), param(h, inter)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] float32, expert ids [T, k])``."""
+        cfg = self.cfg
+        scores = score(x @ self.gate_weight.t(), cfg.scoring_func)
+        if self.hash:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.gate_bias, cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * cfg.routed_scaling_factor).float(), ids
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x, input_ids)
+        limit, inter = self.cfg.swiglu_limit, self.cfg.moe_intermediate_size
+        out = torch.zeros_like(x)
+        local = ids - self.first_expert
+        for expert in range(self.w_gate_up.shape[0]):
+            token, slot = torch.where(local == expert)
+            if token.numel() == 0:
+                continue
+            gate_up = x[token] @ self.w_gate_up[expert].t()
+            y = clipped_swiglu(gate_up[:, :inter], gate_up[:, inter:], limit) @ self.w_down[expert].t()
+            out.index_add_(0, token, (y * weights[token, slot, None].to(y.dtype)).to(out.dtype))
+        shared = clipped_swiglu(x @ self.w1.t(), x @ self.w3.t(), limit) @ self.w2.t()
+        return out + shared

@@ -1,0 +1,138 @@
+"""DeepSeek-V4's tensor names, as DeepSeek publishes them and transformers' ``save_pretrained``
+writes them for ``DeepseekV4ForCausalLM`` (``layers.N.attn.wq_a.weight``,
+``layers.N.attn.compressor.wkv.weight``, ``layers.N.attn.indexer.weights_proj.weight``,
+``layers.N.ffn.experts.E.w1.weight``, ``layers.N.hc_attn_fn``, ``layers.N.attn.attn_sink``,
+``layers.N.ffn.gate.tid2eid`` ...), optionally under transformers' ``model.`` prefix, and the
+parameters of :class:`~tandem.model.v4.model.DeepseekV4` they load into."""
+
+from __future__ import annotations
+
+import re
+
+from tandem.model.v4.config import CSA, V4Config
+
+# top-level names -> parameters, every spelling
+_TOP = {
+    "embed.weight": "embed",
+    "embed_tokens.weight": "embed",
+    "head.weight": "head",
+    "lm_head.weight": "head",
+    "norm.weight": "norm",
+    "hc_head_fn": "hc_head.fn",
+    "hc_head_base": "hc_head.base",
+    "hc_head_scale": "hc_head.scale",
+    "hc_head.hc_fn": "hc_head.fn",
+    "hc_head.hc_base": "hc_head.base",
+    "hc_head.hc_scale": "hc_head.scale",
+}
+# a layer's names (after ``layers.N.``) -> its parameters
+_LAYER = {
+    "attn_norm.weight": "attn_norm",
+    "ffn_norm.weight": "ffn_norm",
+    **{f"hc_{part}_{w}": f"hc_{part}.{w}" for part in ("attn", "ffn") for w in ("fn", "base", "scale")},
+    "attn.wq_a.weight": "attn.wq_a",
+    "attn.q_norm.weight": "attn.q_norm",
+    "attn.wq_b.weight": "attn.wq_b",
+    "attn.wkv.weight": "attn.wkv",
+    "attn.norm.weight": "attn.kv_norm",
+    "attn.kv_norm.weight": "attn.kv_norm",
+    "attn.wo_a.weight": "attn.wo_a",
+    "attn.wo_b.weight": "attn.wo_b",
+    "attn.attn_sink": "attn.attn_sink",
+    **{f"attn.{c}.wkv.weight": f"attn.{c}.wkv" for c in ("compressor", "indexer.compressor")},
+    **{f"attn.{c}.wgate.weight": f"attn.{c}.wgate" for c in ("compressor", "indexer.compressor")},
+    **{f"attn.{c}.ape": f"attn.{c}.ape" for c in ("compressor", "indexer.compressor")},
+    **{f"attn.{c}.norm.weight": f"attn.{c}.norm" for c in ("compressor", "indexer.compressor")},
+    "attn.indexer.wq_b.weight": "attn.indexer.wq_b",
+    "attn.indexer.weights_proj.weight": "attn.indexer.weights_proj",
+    "ffn.gate.weight": "ffn.gate_weight",
+    "ffn.gate.bias": "ffn.gate_bias",
+    "ffn.gate.tid2eid": "ffn.tid2eid",
+    "ffn.shared_experts.w1.weight": "ffn.w1",
+    "ffn.shared_experts.w2.weight": "ffn.w2",
+    "ffn.shared_experts.w3.weight": "ffn.w3",
+}
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None] | None:
+    """Where checkpoint tensor ``name`` goes: ``(parameter, routed expert or None, "gate"/"up"
+    rows of the expert's stacked gate/up, or None)``; ``None`` for a name of no parameter."""
+    bare = name.removeprefix("model.")
+    if bare in _TOP:
+        return _TOP[bare], None, None
+    match = _LAYER_NAME.match(bare)
+    if match is None or int(match.group(1)) >= cfg.num_hidden_layers:
+        return None
+    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        e, w = int(expert.group(1)), expert.group(2)
+        if e >= cfg.n_routed_experts:
+            return None
+        if w == "w2":
+            return prefix + "ffn.w_down", e, None
+        return prefix + "ffn.w_gate_up", e, "gate" if w == "w1" else "up"
+    target = _LAYER.get(rest)
+    return None if target is None else (prefix + target, None, None)
+
+
+def expected_v4_tensor_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a V4 checkpoint holds (the MTP layer aside), by DeepSeek's name, with its
+    shape; ``tid2eid`` holds integers, every other tensor floats."""
+    h, v, hd, heads = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
+    n = cfg.hc_mult
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)}
+        for part in ("attn", "ffn"):
+            shapes |= {p + f"hc_{part}_fn": ((2 + n) * n, n * h), p + f"hc_{part}_base": ((2 + n) * n,)}
+            shapes[p + f"hc_{part}_scale"] = (3,)
+        a = p + "attn."
+        shapes |= {
+            a + "wq_a.weight": (cfg.q_lora_rank, h),
+            a + "q_norm.weight": (cfg.q_lora_rank,),
+            a + "wq_b.weight": (heads * hd, cfg.q_lora_rank),
+            a + "wkv.weight": (hd, h),
+            a + "norm.weight": (hd,),
+            a + "wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups),
+            a + "wo_b.weight": (h, cfg.o_groups * cfg.o_lora_rank),
+            a + "attn_sink": (heads,),
+        }
+        rate = cfg.compress_rate(i)
+        if rate:
+            csa = cfg.layer_types[i] == CSA
+            shapes |= _compressor_shapes(a + "compressor.", h, hd, rate, csa)
+            if csa:
+                ihd = cfg.index_head_dim
+                shapes |= _compressor_shapes(a + "indexer.compressor.", h, ihd, rate, True)
+                shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * ihd, cfg.q_lora_rank)
+                shapes[a + "indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
+        f = p + "ffn."
+        inter = cfg.moe_intermediate_size
+        shapes[f + "gate.weight"] = (cfg.n_routed_experts, h)
+        if cfg.is_hash_layer(i):
+            shapes[f + "gate.tid2eid"] = (v, cfg.num_experts_per_tok)
+        else:
+            shapes[f + "gate.bias"] = (cfg.n_routed_experts,)
+        for e in range(cfg.n_routed_experts):
+            shapes |= {f + f"experts.{e}.w1.weight": (inter, h), f + f"experts.{e}.w3.weight": (inter, h)}
+            shapes[f + f"experts.{e}.w2.weight"] = (h, inter)
+        shapes |= {f + "shared_experts.w1.weight": (inter, h), f + "shared_experts.w3.weight": (inter, h)}
+        shapes[f + "shared_experts.w2.weight"] = (h, inter)
+    shapes |= {"norm.weight": (h,), "hc_head_fn": (n, n * h), "hc_head_base": (n,), "hc_head_scale": (1,)}
+    if not cfg.tie_word_embeddings:
+        shapes["head.weight"] = (v, h)
+    return shapes
+
+
+def _compressor_shapes(p: str, hidden: int, dim: int, rate: int, overlap: bool) -> dict[str, tuple[int, ...]]:
+    width = 2 * dim if overlap else dim
+    return {
+        p + "wkv.weight": (width, hidden),
+        p + "wgate.weight": (width, hidden),
+        p + "ape": (rate, width),
+        p + "norm.weight": (dim,),
+    }
