@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.client.output import emit
-from tandem.model.config import ModelConfig, ModelConfigError
 from tandem.model.dtype_names import AUTO, resolved_dtype
+from tandem.model.family import read_config
 from tandem.model.rank_weights import DTYPE_BYTES
 from tandem.wire.request_params import InvalidRequestError
 
@@ -56,21 +56,6 @@ def add_plan_parsers(sub: Any) -> None:
     mem.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    """A model directory's ``config.json``, or that file given itself."""
-    if path.is_dir():
-        return ModelConfig.from_dir(path)
-    if not path.is_file():
-        raise ModelConfigError(path, "no such model directory or config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelConfigError(path, f"cannot read it as JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ModelConfigError(path, "must hold a JSON object")
-    return ModelConfig.from_dict(raw, path)
-
-
 def run_plan_memory(args: argparse.Namespace) -> int:
     """The plan as a table (or ``--json``); exit 0 whether or not it fits."""
     from tandem.cli.serving import with_speculative
@@ -79,7 +64,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
 
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset)
     topology = with_speculative(args, topology)
-    cfg = read_model_config(args.model)
+    cfg = read_config(args.model)
     gpu_gib = args.gpu_memory_gib if args.gpu_memory_gib is not None else topology.gpu_memory_gib
     if gpu_gib is None:
         raise InvalidRequestError("--gpu-memory-gib", f"{topology.name} sets no gpu_memory_gib: give one")
@@ -118,6 +103,17 @@ def plan_json(plan: MemoryPlan, model: str) -> dict[str, object]:
                 "kv_page_bytes": r.kv_page_bytes,
                 "kv_pages": r.kv_pages,
                 "request_pages": r.request_pages,
+                "page_size": r.page_size,
+                "state_bytes": r.state_bytes,
+                "kinds": [
+                    {
+                        "kind": k.kind,
+                        "layers": k.layers,
+                        "bytes_per_token": k.per_token,
+                        "bytes_per_request": k.per_request,
+                    }
+                    for k in r.kinds
+                ],
                 "fits": r.fits,
             }
             for r in plan.ranks
@@ -174,6 +170,30 @@ def plan_table(plan: MemoryPlan, model: str) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    lines += _kind_lines(plan)
     misfits = plan.misfits()
     lines.append("fits: yes" if not misfits else f"fits: no; {misfit_line(plan, misfits[0])}")
     return "\n".join(lines)
+
+
+def _kind_lines(plan: MemoryPlan) -> list[str]:
+    """A model with kinds of KV state (DeepSeek-V4): each kind's bytes per token or per running
+    request, and what a pool's rank holds of it at its pages and ``max_num_seqs``."""
+    from tandem.cluster.memory_plan import GIB
+
+    out = []
+    for role in dict.fromkeys(r.role for r in plan.ranks):
+        rank = next(r for r in plan.ranks if r.role is role)
+        if not rank.kinds:
+            continue
+        tokens = rank.kv_pages * rank.page_size
+        seqs = rank.state_bytes // max(1, sum(k.per_request for k in rank.kinds))
+        held_by = f"{tokens} tokens, {seqs} running requests"
+        out.append(f"  {role.value} KV state, {rank.page_size}-token pages ({held_by}):")
+        for k in rank.kinds:
+            if k.per_token:
+                held = f"{k.per_token:,.1f} B a token, {k.per_token * tokens / GIB:.2f} GiB"
+            else:
+                held = f"{k.per_request / MIB:,.2f} MiB a request, {k.per_request * seqs / GIB:.2f} GiB"
+            out.append(f"    {k.kind:<13} {k.layers:>3} layers  {held}")
+    return out

@@ -24,10 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.cluster.memory_plan_v4 import check_v4_topology, v4_page_size, v4_workspace_bytes
 from tandem.cluster.topology import PoolSpec, Topology, TopologyError
 from tandem.engine.admission import max_kv_pages
 from tandem.model.config import ModelConfig
 from tandem.model.rank_weights import dtype_bytes, rank_weight_bytes
+from tandem.model.v4.config import V4Config
+from tandem.model.v4.kv_layout import KindBytes, page_bytes, request_bytes, v4_kinds
+from tandem.model.v4.rank_weights import v4_rank_weight_bytes
 from tandem.wire.messages import Role
 
 GIB = 1 << 30
@@ -49,6 +53,8 @@ class RankMemory:
     kv_pages: int
     request_pages: int  # pages one request at the model's whole context holds
     page_size: int
+    state_bytes: int = 0  # V4: what the running requests hold beside their pages, max_num_seqs of them
+    kinds: tuple[KindBytes, ...] = ()  # V4: each kind of KV state's bytes
 
     @property
     def fits(self) -> bool:
@@ -158,9 +164,14 @@ def workspace_bytes(cfg: ModelConfig, dtype: str, rows: int, logit_rows: int) ->
 
 
 def plan_memory(
-    topology: Topology, cfg: ModelConfig, dtype: str, gpu_memory_gib: float, utilization: float = 0.9
+    topology: Topology,
+    cfg: ModelConfig | V4Config,
+    dtype: str,
+    gpu_memory_gib: float,
+    utilization: float = 0.9,
 ) -> MemoryPlan:
-    """Every rank's share of ``gpu_memory_gib`` (see the module docstring)."""
+    """Every rank's share of ``gpu_memory_gib`` (see the module docstring; a V4 model's in
+    ``cluster/memory_plan_v4.py``)."""
     if not gpu_memory_gib > 0:
         raise ValueError(f"gpu_memory_gib: must be > 0, got {gpu_memory_gib}")
     if not 0 < utilization <= 1:
@@ -171,13 +182,12 @@ def plan_memory(
     ranks: list[RankMemory] = []
     for pool in _pools(topology):
         spec = pool.spec
-        page_bytes = kv_page_bytes(cfg, dtype, spec.page_size, pool.mtp)
-        workspace = workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
-        request_pages = max_kv_pages(context, 0, context, spec.page_size)
+        figures = _PoolFigures.of(cfg, pool, dtype)
+        request_pages = max_kv_pages(context, 0, context, figures.page_size)
         per_rank = []
         for r in range(spec.dep):
-            weights = rank_weight_bytes(cfg, dtype, r, spec.dep, mtp=pool.mtp).total_bytes
-            pages = max(0, (usable - weights - workspace) // page_bytes)
+            weights = figures.weights(r)
+            pages = max(0, (usable - weights - figures.workspace - figures.state) // figures.page_bytes)
             per_rank.append((weights, pages))
         for g in range(spec.groups):  # every group of a pool holds the same slices
             for r, (weights, pages) in enumerate(per_rank):
@@ -186,14 +196,52 @@ def plan_memory(
                     group=f"{pool.role.value}{g}",
                     rank=r,
                     weight_bytes=weights,
-                    workspace_bytes=workspace,
-                    kv_page_bytes=page_bytes,
+                    workspace_bytes=figures.workspace,
+                    kv_page_bytes=figures.page_bytes,
                     kv_pages=pages,
                     request_pages=request_pages,
-                    page_size=spec.page_size,
+                    page_size=figures.page_size,
+                    state_bytes=figures.state,
+                    kinds=figures.kinds,
                 )
                 ranks.append(rank)
     return MemoryPlan(topology.describe(), dtype, gpu_bytes, utilization, tuple(ranks))
+
+
+@dataclass(frozen=True)
+class _PoolFigures:
+    """A pool's page, workspace and per-request state, by the model's family."""
+
+    cfg: ModelConfig | V4Config
+    pool: _Pool
+    dtype: str
+    page_size: int
+    page_bytes: int
+    workspace: int
+    state: int = 0
+    kinds: tuple[KindBytes, ...] = ()
+
+    @staticmethod
+    def of(cfg: ModelConfig | V4Config, pool: _Pool, dtype: str) -> _PoolFigures:
+        spec = pool.spec
+        if isinstance(cfg, V4Config):
+            check_v4_topology(pool.mtp)
+            size = v4_page_size(cfg, spec.page_size)
+            kinds = tuple(v4_kinds(cfg, dtype_bytes(dtype), size))
+            workspace = v4_workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
+            state = request_bytes(list(kinds)) * spec.max_num_seqs
+            return _PoolFigures(
+                cfg, pool, dtype, size, page_bytes(list(kinds), size), workspace, state, kinds
+            )
+        page = kv_page_bytes(cfg, dtype, spec.page_size, pool.mtp)
+        workspace = workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
+        return _PoolFigures(cfg, pool, dtype, spec.page_size, page, workspace)
+
+    def weights(self, rank: int) -> int:
+        dep = self.pool.spec.dep
+        if isinstance(self.cfg, V4Config):
+            return v4_rank_weight_bytes(self.cfg, self.dtype, rank, dep, quantized=True).total_bytes
+        return rank_weight_bytes(self.cfg, self.dtype, rank, dep, mtp=self.pool.mtp).total_bytes
 
 
 def gib(n: int) -> str:
@@ -206,7 +254,8 @@ def misfit_line(plan: MemoryPlan, rank: RankMemory) -> str:
     return (
         f"rank {rank.name} ({rank.role.value}) cannot hold the model and one request of its whole context: "
         f"{gib(plan.usable_bytes)} usable ({plan.gpu_memory_bytes / GIB:g} GiB x {plan.utilization:g}) - "
-        f"{gib(rank.weight_bytes)} of weights - {gib(rank.workspace_bytes)} of workspace leaves "
+        f"{gib(rank.weight_bytes)} of weights - {gib(rank.workspace_bytes)} of workspace"
+        f"{f' - {gib(rank.state_bytes)} of running requests' if rank.state_bytes else ''} leaves "
         f"{rank.kv_pages} KV pages; one request needs {rank.request_pages} ({gib(need)})"
     )
 

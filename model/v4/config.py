@@ -64,6 +64,7 @@ class V4Config:
     eos_token_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     quant_block_size: tuple[int, int] | None = None  # FP8 block-scaled attention and dense weights
+    expert_dtype: str | None = None  # the routed experts' format in the checkpoint: "fp4", "fp8"
 
     def compress_rate(self, layer: int) -> int:
         """Source tokens per compressed entry of ``layer``; 0 for a sliding-window layer."""
@@ -153,6 +154,7 @@ class V4Config:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             quant_block_size=_quant_block(raw, path),
+            expert_dtype=_expert_dtype(raw, path),
         )
         cfg.validate(path)
         return cfg
@@ -249,3 +251,11 @@ def _quant_block(raw: dict[str, Any], path: Path | str) -> tuple[int, int] | Non
         raise ModelConfigError(path, f"quantization_config {quant!r} is not supported (expected fp8)")
     block = quant.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
+
+
+def _expert_dtype(raw: dict[str, Any], path: Path | str) -> str | None:
+    quant = raw.get("quantization_config")
+    value = raw.get("expert_dtype") or (quant.get("expert_dtype") if isinstance(quant, dict) else None)
+    if value not in (None, "fp4", "fp8"):
+        raise ModelConfigError(path, f"expert_dtype {value!r} is not supported (expected fp4 or fp8)")
+    return value

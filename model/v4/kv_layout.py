@@ -1,0 +1,84 @@
+"""What a DeepSeek-V4 rank keeps of a request, by kind of state, and its bytes (torch-free).
+
+Every layer keeps its **window** (the sliding window's K = V, ``head_dim`` numbers a token; a
+request needs only the pages its last ``sliding_window`` tokens lie on, the older ones are
+freed or kept as prefix-cache pages). CSA and HCA layers keep their **compressed** entries
+(``head_dim`` numbers per ``rate`` tokens); CSA layers the **indexer's keys** (``index_head_dim``
+per ``rate`` tokens) and, per page, the **overlap**: the page's last window's ``Ca`` projections
+(gate and KV, for the compressor and the indexer) from which the next page's first entry is
+computed, float32 as the compressor computes them. While a request runs, each compressor holds
+its **open window**: the projections of the tokens of a window not complete yet (at most
+``rate - 1`` tokens, float32).
+
+Pages are sized so that a page boundary is a compression boundary of every layer (the page
+size a multiple of every rate): a page's compressed entries, indexer keys and overlap belong to
+it alone, so a prefix of whole pages restores exactly the state computing it would leave (the
+open windows are empty there). The compressed kinds grow with the request (``page_bytes``); the
+window and the open windows are bounded per request (``request_bytes``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.model.v4.config import CSA, V4Config
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KindBytes:
+    """One kind of state of every layer that keeps it: bytes per token of a request's length
+    (``per_token``, for the kinds that grow with it) or per request (``per_request``)."""
+
+    kind: str
+    layers: int
+    per_token: float
+    per_request: int
+
+
+def check_page_size(cfg: V4Config, page_size: int) -> None:
+    bad = [rate for rate in cfg.compress_rates if page_size % rate]
+    if bad:
+        raise ValueError(f"page_size {page_size} is not a multiple of the compression rates {bad}")
+
+
+def window_pages(cfg: V4Config, page_size: int) -> int:
+    """Pages a request's window spans at most: its last ``sliding_window`` tokens (the query's
+    own among them), wherever they start in a page."""
+    return math.ceil((cfg.sliding_window - 1) / page_size) + 1
+
+
+def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int) -> list[KindBytes]:
+    """Each kind's bytes, in a model of ``item_bytes`` a number."""
+    check_page_size(cfg, page_size)
+    n = cfg.num_hidden_layers
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    compressed = [i for i in range(n) if cfg.compress_rate(i)]
+    csa = [i for i in range(n) if cfg.layer_types[i] == CSA]
+    r = cfg.compress_rate_csa
+    kinds = [
+        KindBytes("window", n, 0.0, n * window_pages(cfg, page_size) * page_size * hd * item_bytes),
+        KindBytes(
+            "compressed", len(compressed), sum(hd * item_bytes / cfg.compress_rate(i) for i in compressed), 0
+        ),
+        KindBytes("indexer_keys", len(csa), len(csa) * ihd * item_bytes / r, 0),
+        KindBytes("overlap", len(csa), len(csa) * 2 * r * (hd + ihd) * FLOAT32_BYTES / page_size, 0),
+    ]
+    open_window = 0
+    for i in compressed:  # (rate - 1) tokens' gate and KV projections, the indexer's too on CSA
+        rate = cfg.compress_rate(i)
+        width = 2 * hd + 2 * ihd if i in csa else hd
+        open_window += (rate - 1) * 2 * width * FLOAT32_BYTES
+    kinds.append(KindBytes("open_window", len(compressed), 0.0, open_window))
+    return kinds
+
+
+def page_bytes(kinds: list[KindBytes], page_size: int) -> int:
+    """One page of the kinds that grow with a request, every layer."""
+    return math.ceil(sum(k.per_token for k in kinds) * page_size)
+
+
+def request_bytes(kinds: list[KindBytes]) -> int:
+    """What a running request holds beside its pages: its window and its open windows."""
+    return sum(k.per_request for k in kinds)

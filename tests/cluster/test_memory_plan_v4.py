@@ -1,0 +1,94 @@
+"""The memory plan of a DeepSeek-V4 model: each kind of KV state counted (the window and the
+compressors' open windows per running request, the compressed entries, the indexer's keys and
+the overlap per token), pages that hold a multiple of every compression rate, the weights as
+``DeepseekV4`` allocates them and as the checkpoint ships them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.cli.main import main
+from tandem.cluster.memory_plan import GIB, plan_memory
+from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
+from tandem.model.make_tiny import BOS_ID, EOS_ID
+from tandem.model.rank_weights import expert_slice
+from tandem.model.v4.config import V4Config
+from tandem.model.v4.kv_layout import v4_kinds
+from tandem.model.v4.model import DeepseekV4
+from tandem.model.v4.rank_weights import v4_rank_weight_bytes
+from tandem.model.v4.tiny import tiny_v4_config_dict
+from tandem.wire.messages import Role
+
+FLASH = Path(__file__).resolve().parents[2] / "deploy" / "models" / "deepseek-v4-flash"
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_weight_bytes_are_what_the_model_allocates(world: int) -> None:
+    cfg = V4Config.from_dict(tiny_v4_config_dict(BOS_ID, EOS_ID))
+    for rank in range(world):
+        model = DeepseekV4(
+            cfg, torch.bfloat16, "meta", experts=expert_slice(cfg.n_routed_experts, rank, world)
+        )
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert v4_rank_weight_bytes(cfg, "bfloat16", rank, world).total_bytes == held
+
+
+def test_v4_flash_has_its_published_size_and_fits_dep2_with_fp4_experts() -> None:
+    cfg = V4Config.from_dir(FLASH)
+    assert cfg.layer_types.count("compressed_sparse_attention") == 21 and cfg.compress_rate(3) == 128
+    params = v4_rank_weight_bytes(cfg, "bfloat16", 0, 1).total_bytes / 2  # every weight in bfloat16
+    assert 284e9 < params < 285.5e9
+    dep2 = v4_rank_weight_bytes(cfg, "bfloat16", 0, 2, quantized=True).total_bytes / GIB
+    assert 75 < dep2 < 80  # "about 80 GB a rank at DEP2"
+    plan = plan_memory(Topology.preset("dep16-dep2"), cfg, "bfloat16", gpu_memory_gib=141)
+    decode = next(r for r in plan.ranks if r.role is Role.DECODE)
+    assert plan.fits and decode.page_size == 128  # the preset's 64-token pages, made a multiple of 128
+    kinds = {k.kind: k for k in decode.kinds}
+    assert kinds["compressed"].per_token == 21 * 512 * 2 / 4 + 20 * 512 * 2 / 128
+    assert kinds["indexer_keys"].per_token == 21 * 128 * 2 / 4
+    assert kinds["overlap"].per_token == 21 * 2 * 4 * (512 + 128) * 4 / 128
+    assert kinds["window"].per_request == 43 * 2 * 128 * 512 * 2  # the last 128 tokens span two pages
+    assert decode.state_bytes == 64 * (kinds["window"].per_request + kinds["open_window"].per_request)
+    assert decode.kv_page_bytes == pytest.approx(128 * sum(k.per_token for k in decode.kinds), abs=1)
+    left = plan.usable_bytes - decode.weight_bytes - decode.workspace_bytes - decode.state_bytes
+    assert decode.kv_pages == left // decode.kv_page_bytes
+
+
+def test_a_page_size_that_is_no_multiple_of_the_rates_is_refused_by_the_layout() -> None:
+    cfg = V4Config.from_dir(FLASH)
+    with pytest.raises(ValueError, match=r"page_size 64 is not a multiple of the compression rates \[128\]"):
+        v4_kinds(cfg, 2, 64)
+
+
+def test_mtp_drafts_for_v4_are_refused_naming_the_field() -> None:
+    topology = Topology.preset("dep16-dep2").model_copy(
+        update={"speculative": SpeculativeSpec(drafter="mtp", tokens=1)}
+    )
+    with pytest.raises(TopologyError, match="speculative: MTP drafts for DeepSeek-V4"):
+        plan_memory(topology, V4Config.from_dir(FLASH), "bfloat16", gpu_memory_gib=141)
+
+
+def test_the_command_prints_each_kind_per_token_and_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "memory", "--model", str(FLASH), "--preset", "dep16-dep2", "--gpu-memory-gib", "141"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "decode KV state, 128-token pages" in out
+    assert (
+        "compressed     41 layers  5,536.0 B a token" in out
+        and "window         43 layers  10.75 MiB a request" in out
+    )
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    decode = next(r for r in plan["ranks"] if r["role"] == "decode")
+    assert {k["kind"] for k in decode["kinds"]} == {
+        "window",
+        "compressed",
+        "indexer_keys",
+        "overlap",
+        "open_window",
+    }
+    assert decode["page_size"] == 128 and plan["fits"]
