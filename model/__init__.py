@@ -1,2 +1,2 @@
-"""The DeepSeek-V3 model: config, checkpoint loading, MLA and MoE layers, the batched forward
-over a paged latent KV pool, sampling and the tokenizer."""
+"""The DeepSeek models: V3 here (config, checkpoint loading, MLA and MoE layers, the batched forward
+over a paged latent KV pool, sampling and the tokenizer) and V4 in `model/v4/`."""
