@@ -81,9 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities").add_subparsers(
         dest="model_command", required=True
     )
-    tiny = model.add_parser("make-tiny", help="write a tiny random DeepSeek-V3 checkpoint")
+    tiny = model.add_parser("make-tiny", help="write a tiny random DeepSeek checkpoint (V3, or V4)")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--arch",
+        choices=["deepseek_v3", "deepseek_v4"],
+        default="deepseek_v3",
+        help="the architecture (deepseek_v4: every layer type, hash and scored MoE)",
+    )
     tiny.add_argument("--mtp", action="store_true", help="add a (random) multi-token-prediction layer")
     tiny.add_argument(
         "--fp8-block",
@@ -217,10 +223,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
         from tandem.model.make_tiny import make_tiny_checkpoint
 
+        if args.mtp and args.arch == "deepseek_v4":
+            raise InvalidRequestError("--mtp", "a tiny DeepSeek-V4 has no MTP layer yet")
         extra = {"num_nextn_predict_layers": 1} if args.mtp else {}
         block = (args.fp8_block, args.fp8_block) if args.fp8_block else None
-        path = make_tiny_checkpoint(args.dir, seed=args.seed, fp8_block=block, **extra)
-        emit(f"wrote tiny DeepSeek-V3 checkpoint to {path}")
+        try:
+            path = make_tiny_checkpoint(args.dir, seed=args.seed, fp8_block=block, arch=args.arch, **extra)
+        except ValueError as exc:
+            flag, why = str(exc).split(": ", 1)
+            raise InvalidRequestError(flag, why) from None
+        version = "V4" if args.arch == "deepseek_v4" else "V3"
+        emit(f"wrote tiny DeepSeek-{version} checkpoint to {path}")
         return 0
     if args.command == "generate":
         if args.model is None:

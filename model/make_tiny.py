@@ -25,6 +25,8 @@ from tandem.model.checkpoint import INDEX_FILE, SINGLE_FILE
 from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expected_tensor_shapes
 from tandem.model.kernels.fp8 import quantize_fp8_block
 from tandem.model.tokenizer import byte_level_alphabet
+from tandem.model.v4.config import V4Config
+from tandem.model.v4.tiny import tiny_v4_config_dict, tiny_v4_weights
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -257,10 +259,15 @@ def fp8_quantization_config(block: tuple[int, int]) -> dict[str, Any]:
 
 
 def make_tiny_checkpoint(
-    out_dir: Path | str, seed: int = 0, fp8_block: tuple[int, int] | None = None, **overrides: Any
+    out_dir: Path | str,
+    seed: int = 0,
+    fp8_block: tuple[int, int] | None = None,
+    arch: str = "deepseek_v3",
+    **overrides: Any,
 ) -> Path:
     """Write the tiny checkpoint for ``seed`` (config fields changed by ``overrides``) to ``out_dir``;
-    with ``fp8_block``, in DeepSeek-V3's FP8 format with scales of that block size.
+    with ``fp8_block``, in DeepSeek-V3's FP8 format with scales of that block size. ``arch``
+    ``deepseek_v4``: a tiny DeepSeek-V4 (``model/v4/tiny.py``) instead, unquantised.
 
     The files are written to a temporary directory beside ``out_dir`` and renamed into place, so
     ``out_dir`` is never half-written. If ``out_dir`` already holds the identical checkpoint this
@@ -270,9 +277,7 @@ def make_tiny_checkpoint(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        config_dict = tiny_config_dict(**overrides)
-        cfg = ModelConfig.from_dict(config_dict)
-        tensors = tiny_weights(cfg, seed)
+        config_dict, tensors = _tiny_files(arch, seed, fp8_block, overrides)
         if fp8_block is not None:
             config_dict["quantization_config"] = fp8_quantization_config(fp8_block)
             tensors = quantize_like_deepseek(tensors, fp8_block)
@@ -293,6 +298,20 @@ def make_tiny_checkpoint(
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def _tiny_files(
+    arch: str, seed: int, fp8_block: tuple[int, int] | None, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if arch == "deepseek_v4":
+        if fp8_block is not None:
+            raise ValueError("--fp8-block: a tiny DeepSeek-V4 is written unquantised")
+        config_dict = tiny_v4_config_dict(BOS_ID, EOS_ID, **overrides)
+        return config_dict, tiny_v4_weights(V4Config.from_dict(config_dict), seed)
+    if arch != "deepseek_v3":
+        raise ValueError(f"--arch: expected deepseek_v3 or deepseek_v4, got {arch!r}")
+    config_dict = tiny_config_dict(**overrides)
+    return config_dict, tiny_weights(ModelConfig.from_dict(config_dict), seed)
 
 
 def _same_files(a: Path, b: Path) -> bool:

@@ -13,20 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from tandem.model.make_tiny import BOS_ID, EOS_ID, write_checkpoint, write_tokenizer
+from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.model.v4.config import V4Config
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.tiny import tiny_v4_config_dict, tiny_v4_weights
 
 
 def write_tiny_v4(out_dir: Path, seed: int = 0, **overrides: Any) -> tuple[V4Config, dict[str, torch.Tensor]]:
-    raw = tiny_v4_config_dict(BOS_ID, EOS_ID, **overrides)
-    cfg = V4Config.from_dict(raw)
-    tensors = tiny_v4_weights(cfg, seed)
-    write_checkpoint(out_dir, raw, tensors)
-    write_tokenizer(out_dir)
-    return cfg, tensors
+    """``tandem model make-tiny --arch deepseek_v4``'s checkpoint, its config and tensors."""
+    make_tiny_checkpoint(out_dir, seed=seed, arch="deepseek_v4", **overrides)
+    return V4Config.from_dir(out_dir), load_file(out_dir / "model.safetensors")
 
 
 def tandem_v4(cfg: V4Config, tensors: dict[str, torch.Tensor]) -> DeepseekV4:

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tandem.model.v4 import indexer
-from tandem.model.v4.config import CSA, HCA, SLIDING
+from tandem.model.v4.config import CSA, HCA, SLIDING, V4Config
 from tandem.model.v4.model import DeepseekV4
 from tests.hf_v4_reference import (
     hf_greedy,
@@ -143,3 +144,16 @@ def test_loading_names_a_tensor_of_no_parameter_and_a_wrong_shape(tmp_path: Path
     renamed["model.embed_tokens.weight"] = renamed.pop("embed.weight")
     model.load_weights(renamed)
     assert torch.equal(model.embed, tensors["embed.weight"])
+
+
+def test_the_command_writes_a_v4_that_transformers_and_tandem_load_alike(tmp_path: Path) -> None:
+    from tandem.cli.main import main
+
+    assert main(["model", "make-tiny", str(tmp_path / "v4"), "--arch", "deepseek_v4", "--seed", "5"]) == 0
+    cfg = V4Config.from_dir(tmp_path / "v4")
+    tandem = tandem_v4(cfg, load_file(tmp_path / "v4" / "model.safetensors"))
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        want = hf_v4(tmp_path / "v4")(torch.tensor([ids])).logits[0]
+    assert (tandem_logits(tandem, ids, len(ids)) - want).abs().max() < 1e-4
+    assert main(["model", "make-tiny", str(tmp_path / "v4m"), "--arch", "deepseek_v4", "--mtp"]) == 2
