@@ -233,7 +233,7 @@ def test_a_prefill_rank_killed_mid_flight_is_fenced_and_its_requests_complete_el
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["dep16-dep2", "9xdep2-1xdep16"])
+@pytest.mark.parametrize("preset", ["9xdep2-1xdep16"])  # dep16-dep2: the FP8 test below, against transformers
 def test_large_presets_match_the_colocated_engine(tiny: Path, preset: str) -> None:
     server = _serve(_topology(preset), tiny)
     try:
@@ -464,7 +464,7 @@ def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_another_and_they_f
         server.stop()
 
 
-@pytest.mark.parametrize("dep", [2, 4])
+@pytest.mark.parametrize("dep", [2])  # the reference topology's decode group; DEP4 took 50 s more
 def test_a_rank_killed_in_a_dep_decode_group_loses_no_stream_of_its_peers(tiny: Path, dep: int) -> None:
     """One decode group of ``dep`` ranks, two long streams on each rank (one greedy, one unseeded
     at temperature 1); one rank is killed. The controller looks at its groups only every 3 s, so
