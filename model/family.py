@@ -16,7 +16,9 @@ AnyConfig = ModelConfig | V4Config
 
 
 def is_v4(raw: dict[str, Any]) -> bool:
-    return raw.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (raw.get("architectures") or [])
+    return raw.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (
+        raw.get("architectures") or []
+    )
 
 
 def config_from_dict(raw: dict[str, Any], path: Path | str = "config.json") -> AnyConfig:

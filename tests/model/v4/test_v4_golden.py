@@ -67,7 +67,7 @@ def test_a_sparse_indexer_gives_transformers_tokens_under_the_lowest_index_rule_
     with lowest_index_ties():
         for prompt in PROMPTS:
             want = hf_greedy(hf, prompt, NEW_TOKENS)
-            for chunk in (None, 1, 4, 16, 33):
+            for chunk in (None, 1, 16):
                 assert tandem_greedy(tandem, prompt, NEW_TOKENS, chunk=chunk) == want, (len(prompt), chunk)
 
 
