@@ -58,7 +58,7 @@ class CheckpointError(ModelFileError):
 
 
 @dataclass(frozen=True)
-class _Entry:
+class TensorEntry:
     file: Path
     shape: tuple[int, ...]
     dtype: str
@@ -95,7 +95,7 @@ def iter_checkpoint(
     ``keep_fp8(name)`` is true comes as it is, followed by its ``<name>_scale_inv``; every other
     FP8 tensor comes dequantised into ``dtype``. The whole checkpoint is validated first."""
     model_dir = Path(model_dir)
-    entries = _read_headers(model_dir)
+    entries = read_headers(model_dir)
     block = cfg.quant_block_size or DEFAULT_BLOCK
     if mtp and cfg.num_nextn_predict_layers < 1:
         raise CheckpointError(
@@ -143,7 +143,7 @@ def check_model_dir(model_dir: Path | str, mtp: bool = False) -> ModelConfig:
         raise CheckpointError(
             model_dir, "has no multi-token-prediction layer (num_nextn_predict_layers is 0 in config.json)"
         )
-    _validate(model_dir, _read_headers(model_dir), cfg, cfg.quant_block_size or DEFAULT_BLOCK, mtp)
+    _validate(model_dir, read_headers(model_dir), cfg, cfg.quant_block_size or DEFAULT_BLOCK, mtp)
     return cfg
 
 
@@ -152,7 +152,7 @@ def _keep_expert(name: str, expert_filter: ExpertFilter) -> bool:
     return match is None or expert_filter(int(match.group(1)), int(match.group(2)))
 
 
-def _read_headers(model_dir: Path) -> dict[str, _Entry]:
+def read_headers(model_dir: Path) -> dict[str, TensorEntry]:
     """Name, shape and dtype of every tensor in the checkpoint, from the file headers only."""
     if not model_dir.is_dir():
         raise CheckpointError(model_dir, "model directory does not exist")
@@ -166,7 +166,7 @@ def _read_headers(model_dir: Path) -> dict[str, _Entry]:
             raise CheckpointError(model_dir, f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
         names_by_file = dict.fromkeys(files)
 
-    entries: dict[str, _Entry] = {}
+    entries: dict[str, TensorEntry] = {}
     for file, names in names_by_file.items():
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -177,7 +177,7 @@ def _read_headers(model_dir: Path) -> dict[str, _Entry]:
                     if name in entries:
                         raise CheckpointError(file, f"{name!r} is also in {entries[name].file.name}")
                     piece = handle.get_slice(name)
-                    entries[name] = _Entry(file, tuple(piece.get_shape()), piece.get_dtype())
+                    entries[name] = TensorEntry(file, tuple(piece.get_shape()), piece.get_dtype())
         except (OSError, SafetensorError) as exc:
             raise CheckpointError(file, f"cannot read safetensors file: {exc}") from exc
     return entries
@@ -206,7 +206,11 @@ def _is_ignored(name: str, num_layers: int) -> bool:
 
 
 def _validate(
-    model_dir: Path, entries: dict[str, _Entry], cfg: ModelConfig, block: tuple[int, int], mtp: bool = False
+    model_dir: Path,
+    entries: dict[str, TensorEntry],
+    cfg: ModelConfig,
+    block: tuple[int, int],
+    mtp: bool = False,
 ) -> list[str]:
     """Every problem with the checkpoint, raised together; returns the names to load."""
     expected = expected_tensor_shapes(cfg)
@@ -244,7 +248,9 @@ def _validate(
     return list(expected)
 
 
-def _check_scale(name: str, entry: _Entry, entries: dict[str, _Entry], block: tuple[int, int]) -> list[str]:
+def _check_scale(
+    name: str, entry: TensorEntry, entries: dict[str, TensorEntry], block: tuple[int, int]
+) -> list[str]:
     scale = entries.get(name + SCALE_SUFFIX)
     if scale is None:
         return [f"FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r} to dequantise it"]

@@ -117,6 +117,8 @@ class DeepseekV4(nn.Module):
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         inter = self.cfg.moe_intermediate_size
         for name, tensor in items:
+            if name.startswith(("mtp.", "model.mtp.")):  # the MTP layer: not loaded yet
+                continue
             target = parameter_for(name, self.cfg)
             if target is None:
                 raise ValueError(f"tensor {name}: not a DeepSeek-V4 tensor")

@@ -62,6 +62,10 @@ class V4MoE(nn.Module):
         return (weights * cfg.routed_scaling_factor).float(), ids
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.w_gate_up.shape[0] != self.cfg.n_routed_experts:  # the others' outputs would be missing
+            raise ValueError(
+                "a V4 model holding a slice of the experts needs expert parallelism, not built yet"
+            )
         weights, ids = self.route(x, input_ids)
         limit, inter = self.cfg.swiglu_limit, self.cfg.moe_intermediate_size
         out = torch.zeros_like(x)

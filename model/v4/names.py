@@ -56,6 +56,17 @@ _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
+def canonical_name(name: str) -> str:
+    """DeepSeek's spelling of a tensor name (transformers' ``model.`` prefix and its names of the
+    top-level tensors and the attention's KV norm turned into DeepSeek's)."""
+    bare = name.removeprefix("model.")
+    top = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight"}
+    top |= {f"hc_head.hc_{w}": f"hc_head_{w}" for w in ("fn", "base", "scale")}
+    if bare in top:
+        return top[bare]
+    return bare.replace(".attn.kv_norm.", ".attn.norm.")
+
+
 def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None] | None:
     """Where checkpoint tensor ``name`` goes: ``(parameter, routed expert or None, "gate"/"up"
     rows of the expert's stacked gate/up, or None)``; ``None`` for a name of no parameter."""

@@ -1,0 +1,81 @@
+"""A DeepSeek-V4 checkpoint, checked from its safetensors headers before anything starts, then
+read one tensor at a time.
+
+Names are compared in DeepSeek's spelling (``model/v4/names.py``: transformers' ``model.``
+prefix and its names of the top-level tensors are the same tensors). Every problem is listed in
+one line naming the directory: a missing tensor with its expected shape, one of no parameter,
+one of the wrong shape or dtype (``tid2eid`` integers, every other tensor floats). The MTP
+layer's tensors (``mtp.*``) are not loaded yet and pass unchecked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.model.checkpoint import CheckpointError, TensorEntry, read_headers
+from tandem.model.v4.config import V4Config
+from tandem.model.v4.names import canonical_name, expected_v4_tensor_shapes, parameter_for
+
+_FLOATS = ("F32", "BF16", "F16")
+_INTEGERS = ("I64", "I32")
+_LISTED = 10
+
+
+def check_v4_model_dir(model_dir: Path | str) -> V4Config:
+    """``config.json``, the tokenizer and every tensor's name, shape and dtype (no tensor read)."""
+    from tandem.model.tokenizer import Tokenizer
+
+    model_dir = Path(model_dir)
+    cfg = V4Config.from_dir(model_dir)
+    Tokenizer.from_dir(model_dir)
+    _problems(model_dir, read_headers(model_dir), cfg)
+    return cfg
+
+
+def iter_v4_checkpoint(
+    model_dir: Path | str, cfg: V4Config, experts: range | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the model loads, one at a time (routed experts outside ``experts`` skipped)."""
+    model_dir = Path(model_dir)
+    entries = read_headers(model_dir)
+    _problems(model_dir, entries, cfg)
+    by_file: dict[Path, list[str]] = {}
+    for name, entry in entries.items():
+        target = parameter_for(name, cfg)
+        if target is None or (experts is not None and target[1] is not None and target[1] not in experts):
+            continue
+        by_file.setdefault(entry.file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for name in names:
+                yield name, handle.get_tensor(name)
+
+
+def _problems(model_dir: Path, entries: dict[str, TensorEntry], cfg: V4Config) -> None:
+    expected = expected_v4_tensor_shapes(cfg)
+    seen: set[str] = set()
+    problems: list[str] = []
+    for name, entry in entries.items():
+        if name.startswith(("mtp.", "model.mtp.")):
+            continue
+        canonical = canonical_name(name)
+        shape = expected.get(canonical)
+        if shape is None:
+            problems.append(f"unexpected tensor {name!r} with shape {list(entry.shape)}")
+            continue
+        seen.add(canonical)
+        if entry.shape != shape:
+            problems.append(f"tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
+        allowed = _INTEGERS if canonical.endswith("tid2eid") else _FLOATS
+        if entry.dtype not in allowed:
+            problems.append(f"tensor {name!r} has dtype {entry.dtype}, expected {' or '.join(allowed)}")
+    problems += [
+        f"missing tensor {n!r} (expected shape {list(s)})" for n, s in expected.items() if n not in seen
+    ]
+    if problems:
+        more = len(problems) - _LISTED
+        listed = "; ".join(problems[:_LISTED]) + (f"; and {more} more" if more > 0 else "")
+        raise CheckpointError(model_dir, f"checkpoint does not match config.json: {listed}")
