@@ -132,12 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--preset", default=None, help="run disaggregated on a topology of deploy/presets")
     gen.add_argument("--topology", type=Path, default=None, help="run disaggregated on this topology file")
     gen.add_argument("--address", default=None, help="Ray cluster to join (default: start Ray here)")
-    from tandem.cli.serving_parsers import add_speculative_arguments, add_tier_arguments
+    from tandem.cli.serving_parsers import add_rank_arguments, add_serving_parsers
 
-    add_speculative_arguments(gen)
-    add_tier_arguments(gen)
-
-    from tandem.cli.serving_parsers import add_serving_parsers
+    add_rank_arguments(gen)
 
     add_serving_parsers(sub, _sampling_args)
     from tandem.cli.deployment import add_deployment_parsers
@@ -282,7 +279,12 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise InvalidRequestError("--prompt", "is empty")
         specs = [PromptSpec(args.prompt, None, base)]
-    engine_config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages)
+    from tandem.cli.serving import prefill_chunk_tokens
+
+    chunk = prefill_chunk_tokens(args)
+    engine_config = EngineConfig(
+        page_size=args.page_size, num_pages=args.num_pages, prefill_chunk_tokens=chunk
+    )
     modes = [m for m in ("dep", "preset", "topology") if getattr(args, m) is not None]
     if len(modes) > 1:
         raise InvalidRequestError(f"--{modes[1]}", f"cannot be combined with --{modes[0]}")
@@ -356,14 +358,14 @@ def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
-    from tandem.cli.serving import check_drafter_model, with_speculative, with_tiers
+    from tandem.cli.serving import check_drafter_model, with_prefill_chunk, with_speculative, with_tiers
     from tandem.cluster.topology import Topology
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
     from tandem.wire.request_params import check_prompt
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
-    topology = with_tiers(args, with_speculative(args, topology))
+    topology = with_prefill_chunk(args, with_tiers(args, with_speculative(args, topology)))
     cfg = check_model_dir(args.model)
     check_drafter_model(topology, args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)

@@ -54,6 +54,25 @@ def with_tiers(args: argparse.Namespace, topology: Topology) -> Topology:
     return topology.model_copy(update=update)
 
 
+def prefill_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--prefill-chunk-tokens``, checked."""
+    value: int | None = args.prefill_chunk_tokens
+    if value is not None and value < 1:
+        raise InvalidRequestError("--prefill-chunk-tokens", f"must be at least 1, got {value}")
+    return value
+
+
+def with_prefill_chunk(args: argparse.Namespace, topology: Topology) -> Topology:
+    """The topology with ``--prefill-chunk-tokens`` on the pool that prefills."""
+    value = prefill_chunk_tokens(args)
+    if value is None:
+        return topology
+    pool = "colocated" if topology.colocated is not None else "prefill"
+    return topology.model_copy(
+        update={pool: getattr(topology, pool).model_copy(update={"prefill_chunk_tokens": value})}
+    )
+
+
 def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
     """The topology with ``--speculative-tokens`` / ``--drafter`` applied, each checked here."""
     from tandem.cluster.topology import SpeculativeSpec
@@ -184,7 +203,7 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
     topology = Topology.load(args.topology) if args.topology else Topology.preset(args.preset or "local")
-    topology = with_tiers(args, with_speculative(args, topology))
+    topology = with_prefill_chunk(args, with_tiers(args, with_speculative(args, topology)))
     if args.autoscale and topology.colocated is not None:
         raise InvalidRequestError(
             "--autoscale",

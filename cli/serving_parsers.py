@@ -35,8 +35,7 @@ def _serve_model_arguments(srv: argparse.ArgumentParser) -> None:
         help="model directory (default: the demo model the project trains)",
     )
     srv.add_argument("--model-name", default=None, help="name clients give (default: the directory's)")
-    add_speculative_arguments(srv)
-    add_tier_arguments(srv)
+    add_rank_arguments(srv)
 
 
 def _serve_edge_arguments(srv: argparse.ArgumentParser) -> None:
@@ -217,6 +216,19 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         default=None,
         help="ngram (prompt lookup) or mtp (the checkpoint's MTP layer); default: the topology's",
+    )
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``generate`` and ``serve`` set of the ranks: speculation, KV tiers, prefill chunks."""
+    add_speculative_arguments(parser)
+    add_tier_arguments(parser)
+    parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most prompt tokens one request computes in a step (default: as many as the step's budget)",
     )
 
 

@@ -24,6 +24,7 @@ def pool_roles(
             num_pages=c.num_pages,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
+            prefill_chunk_tokens=c.prefill_chunk_tokens,
         )
         role = ColocatedRole(
             engine=engine, host_cache_pages=c.host_cache_pages, store=store, store_secret=secret
@@ -39,6 +40,7 @@ def pool_roles(
         layerwise=topology.kv_transfer == "layerwise",
         mtp=topology.speculative.tokens > 0 and topology.speculative.drafter == "mtp",
         max_jobs=p.max_jobs,
+        prefill_chunk_tokens=p.prefill_chunk_tokens,
         host_cache_pages=p.host_cache_pages,
         store=store,
         store_secret=secret,

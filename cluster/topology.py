@@ -39,6 +39,11 @@ class PoolSpec(BaseModel):
     page_size: int = Field(64, ge=1, description="tokens per KV page")
     max_num_seqs: int = Field(64, ge=1, description="requests in one rank's batch at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one rank's step")
+    prefill_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the most prompt tokens one request computes in a step (none: the step's budget)",
+    )
     host_cache_pages: int = Field(
         0,
         ge=0,

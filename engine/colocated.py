@@ -74,6 +74,7 @@ class ColocatedEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
+                prefill_chunk_tokens=config.prefill_chunk_tokens,
             )
         )
         if guides is None and tokenizer is not None:

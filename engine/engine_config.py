@@ -19,6 +19,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+    prefill_chunk_tokens: int | None = None  # the most prompt tokens one request computes in a step
     enable_prefix_caching: bool = True
 
     def context_len(self, cfg: ModelConfig) -> int:

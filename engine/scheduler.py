@@ -49,12 +49,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int
     enable_prefix_caching: bool = True
+    prefill_chunk_tokens: int | None = None  # the most tokens one request computes in a step
 
     def __post_init__(self) -> None:
         check_positive_ints(
             self, "num_pages", "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"
         )
+        if self.prefill_chunk_tokens is not None:
+            check_positive_ints(self, "prefill_chunk_tokens")
         check_context(self.max_model_len)
+
+    def chunk_budget(self, budget: int) -> int:
+        """What one request may compute of ``budget``: all of it, or ``prefill_chunk_tokens``."""
+        return budget if self.prefill_chunk_tokens is None else min(budget, self.prefill_chunk_tokens)
 
 
 class Scheduler:
@@ -133,7 +140,7 @@ class Scheduler:
         index = 0
         while index < len(self._running) and budget > 0:
             request = self._running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.chunk_budget(budget))
             if num_new <= 0:
                 raise PageAccountingError(f"running request {request.request_id} has nothing to compute")
             new_pages = self._allocate_for(request, request.num_computed_tokens + num_new)
@@ -164,7 +171,7 @@ class Scheduler:
                 self._held_for_store[request.request_id] = pending
                 held += 1
                 continue
-            if not self._admit(request, budget):
+            if not self._admit(request, self.config.chunk_budget(budget)):
                 if not self._running:
                     raise PageAccountingError(
                         f"request {request.request_id} cannot be admitted though no request holds pages"
@@ -172,7 +179,7 @@ class Scheduler:
                 break
             del self._waiting[held]
             bisect.insort(self._running, request, key=lambda r: self._arrival[r.request_id])
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.chunk_budget(budget))
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 

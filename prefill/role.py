@@ -20,6 +20,7 @@ class PrefillRole(PooledRole):
     layerwise: bool = True  # post each layer's writes as soon as it is computed
     mtp: bool = False  # compute the MTP layer's KV too (its decode ranks draft with MTP)
     max_jobs: int | None = None  # jobs held at once; one more is refused (None: no limit)
+    prefill_chunk_tokens: int | None = None  # the most prompt tokens one job computes in a step
 
     @property
     def uses_mtp(self) -> bool:
@@ -41,6 +42,7 @@ class PrefillRole(PooledRole):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=cfg.max_position_embeddings,
                 vocab_size=cfg.vocab_size,
+                prefill_chunk_tokens=self.prefill_chunk_tokens,
             ),
             copier.tiers if copier is not None else None,
         )

@@ -8,8 +8,9 @@ Each step, ``schedule`` plans one batch under ``max_num_batched_tokens`` and ret
     3. queued jobs in arrival order: match the prompt against the prefix cache, take pages
        for the first chunk. A job whose blocks the store is being asked for is passed over
        until the answer (or the store's deadline) comes; the loop never waits on the store
-    A chunk is as long as the budget, the prompt and the pages left allow; only the chunk that
-    completes a prompt samples. A chunk that does not complete its prompt ends the plan.
+    A chunk is as long as the budget (and ``prefill_chunk_tokens``), the prompt and the pages left
+    allow; only the chunk that completes a prompt samples. A chunk that does not complete its prompt
+    ends the plan.
 
 Job lifecycle and page ownership::
 
@@ -62,11 +63,14 @@ class PrefillSchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool = True
     vocab_size: int | None = None
+    prefill_chunk_tokens: int | None = None  # the most prompt tokens one job computes in a step
 
     def __post_init__(self) -> None:
         check_positive_ints(
             self, "num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"
         )
+        if self.prefill_chunk_tokens is not None:
+            check_positive_ints(self, "prefill_chunk_tokens")
         check_context(self.max_model_len)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
@@ -373,7 +377,12 @@ class PrefillScheduler:
         size, job = self.config.page_size, state.job
         start = state.num_computed_tokens
         reachable = (len(state.page_ids) + self.kv_cache.num_free_pages) * size
-        end = min(job.num_prompt_tokens, start + budget, reachable)
+        chunk = (
+            budget
+            if self.config.prefill_chunk_tokens is None
+            else min(budget, self.config.prefill_chunk_tokens)
+        )
+        end = min(job.num_prompt_tokens, start + chunk, reachable)
         if end <= start:
             return None
         new_pages = self.kv_cache.allocate(math.ceil(end / size) - len(state.page_ids))

@@ -77,6 +77,28 @@ def test_prompts_file_runs_concurrently_in_input_order(
     assert outputs[0]["text"] == engine.tokenizer.decode(outputs[0]["token_ids"])  # type: ignore[union-attr]
 
 
+def test_prefill_chunk_tokens_gives_the_same_tokens(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 40-token prompt computed 3 tokens a step gives the tokens of one chunk."""
+    prompt = ",".join(str(10 + i) for i in range(40))
+    base = [
+        "generate",
+        "--model",
+        str(tiny),
+        "--prompt-ids",
+        prompt,
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ]
+    code, whole, err = _run(base, capsys)
+    assert code == 0, err
+    code, chunked, err = _run([*base, "--prefill-chunk-tokens", "3"], capsys)
+    assert code == 0, err
+    tokens = [json.loads(out)["outputs"][0]["token_ids"] for out in (whole, chunked)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -89,6 +111,7 @@ def test_prompts_file_runs_concurrently_in_input_order(
         (["--prompt", "hi", "--max-tokens", "4", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-tokens", "4", "--temperature", "-1"], "temperature"),
         (["--prompt", "hi", "--max-tokens", "4", "--regex", "(ab"], "guide: regex does not compile"),
+        (["--prompt", "hi", "--max-tokens", "4", "--prefill-chunk-tokens", "0"], "--prefill-chunk-tokens"),
         (
             ["--prompt", "hi", "--max-tokens", "4", "--json-schema", "/nonexistent.json"],
             "--json-schema: cannot",

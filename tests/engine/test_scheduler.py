@@ -111,6 +111,27 @@ def test_chunked_prefill_splits_under_the_budget() -> None:
     assert [p.num_batched_tokens for p in plans] == [8, 8, 4, 1, 1]
 
 
+def test_prefill_chunk_tokens_caps_each_requests_chunk_and_the_tokens_are_the_same() -> None:
+    """With ``prefill_chunk_tokens`` 5 a 12-token prompt computes 5, 5 and 2 tokens while another
+    request shares the step's budget of 16; the outputs are those of an uncapped run."""
+    scheduler = make_scheduler(prefill_chunk_tokens=5)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request("a", list(range(1, 13)), max_tokens=3))
+    scheduler.add_request(make_request("b", list(range(50, 59)), max_tokens=2))
+    plans, done = [], {}
+    while scheduler.has_unfinished_requests():
+        plan, finished = step(scheduler, runner)
+        plans.append([(c.request_id, len(c.token_ids)) for c in plan.chunks])
+        done.update((r.request_id, r) for r in finished)
+        scheduler.check_integrity()
+    assert plans[:3] == [[("a", 5), ("b", 5)], [("a", 5), ("b", 4)], [("a", 2), ("b", 1)]]
+    assert max(n for plan in plans for _, n in plan) == 5
+    assert done["a"].output_token_ids == reference(list(range(1, 13)), 3)
+    assert done["b"].output_token_ids == reference(list(range(50, 59)), 2)
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        make_scheduler(prefill_chunk_tokens=0)
+
+
 def test_budget_is_shared_running_first() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=8)
     runner = FakeRunner(scheduler)

@@ -57,6 +57,7 @@ def _tandem(
             "--metrics-token-file: pyproject.toml must hold one token",
         ),
         (["--frontends", "0"], "--frontends: must be at least 1"),
+        (["--prefill-chunk-tokens", "0"], "--prefill-chunk-tokens: must be at least 1, got 0"),
         (["--migration-wait", "-1"], "--migration-wait: must be in [0, 86400] seconds, got -1.0"),
         (["--migration-wait", "nan"], "--migration-wait: must be in [0, 86400] seconds, got nan"),
         (["--port", "65535", "--frontends", "2"], "--frontends: ports 65535..65536 pass 65535"),

@@ -131,6 +131,19 @@ def test_long_prompt_is_chunked_under_the_budget_and_only_the_last_chunk_samples
     ]
 
 
+def test_prefill_chunk_tokens_caps_a_jobs_chunk_and_a_capped_chunk_ends_the_plan() -> None:
+    rank = Rank(max_num_batched_tokens=16, prefill_chunk_tokens=6)
+    rank.add(make_job("a", list(range(1, 15))))
+    rank.add(make_job("b", list(range(100, 104))))
+    plans = []
+    while rank.scheduler.has_work():
+        plan, _ = rank.step()
+        plans.append(shapes(plan))
+    # a's 14 tokens in chunks of 6: a cut chunk ends the plan, so b waits for a's last one
+    assert plans == [[("a", 0, 6, False)], [("a", 6, 6, False)], [("a", 12, 2, True), ("b", 0, 4, True)]]
+    assert set(rank.done) == {"a", "b"}
+
+
 def test_several_jobs_share_one_step() -> None:
     rank = Rank(max_num_batched_tokens=24)
     for rid, length in (("a", 7), ("b", 9), ("c", 5), ("d", 6)):
