@@ -289,6 +289,12 @@ def _check_moe(c: _Checks) -> None:
     shape = f"T={s.moe_tokens} pairs={pairs} E_local={s.local_experts} D={s.hidden} I={s.moe_inter}"
     c.add("moe_experts", shape, out, ref, lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first),
           flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
+    limit = 0.5  # DeepSeek-V4's clipped SwiGLU, at a limit most of these gates and ups pass
+    c.add("moe_experts_clipped", shape,
+          tri.moe_experts(x, w_ref, ids_ref, w13, w2, first, swiglu_limit=limit),
+          fused_experts_torch(x, w_ref, ids_ref, w13, w2, first, swiglu_limit=limit),
+          lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first, swiglu_limit=limit),
+          flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
     c.rows.extend(check_fp8_experts(s, tri, device, x, w_ref, ids_ref))
 
 

@@ -35,6 +35,10 @@ class ExpertWeights(Protocol):
     def expert_scales(self) -> ExpertScales | None:
         """The experts' FP8 block scales; None when they are in the activation dtype."""
 
+    @property
+    def swiglu_limit(self) -> float | None:
+        """Where the experts' gate and up are clipped (DeepSeek-V4); None: not clipped."""
+
 
 @dataclass(frozen=True)
 class Routed:
@@ -49,7 +53,9 @@ class Routed:
 def run_experts(moe: ExpertWeights, routed: Routed, ops: KernelBackend) -> torch.Tensor:
     """The experts this process holds over ``routed`` (every id among them)."""
     x, weights, ids = routed.x, routed.weights, routed.ids
-    return ops.moe_experts(x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales)
+    return ops.moe_experts(
+        x, weights, ids, moe.w_gate_up, moe.w_down, moe.first_expert, moe.expert_scales, moe.swiglu_limit
+    )
 
 
 class ExpertDispatcher(ABC):

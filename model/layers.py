@@ -200,6 +200,8 @@ class MoE(nn.Module):
         shared = inter * cfg.n_shared_experts
         self.shared_experts = DenseMLP(h, shared, dtype, device, fp8_block) if shared else None
 
+    swiglu_limit: float | None = None  # DeepSeek-V3's experts are not clipped
+
     @property
     def expert_scales(self) -> ExpertScales | None:
         if self.w_gate_up_scale is None or self.w_down_scale is None or self.fp8_block is None:

@@ -135,12 +135,15 @@ class KernelBackend(ABC):
         w_down: torch.Tensor,
         first_expert: int,
         scales: ExpertScales | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         """Sum over each token's experts of ``weight * down(silu(gate(x)) * up(x))``.
 
         ``w_gate_up [E_local, 2I, D]`` and ``w_down [E_local, D, I]`` hold experts
         ``first_expert .. first_expert + E_local - 1``; other experts contribute nothing.
-        With ``scales`` they are FP8, block-scaled (``kernels/fp8.py``).
+        With ``scales`` they are FP8, block-scaled (``kernels/fp8.py``). With ``swiglu_limit``
+        (DeepSeek-V4) the gate is clipped from above and the up on both sides at the limit
+        before ``silu(gate) * up`` (:func:`~tandem.model.kernels.moe.clip_gate_up`).
         """
 
     @abstractmethod

@@ -58,6 +58,11 @@ def grouped_topk_torch(
     return weights * routed_scaling_factor, topk_ids
 
 
+def clip_gate_up(gate: torch.Tensor, up: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's clipped SwiGLU inputs: the gate from above, the up on both sides."""
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 def fused_experts_torch(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -66,9 +71,13 @@ def fused_experts_torch(
     w_down: torch.Tensor,
     first_expert: int,
     scales: ExpertScales | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """With ``scales`` the experts are FP8: in ``dequant`` mode each used one is dequantised into
-    ``x``'s dtype; in ``quant`` mode see :func:`_quant_expert`."""
+    ``x``'s dtype; in ``quant`` mode see :func:`_quant_expert`. ``swiglu_limit``: see
+    :func:`clip_gate_up`."""
+    if swiglu_limit is not None and scales is not None and scales.mode == "quant":
+        raise ValueError("clipped experts (swiglu_limit) run in dequant mode, not quant")
     out = torch.zeros_like(x)
     num_local, two_inter, _ = w_gate_up.shape
     local_ids = topk_ids - first_expert
@@ -84,6 +93,8 @@ def fused_experts_torch(
                 w13 = dequantize_gate_up(w13, scales.gate_up[expert], scales.block).to(x.dtype)
                 w2 = dequantize_fp8_block(w2, scales.down[expert], scales.block).to(x.dtype)
             gate, up = F.linear(x[token_idx], w13).split(two_inter // 2, dim=-1)
+            if swiglu_limit is not None:
+                gate, up = clip_gate_up(gate, up, swiglu_limit)
             y = F.linear(F.silu(gate) * up, w2)
         y = y * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))

@@ -168,6 +168,8 @@ def _gate_up_silu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CLIP: tl.constexpr,
+    limit,
 ):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -208,6 +210,9 @@ def _gate_up_silu_kernel(
         gate_ptrs += BLOCK_K * w_stride_d
         up_ptrs += BLOCK_K * w_stride_d
 
+    if CLIP:  # DeepSeek-V4: the gate clipped from above, the up on both sides
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
     h_ptrs = h_ptr + offs_m[:, None] * h_stride_m + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -314,6 +319,7 @@ def _launch_gate_up_down(
     h: torch.Tensor,
     y: torch.Tensor,
     top_k: int,
+    swiglu_limit: float | None = None,
 ) -> None:
     """The gate/up and down kernels in ``x``'s dtype (FP8 experts dequantised per tile)."""
     hidden = x.shape[1]
@@ -357,6 +363,8 @@ def _launch_gate_up_down(
         BLOCK_M=blocks.block_m,
         BLOCK_N=blocks.gate_up_block_n,
         BLOCK_K=blocks.gate_up_block_k,
+        CLIP=swiglu_limit is not None,
+        limit=float(swiglu_limit or 0.0),
         num_warps=blocks.num_warps,
         num_stages=3,
     )
@@ -403,6 +411,7 @@ def launch_fused_experts(
     y: torch.Tensor,
     out: torch.Tensor,
     scales: ExpertScales | None = None,
+    swiglu_limit: float | None = None,
 ) -> None:
     """Run the three kernels into caller-owned buffers: ``h [max_rows, I]`` (every row of a used
     block is written; ``QuantizedRows`` in ``quant`` mode), ``y [T * top_k, D]`` (rows of local
@@ -425,7 +434,7 @@ def launch_fused_experts(
         )
     else:
         assert isinstance(h, torch.Tensor)
-        _launch_gate_up_down(x, weights, aligned, w_gate_up, w_down, scales, blocks, h, y, top_k)
+        _launch_gate_up_down(x, weights, aligned, w_gate_up, w_down, scales, blocks, h, y, top_k, swiglu_limit)
     block_d = min(1024, triton.next_power_of_2(hidden))
     _sum_local_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y,
@@ -450,10 +459,12 @@ def fused_experts_triton(
     w_down: torch.Tensor,
     first_expert: int,
     scales: ExpertScales | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Sum over each token's local experts of ``weight * down(silu(gate(x)) * up(x))`` -> ``[T, D]``.
 
-    The experts are in ``x``'s dtype, or FP8 with their ``scales`` (in ``scales.mode``)."""
+    The experts are in ``x``'s dtype, or FP8 with their ``scales`` (in ``scales.mode``); with
+    ``swiglu_limit`` the gate and up are clipped first (``moe.clip_gate_up``; dequant mode)."""
     if scales is None and not x.dtype == w_gate_up.dtype == w_down.dtype:
         raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
     if scales is not None and not w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn:
@@ -463,6 +474,8 @@ def fused_experts_triton(
     num_pairs = topk_ids.numel()
     blocks = pick_expert_blocks(num_pairs, num_local, hidden, two_inter // 2, x.dtype)
     quant = scales is not None and scales.mode == "quant"
+    if quant and swiglu_limit is not None:
+        raise ValueError("clipped experts (swiglu_limit) run in dequant mode, not quant")
     if quant:
         blocks = replace(blocks, block_m=QUANT_BLOCK_M, num_warps=QUANT_NUM_WARPS)
     elif scales is not None:  # a reduction step must not straddle two scale columns
@@ -482,6 +495,6 @@ def fused_experts_triton(
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     launch_fused_experts(
-        x, topk_weights, topk_ids, w_gate_up, w_down, first_expert, blocks, h, y, out, scales
+        x, topk_weights, topk_ids, w_gate_up, w_down, first_expert, blocks, h, y, out, scales, swiglu_limit
     )
     return out

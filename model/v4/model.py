@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.model.expert_dispatch import ExpertDispatcher, LocalExperts
+from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.registry import get_backend
 from tandem.model.v4.attention import LayerState, V4Attention, rms_norm
 from tandem.model.v4.config import V4Config
 from tandem.model.v4.hyper import HyperConnection, HyperHead, spread
@@ -50,10 +53,19 @@ class DeepseekV4(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         experts: range | None = None,
+        dispatcher: ExpertDispatcher | None = None,
+        ops: KernelBackend | None = None,
     ) -> None:
+        """``experts``: the routed experts this copy holds (all by default); a slice needs the
+        expert-parallel ``dispatcher`` of its DEP group, which moves rows to their experts.
+        ``ops``: the kernel backend (the device's by default)."""
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.experts = experts if experts is not None else range(cfg.n_routed_experts)
+        if dispatcher is None and len(self.experts) != cfg.n_routed_experts:
+            raise ValueError("a model holding a slice of the experts needs an expert-parallel dispatcher")
+        self.dispatcher = dispatcher or LocalExperts()
+        self.ops = ops or get_backend(self.device)
         v, h = cfg.vocab_size, cfg.hidden_size
         self.embed = nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
         self.layers = nn.ModuleList(
@@ -66,6 +78,13 @@ class DeepseekV4(nn.Module):
         for name, rope in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
             cos, sin = rope_table(rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
             self.rope[name] = (cos.to(device), sin.to(device))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights resident on this copy's device."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def owns_expert(self, layer: int, expert: int) -> bool:
+        return expert in self.experts
 
     def new_state(self) -> list[LayerState]:
         """A request's state before its first token: one :class:`LayerState` per layer."""
@@ -100,7 +119,9 @@ class DeepseekV4(nn.Module):
             )
             streams = spread(post, comb, out, streams)
             post, comb, collapsed = layer.hc_ffn(streams)
-            out = layer.ffn(rms_norm(collapsed, layer.ffn_norm, cfg.rms_norm_eps), input_ids)
+            out = layer.ffn(
+                rms_norm(collapsed, layer.ffn_norm, cfg.rms_norm_eps), input_ids, self.ops, self.dispatcher
+            )
             streams = spread(post, comb, out, streams)
         return rms_norm(self.hc_head(streams), self.norm, cfg.rms_norm_eps)
 

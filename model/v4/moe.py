@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.model.expert_dispatch import ExpertDispatcher, Routed
+from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.moe import ExpertScales
 from tandem.model.v4.config import V4Config
 
 
@@ -27,7 +30,9 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 class V4MoE(nn.Module):
     """Routed experts ``first_expert ..`` (``w_gate_up [E, 2I, D]``: gate rows then up rows,
-    ``w_down [E, D, I]``) and the shared expert (``w1``, ``w3`` gate and up, ``w2`` down)."""
+    ``w_down [E, D, I]``) and the shared expert (``w1``, ``w3`` gate and up, ``w2`` down). The
+    routed experts run where an :class:`~tandem.model.expert_dispatch.ExpertDispatcher` puts
+    them, clipped (``swiglu_limit``) by the kernel backend's ``moe_experts``."""
 
     def __init__(
         self, cfg: V4Config, layer: int, dtype: torch.dtype, device: torch.device | str, experts: range
@@ -61,21 +66,26 @@ class V4MoE(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * cfg.routed_scaling_factor).float(), ids
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.w_gate_up.shape[0] != self.cfg.n_routed_experts:  # the others' outputs would be missing
-            raise ValueError(
-                "a V4 model holding a slice of the experts needs expert parallelism, not built yet"
-            )
-        weights, ids = self.route(x, input_ids)
-        limit, inter = self.cfg.swiglu_limit, self.cfg.moe_intermediate_size
-        out = torch.zeros_like(x)
-        local = ids - self.first_expert
-        for expert in range(self.w_gate_up.shape[0]):
-            token, slot = torch.where(local == expert)
-            if token.numel() == 0:
-                continue
-            gate_up = x[token] @ self.w_gate_up[expert].t()
-            y = clipped_swiglu(gate_up[:, :inter], gate_up[:, inter:], limit) @ self.w_down[expert].t()
-            out.index_add_(0, token, (y * weights[token, slot, None].to(y.dtype)).to(out.dtype))
+    @property
+    def expert_scales(self) -> ExpertScales | None:
+        return None  # the routed experts in the activation dtype (FP4/FP8 resident: not yet)
+
+    @property
+    def swiglu_limit(self) -> float:
+        return self.cfg.swiglu_limit
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, ops: KernelBackend, dispatcher: ExpertDispatcher
+    ) -> torch.Tensor:
+        """The routed experts through ``dispatcher`` (this process's, or the DEP group's by
+        all-to-all: an idle rank still serves the others' rows), plus the shared expert."""
+        if x.shape[0]:
+            weights, ids = self.route(x, input_ids)
+        else:
+            k = self.cfg.num_experts_per_tok
+            weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
+            ids = torch.empty((0, k), dtype=torch.int64, device=x.device)
+        out = dispatcher.routed_experts(self, Routed(x, weights, ids), ops)
+        limit = self.cfg.swiglu_limit
         shared = clipped_swiglu(x @ self.w1.t(), x @ self.w3.t(), limit) @ self.w2.t()
         return out + shared

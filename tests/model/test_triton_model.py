@@ -73,5 +73,6 @@ def test_gpu_check_runs_on_tiny_shapes(capsys: pytest.CaptureFixture[str]) -> No
         "moe_gate_route",
         "moe_gate_route_two_steps",
         "moe_experts",
+        "moe_experts_clipped",
     ):
         assert f"| {kernel} " in table

@@ -334,3 +334,23 @@ def test_compiles_for_h200_without_spills(dtype: str, fp8_experts: bool) -> None
     assert child.returncode == 0, child.stderr[-3000:]
     spills = json.loads(child.stdout.splitlines()[-1])
     assert spills and not any(spills.values()), spills
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clipped_swiglu_matches_the_reference_and_the_clip_bites(dtype: torch.dtype) -> None:
+    """DeepSeek-V4's experts: gate clipped from above, up on both sides, before silu(gate) * up.
+    At a limit below the gates' and ups' range the clip changes the output (so it is applied)."""
+    gen = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(19, HIDDEN, generator=gen)).to(dtype)
+    weights, ids = _route(19, 16, 4, 2, 4, gen)
+    w_gate_up, w_down = _experts(16, HIDDEN, INTER, dtype, gen)
+    limit = 0.7
+    out = fused_experts_triton(x, weights, ids, w_gate_up, w_down, 0, swiglu_limit=limit)
+    ref = fused_experts_torch(x, weights, ids, w_gate_up, w_down, 0, swiglu_limit=limit)
+    rtol, atol = TOL[dtype]
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol * scale)
+    unclipped = fused_experts_torch(x, weights, ids, w_gate_up, w_down, 0)
+    assert (unclipped.float() - ref.float()).abs().max().item() > 10 * atol * scale
+    gate_up = x.float() @ w_gate_up[ids[0, 0]].float().t()  # a row whose clip does something
+    assert gate_up.abs().max().item() > limit
