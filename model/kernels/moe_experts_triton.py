@@ -434,7 +434,9 @@ def launch_fused_experts(
         )
     else:
         assert isinstance(h, torch.Tensor)
-        _launch_gate_up_down(x, weights, aligned, w_gate_up, w_down, scales, blocks, h, y, top_k, swiglu_limit)
+        _launch_gate_up_down(
+            x, weights, aligned, w_gate_up, w_down, scales, blocks, h, y, top_k, swiglu_limit
+        )
     block_d = min(1024, triton.next_power_of_2(hidden))
     _sum_local_pairs_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y,
