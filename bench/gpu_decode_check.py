@@ -25,6 +25,7 @@ from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.runner import ModelRunner
 from tandem.engine.static_decode import StaticDecode
+from tandem.model.deepseek import DeepseekV3
 from tandem.model.make_tiny import make_tiny_checkpoint
 from tandem.wire.request_params import SamplingParams
 
@@ -35,8 +36,10 @@ def _engines(tiny: Path, guard: bool = False) -> tuple[ColocatedEngine, Colocate
     batch = max(BATCHES)
     config = EngineConfig(page_size=16, num_pages=2048, max_num_seqs=batch, enable_prefix_caching=False)
     eager = ColocatedEngine.from_model_dir(tiny, torch.float32, config, device="cuda")
-    eager.runner = ModelRunner(eager.model, eager.pool, guard_syncs=guard)
     graphs = ColocatedEngine.from_model_dir(tiny, torch.float32, config, device="cuda")
+    assert isinstance(eager.model, DeepseekV3) and isinstance(graphs.model, DeepseekV3)  # the tiny V3
+    assert eager.pool is not None and graphs.pool is not None
+    eager.runner = ModelRunner(eager.model, eager.pool, guard_syncs=guard)
     static = StaticDecode(graphs.model, graphs.pool, max(BATCHES), graphs.max_model_len, graphs=True)
     start = time.perf_counter()
     captured = static.capture_all()

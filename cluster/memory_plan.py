@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.cluster.memory_plan_v4 import check_v4_topology, v4_page_size, v4_workspace_bytes
+from tandem.cluster.memory_plan_v4 import check_v4_topology, v4_workspace_bytes
 from tandem.cluster.topology import PoolSpec, Topology, TopologyError
 from tandem.engine.admission import max_kv_pages
 from tandem.model.config import ModelConfig
 from tandem.model.rank_weights import dtype_bytes, rank_weight_bytes
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import KindBytes, page_bytes, request_bytes, v4_kinds
+from tandem.model.v4.kv_layout import KindBytes, page_bytes, request_bytes, v4_kinds, v4_page_size
 from tandem.model.v4.rank_weights import v4_rank_weight_bytes
 from tandem.wire.messages import Role
 

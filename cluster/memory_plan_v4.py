@@ -14,18 +14,11 @@ resident (FP8 attention and shared experts, FP4 routed experts: ``model/v4/rank_
 
 from __future__ import annotations
 
-import math
-
 from tandem.cluster.topology import TopologyError
 from tandem.model.rank_weights import dtype_bytes
 from tandem.model.v4.config import V4Config
 
 FLOAT32_BYTES = 4
-
-
-def v4_page_size(cfg: V4Config, page_size: int) -> int:
-    """Tokens a V4 page holds for a pool of ``page_size``: a multiple of every compression rate."""
-    return math.lcm(page_size, *cfg.compress_rates)
 
 
 def v4_workspace_bytes(cfg: V4Config, dtype: str, rows: int, logit_rows: int) -> int:

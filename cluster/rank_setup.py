@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
@@ -18,12 +19,11 @@ from tandem.engine.dep import ExpertParallelDispatcher, any_rank_has_work, exper
 from tandem.engine.rank_context import RankContext
 from tandem.engine.rank_loop import RankLoop
 from tandem.kvtransfer.bind_guard import is_loopback
-from tandem.model.checkpoint import iter_checkpoint
-from tandem.model.config import ModelConfig
-from tandem.model.deepseek import DeepseekV3
 from tandem.model.dtype_names import resolved_dtype
 from tandem.model.dtypes import DTYPES
+from tandem.model.family import AnyConfig, read_config
 from tandem.model.fingerprint import kv_model_key
+from tandem.model.loader import AnyModel, load_model
 
 if TYPE_CHECKING:
     from tandem.cluster.outbox import ChannelOutbox
@@ -104,19 +104,14 @@ class GroupRendezvous:
 
 def load_rank_model(
     model_dir: str, dtype: str, device: torch.device, rank: int, world_size: int, mtp: bool = False
-) -> tuple[ModelConfig, DeepseekV3, ExpertParallelDispatcher]:
-    """The model with this rank's share of the routed experts (others are never read), and with
-    ``mtp`` its multi-token-prediction layer (the same share of that layer's experts)."""
-    cfg = ModelConfig.from_dir(model_dir)
+) -> tuple[AnyConfig, AnyModel, ExpertParallelDispatcher]:
+    """The model (either family) with this rank's share of the routed experts (others are never
+    read), and with ``mtp`` its multi-token-prediction layer (the same share of its experts)."""
+    cfg = read_config(Path(model_dir))
     dispatcher = ExpertParallelDispatcher(rank, world_size, cfg.n_routed_experts)
     experts = expert_slice(cfg.n_routed_experts, rank, world_size)
-    model = DeepseekV3(cfg, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher, mtp=mtp)
-    model.load_weights(
-        iter_checkpoint(
-            model_dir, cfg, DTYPES[dtype], expert_filter=model.owns_expert, mtp=mtp, keep_fp8=model.keeps_fp8
-        )
-    )
-    return cfg, model, dispatcher
+    model = load_model(model_dir, DTYPES[dtype], device, experts=experts, dispatcher=dispatcher, mtp=mtp)
+    return model.cfg, model, dispatcher
 
 
 def start_rank(

@@ -31,7 +31,7 @@ class DecodeRole(PooledRole):
         from tandem.decode.worker import DecodeWorker
         from tandem.engine.drafters import make_drafter
 
-        cfg = ctx.model_config
+        cfg = ctx.v3.cfg
         pool = ctx.kv_pool(self.num_pages, self.page_size)
         config = DecodeSchedulerConfig(
             num_pages=self.num_pages,
@@ -42,7 +42,7 @@ class DecodeRole(PooledRole):
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
         spec = self.speculative
-        drafter = make_drafter(spec, model=ctx.model, pool=pool) if spec.enabled else None
+        drafter = make_drafter(spec, model=ctx.v3, pool=pool) if spec.enabled else None
         return DecodeWorker(
             ctx.rank_id, ctx.incarnation, DecodeScheduler(config),
             ctx.runner(pool, self.max_num_seqs * (1 + spec.num_tokens), keep_hidden=self.uses_mtp),

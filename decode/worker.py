@@ -401,7 +401,7 @@ class DecodeWorker(TransferWorker):
         assert record is not None
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
-        self.runner.forget_guide(request.request_id)
+        self.runner.forget(request.request_id)
         if record.transfer is not None:
             self._transfers.pop(record.transfer.key, None)
         if not record.ended:

@@ -18,12 +18,14 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.model.checkpoint import iter_checkpoint
-from tandem.model.config import ModelConfig
-from tandem.model.deepseek import DeepseekV3
+from tandem.engine.v4_runner import V4Runner
 from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
+from tandem.model.loader import AnyModel, load_model
 from tandem.model.tokenizer import Tokenizer
+from tandem.model.v4.kv_layout import pages_for_bytes as v4_pages_for_bytes
+from tandem.model.v4.kv_layout import v4_page_size
+from tandem.model.v4.model import DeepseekV4
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, InvalidRequestError, SamplingParams, check_prompt
 
@@ -48,38 +50,55 @@ class GenerationOutput:
 class ColocatedEngine:
     def __init__(
         self,
-        model: DeepseekV3,
+        model: AnyModel,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         lockstep: bool = False,
         guides: GuidedRows | None = None,
     ) -> None:
-        """``guides``: structured outputs' matchers (made from ``tokenizer`` when not given)."""
+        """``guides``: structured outputs' matchers (made from ``tokenizer`` when not given).
+
+        A DeepSeek-V4 model runs on pages of a multiple of every compression rate (the least
+        common multiple with ``config.page_size``), as many as ``kv_pool_bytes`` holds of every
+        kind of its state beside ``max_num_seqs`` requests' windows (``model/v4/kv_layout.py``),
+        and without prefix caching (``engine/v4_runner.py``)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.model_config = cfg = model.cfg
         self.tokenizer = tokenizer
-        num_pages = config.num_pages or KVPool.pages_for_bytes(
-            cfg, config.page_size, model.dtype, config.kv_pool_bytes
-        )
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        self.pool = KVPool(cfg, num_pages, config.page_size, model.dtype, model.device)
+        if guides is None and tokenizer is not None:
+            guides = GuidedRows(GrammarCompiler(tokenizer, cfg.vocab_size), tokenizer.eos_token_id)
+        self.pool: KVPool | None = None
+        self.runner: ModelRunner | V4Runner
+        if isinstance(model, DeepseekV4):
+            page_size = v4_page_size(model.cfg, config.page_size)
+            num_pages = config.num_pages or v4_pages_for_bytes(
+                model.cfg, page_size, model.dtype.itemsize, config.kv_pool_bytes, config.max_num_seqs
+            )
+            prefix_caching = False
+            self.runner = V4Runner(model, lockstep, guides=guides)
+        else:
+            page_size = config.page_size
+            num_pages = config.num_pages or KVPool.pages_for_bytes(
+                model.cfg, page_size, model.dtype, config.kv_pool_bytes
+            )
+            prefix_caching = config.enable_prefix_caching
+            self.pool = KVPool(model.cfg, num_pages, page_size, model.dtype, model.device)
+            self.runner = ModelRunner(model, self.pool, lockstep, guides=guides)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,
-                page_size=config.page_size,
+                page_size=page_size,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 prefill_chunk_tokens=config.prefill_chunk_tokens,
             )
         )
-        if guides is None and tokenizer is not None:
-            guides = GuidedRows(GrammarCompiler(tokenizer, cfg.vocab_size), tokenizer.eos_token_id)
-        self.runner = ModelRunner(model, self.pool, lockstep, guides=guides)
         self.copier: TierCopier | None = None  # the host tier and the store, once attached
         self._ids = itertools.count()
 
@@ -102,11 +121,9 @@ class ColocatedEngine:
         config: EngineConfig | None = None,
         device: str = "cpu",
     ) -> ColocatedEngine:
-        cfg = ModelConfig.from_dir(model_dir)
+        """The engine over the directory's model, of either family (``model/loader.py``)."""
         tokenizer = Tokenizer.from_dir(model_dir)
-        model = DeepseekV3(cfg, dtype, device)
-        model.load_weights(iter_checkpoint(model_dir, cfg, dtype, keep_fp8=model.keeps_fp8))
-        return ColocatedEngine(model, config, tokenizer)
+        return ColocatedEngine(load_model(model_dir, dtype, device), config, tokenizer)
 
     def validate_prompt(self, prompt_token_ids: list[int], field: str = "prompt_ids") -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, field)
@@ -135,6 +152,7 @@ class ColocatedEngine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
+        self.runner.forget(request_id)
         return self.scheduler.abort_request(request_id)
 
     def step(self) -> list[Request]:
@@ -145,7 +163,7 @@ class ColocatedEngine:
         finished = self.scheduler.update(plan, tokens, self.runner.logprobs, self.runner.prompt_logprobs)
         self.run_tier_ops()
         for request in finished:
-            self.runner.forget_guide(request.request_id)
+            self.runner.forget(request.request_id)
         return finished
 
     def generate(

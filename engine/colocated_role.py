@@ -32,7 +32,15 @@ class ColocatedRole(RoleSpec):
 
         guides = guided_rows(ctx.model_dir, ctx.model_config.vocab_size)
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True, guides=guides)
-        copier = ctx.tiers(engine.pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
-        if copier is not None:
-            engine.attach_tiers(copier)
+        if engine.pool is None:  # DeepSeek-V4: its kinds of state have no tiers yet
+            if self.host_cache_pages or self.store is not None:
+                raise ValueError(
+                    f"rank {ctx.rank_id.name}: KV tiers (host cache, store) for DeepSeek-V4 are not built"
+                )
+        else:
+            copier = ctx.tiers(
+                engine.pool, self.host_cache_pages, self.store, self.model_key, self.store_secret
+            )
+            if copier is not None:
+                engine.attach_tiers(copier)
         return ColocatedWorker(ctx.rank_id, ctx.incarnation, engine, ctx.dispatcher, ctx.outbox)

@@ -122,7 +122,7 @@ class ColocatedWorker(RankWorker):
                     continue
             except InvalidRequestError as error:
                 del self._grammar_wait[request_id]
-                self.engine.runner.forget_guide(request_id)
+                self.engine.runner.forget(request_id)
                 self._finish(request, FinishReason.ERROR, str(error))
                 continue
             del self._grammar_wait[request_id]
@@ -131,7 +131,7 @@ class ColocatedWorker(RankWorker):
     def abort(self, request_id: str) -> None:
         held = self._grammar_wait.pop(request_id, None)
         if held is not None:
-            self.engine.runner.forget_guide(request_id)
+            self.engine.runner.forget(request_id)
             self._finish(held[0], FinishReason.ABORT)
             return
         request = self.engine.scheduler.get_request(request_id)
@@ -178,7 +178,7 @@ class ColocatedWorker(RankWorker):
                 self._stream_new_tokens(request, track, now_unix_s)
         for request in finished:
             self._finish(request, request.finish_reason or FinishReason.ABORT)
-            runner.forget_guide(request.request_id)
+            runner.forget(request.request_id)
         self._update_s += time.perf_counter() - t1
 
     def take_results(self) -> list[RequestResult]:
@@ -210,6 +210,7 @@ class ColocatedWorker(RankWorker):
         scheduler = self.engine.scheduler
         for request in scheduler.unfinished_requests():
             scheduler.abort_request(request.request_id)
+            self.engine.runner.forget(request.request_id)
             self._finish(request, FinishReason.ERROR, reason, rank_failure=True)
         for request, _ in self._grammar_wait.values():
             self._finish(request, FinishReason.ERROR, reason, rank_failure=True)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tandem.engine.drafter import Drafter
-from tandem.engine.runner import seed_of
+from tandem.engine.sampling_runner import seed_of
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.sampler import sample
 

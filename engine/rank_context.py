@@ -18,10 +18,11 @@ from tandem.kvtransfer.kv_store import StoreConfig, StoreError
 from tandem.kvtransfer.metadata import RayMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
 from tandem.kvtransfer.stores import open_store
-from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
+from tandem.model.family import AnyConfig
 from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
+from tandem.model.loader import AnyModel
 from tandem.model.tokenizer import TOKENIZER_FILE, Tokenizer
 from tandem.wire.messages import RankId
 
@@ -43,8 +44,8 @@ class RankContext:
 
     rank_id: RankId
     incarnation: int
-    model_config: ModelConfig
-    model: DeepseekV3
+    model_config: AnyConfig
+    model: AnyModel
     dispatcher: ExpertParallelDispatcher
     device: torch.device
     dtype: torch.dtype
@@ -53,10 +54,19 @@ class RankContext:
     model_dir: str = ""  # its tokenizer gives structured outputs their vocabulary
     node_address: str = "127.0.0.1"  # its node's: where its store client is reached and listens
 
+    @property
+    def v3(self) -> DeepseekV3:
+        """The model, for the roles that serve DeepSeek-V3 alone: disaggregated prefill and decode."""
+        if not isinstance(self.model, DeepseekV3):
+            raise ValueError(
+                f"rank {self.rank_id.name}: DeepSeek-V4 runs on colocated ranks "
+                "(disaggregated prefill and decode for V4 are not built)"
+            )
+        return self.model
+
     def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
-        return KVPool(
-            self.model_config, num_pages, page_size, self.dtype, self.device, self.model.num_kv_layers
-        )
+        model = self.v3
+        return KVPool(model.cfg, num_pages, page_size, self.dtype, self.device, model.num_kv_layers)
 
     def runner(
         self, pool: KVPool, max_batch: int | None = None, mtp_prefill: bool = False, keep_hidden: bool = False
@@ -65,12 +75,12 @@ class RankContext:
         gives its ``max_batch``, and its decode batches run at static shapes where that is on
         (``static_decode_enabled``: CUDA graphs on a GPU)."""
         static = None
+        model = self.v3
         if max_batch is not None and static_decode_enabled(self.device.type):
-            cfg = self.model_config
-            static = StaticDecode(self.model, pool, max_batch, cfg.max_position_embeddings)
+            static = StaticDecode(model, pool, max_batch, model.cfg.max_position_embeddings)
             static.capture_all()  # at start, every rank of the group together (graphs on a GPU)
         return ModelRunner(
-            self.model,
+            model,
             pool,
             lockstep=True,
             static=static,

@@ -31,7 +31,7 @@ class PrefillRole(PooledRole):
         from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
         from tandem.prefill.worker import PrefillWorker
 
-        cfg = ctx.model_config
+        cfg = ctx.v3.cfg
         pool = ctx.kv_pool(self.num_pages, self.page_size)
         copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
         scheduler = PrefillScheduler(

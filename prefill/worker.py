@@ -210,7 +210,7 @@ class PrefillWorker(TransferWorker):
         self._grammar_wait.pop(request_id, None)
         self._pickup_s.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
-        self.runner.forget_guide(request_id)
+        self.runner.forget(request_id)
 
     def _logprobs_of(self, request_id: str) -> dict[str, Any] | None:
         """A finished job's logprobs for its notification (``wire/logprobs``): its first output's

@@ -37,6 +37,24 @@ class KindBytes:
     per_request: int
 
 
+def v4_page_size(cfg: V4Config, page_size: int) -> int:
+    """Tokens a V4 page holds for a pool of ``page_size``: a multiple of every compression rate."""
+    return math.lcm(page_size, *cfg.compress_rates)
+
+
+def pages_for_bytes(cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int) -> int:
+    """Pages of ``page_size`` tokens (a multiple of every rate) that ``budget`` bytes hold beside
+    ``max_seqs`` running requests' windows and open windows."""
+    kinds = v4_kinds(cfg, item_bytes, page_size)
+    free = budget - max_seqs * request_bytes(kinds)
+    if free < page_bytes(kinds, page_size):
+        raise ValueError(
+            f"kv_pool_bytes {budget}: below {max_seqs} requests' windows and open windows "
+            f"({max_seqs * request_bytes(kinds)} bytes) and one page"
+        )
+    return free // page_bytes(kinds, page_size)
+
+
 def check_page_size(cfg: V4Config, page_size: int) -> None:
     bad = [rate for rate in cfg.compress_rates if page_size % rate]
     if bad:

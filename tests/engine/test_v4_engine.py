@@ -1,0 +1,100 @@
+"""DeepSeek-V4 through Tandem's colocated engine (scheduler, continuous batching, chunked
+prefill, preemption by recompute) against transformers' ``DeepseekV4ForCausalLM.generate``:
+greedy tokens equal, for prompts of 5 to 300 tokens run together (mixed steps: prefill chunks
+beside decode rows), whatever the chunk size, and after preemptions. With a sparse indexer the
+reference is transformers under the lowest-index tie rule (``tests/hf_v4_reference.py``)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.engine.colocated import ColocatedEngine
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from tandem.engine.v4_runner import V4Runner
+from tandem.wire.request_params import SamplingParams
+from tests.hf_v4_reference import hf_greedy, hf_v4, lowest_index_ties, write_tiny_v4
+
+PROMPTS = [[random.Random(n).randrange(256) for _ in range(n)] for n in (5, 17, 64, 131, 300)]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A tiny V4 whose indexer keeps 3 compressed entries, and transformers' tokens for it."""
+    directory = tmp_path_factory.mktemp("sparse") / "model"
+    write_tiny_v4(directory, seed=3, index_topk=3)
+    hf = hf_v4(directory)
+    with lowest_index_ties():
+        return directory, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    directory = tmp_path_factory.mktemp("dense") / "model"
+    write_tiny_v4(directory, seed=5, hc_mult=4)
+    hf = hf_v4(directory)
+    return directory, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def _generate(model_dir: Path, **config: Any) -> tuple[list[list[int]], ColocatedEngine, list[str]]:
+    """The engine's tokens for every prompt, run together, and the requests its steps preempted."""
+    engine = ColocatedEngine.from_model_dir(model_dir, config=EngineConfig(page_size=16, **config))
+    preempted: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> SchedulerOutput:
+        plan = schedule()
+        preempted.extend(plan.preempted_request_ids)
+        return plan
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    outputs = engine.generate(PROMPTS, GREEDY)
+    return [o.token_ids for o in outputs], engine, preempted
+
+
+def test_every_prompt_at_once_gives_transformers_tokens(dense: tuple[Path, list[list[int]]]) -> None:
+    model_dir, want = dense
+    got, engine, _ = _generate(model_dir)
+    assert got == want
+    assert isinstance(engine.runner, V4Runner) and engine.runner.states == {}  # each went with its request
+    assert engine.scheduler.config.page_size == 16  # a multiple of the tiny model's rates 4 and 16
+    assert not engine.scheduler.config.enable_prefix_caching
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 1])
+def test_a_sparse_indexer_gives_transformers_tokens_whatever_the_chunk(
+    sparse: tuple[Path, list[list[int]]], chunk: int | None
+) -> None:
+    """Each step's batch mixes chunks of several prompts and decode rows; with ``chunk`` a
+    prompt takes many steps, its state carried from one to the next."""
+    model_dir, want = sparse
+    got, _, _ = _generate(model_dir, prefill_chunk_tokens=chunk, max_num_batched_tokens=64)
+    assert got == want
+
+
+def test_preemption_and_recompute_give_the_same_tokens(sparse: tuple[Path, list[list[int]]]) -> None:
+    """Too few pages for all five requests at once: the newest are preempted and recomputed
+    from their first token (a fresh state), and their tokens do not change."""
+    model_dir, want = sparse
+    got, _, preempted = _generate(model_dir, num_pages=30, prefill_chunk_tokens=32)
+    assert got == want
+    assert preempted, "the test must preempt"
+
+
+def test_a_chunk_without_its_state_is_refused_with_the_request_named(
+    sparse: tuple[Path, list[list[int]]],
+) -> None:
+    """A chunk must start where its request's state is (a prefix-cache hit would not): refused,
+    never run on a wrong state."""
+    engine = ColocatedEngine.from_model_dir(sparse[0], config=EngineConfig(page_size=16))
+    chunk = ScheduledChunk("r-1", tuple(PROMPTS[1][:8]), 16, (0, 1), False, GREEDY, 0)
+    refused = "request r-1: a DeepSeek-V4 chunk at position 16, its state at none"
+    with pytest.raises(ValueError, match=refused):
+        engine.runner.run(SchedulerOutput((chunk,), 8, ()))
+    assert isinstance(engine.runner, V4Runner) and engine.runner.states == {}
