@@ -399,13 +399,13 @@ def _generate_disaggregated(
 
 def _generate_dep(args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig) -> int:
     from tandem.cli.generate import generate_on_dep_group
-    from tandem.model.checkpoint import check_model_dir
+    from tandem.model.loader import check_any_model_dir
     from tandem.model.tokenizer import Tokenizer
     from tandem.wire.request_params import check_prompt
 
     if args.dep < 1:
         raise InvalidRequestError("--dep", f"must be at least 1, got {args.dep}")
-    cfg = check_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
+    cfg = check_any_model_dir(args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = _encode(specs, tokenizer)
     # validate here, before any actor starts: the same checks every rank makes

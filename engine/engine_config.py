@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.model.config import ModelConfig
+    from tandem.model.family import AnyConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,6 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None  # the most prompt tokens one request computes in a step
     enable_prefix_caching: bool = True
 
-    def context_len(self, cfg: ModelConfig) -> int:
+    def context_len(self, cfg: AnyConfig) -> int:
         """Tokens a request may hold (prompt + output): the model's context, or less if set."""
         return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from tandem.model.checkpoint import iter_checkpoint
+from tandem.model.checkpoint import check_model_dir, iter_checkpoint
 from tandem.model.config import ModelConfig
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.expert_dispatch import ExpertDispatcher
-from tandem.model.family import read_config
+from tandem.model.family import AnyConfig, read_config
 from tandem.model.v4.checkpoint import check_v4_model_dir, iter_v4_checkpoint
 from tandem.model.v4.config import V4Config
 from tandem.model.v4.model import DeepseekV4
@@ -48,3 +48,11 @@ def load_model(
         )
     )
     return model
+
+
+def check_any_model_dir(model_dir: Path | str) -> AnyConfig:
+    """Either family's directory checked whole from its headers (its ``config.json``, tokenizer
+    and every tensor's name, shape and dtype) before anything starts; the config."""
+    if isinstance(read_config(Path(model_dir)), V4Config):
+        return check_v4_model_dir(model_dir)
+    return check_model_dir(model_dir)

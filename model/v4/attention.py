@@ -108,7 +108,7 @@ class V4Attention(nn.Module):
             )
             start += n
         out = rotate_tail(out, c, -s)
-        groups = out.view(t, cfg.o_groups, -1).transpose(0, 1)  # [G, T, H * hd / G]
+        groups = out.view(t, cfg.o_groups, heads * hd // cfg.o_groups).transpose(0, 1)  # [G, T, H * hd / G]
         wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
         grouped = torch.bmm(groups, wo_a.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, G * o_lora_rank]
         return grouped @ self.wo_b.t()

@@ -6,12 +6,14 @@ reference is transformers under the lowest-index tie rule (``tests/hf_v4_referen
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tandem.cli.main import main
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -98,3 +100,17 @@ def test_a_chunk_without_its_state_is_refused_with_the_request_named(
     with pytest.raises(ValueError, match=refused):
         engine.runner.run(SchedulerOutput((chunk,), 8, ()))
     assert isinstance(engine.runner, V4Runner) and engine.runner.states == {}
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_tandem_generate_gives_transformers_tokens(
+    sparse: tuple[Path, list[list[int]]], chunk: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tandem generate --model <V4 directory>``, the prompt whole or 5 tokens a step."""
+    model_dir, want = sparse
+    args = ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, PROMPTS[3]))]
+    args += ["--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"]
+    if chunk is not None:
+        args += ["--prefill-chunk-tokens", str(chunk)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == want[3]
