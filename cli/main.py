@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,6 +18,7 @@ from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, Sa
 
 if TYPE_CHECKING:
     from tandem.model.tokenizer import Tokenizer
+    from tandem.model.train_demo import TrainSettings
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1400)")
     demo.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     demo.add_argument(
+        "--arch",
+        choices=("deepseek_v3", "deepseek_v4"),
+        default="deepseek_v3",
+        help="the tiny model trained (deepseek_v4: model/train_demo_v4.py; no MTP layer)",
+    )
+    demo.add_argument(
         "--mtp-steps", type=int, default=None, help="MTP layer steps after (default 600; 0: none)"
     )
     demo.add_argument(
@@ -172,6 +179,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _train_demo_v4(
+    args: argparse.Namespace, settings: TrainSettings, corpus: Path, log: Callable[[str], None]
+) -> int:
+    from tandem.model import train_demo as td
+    from tandem.model.train_demo_v4 import train_demo_v4
+
+    for flag in ("mtp_only", "mtp_steps"):
+        if getattr(args, flag):
+            raise CliError(f"--{flag.replace('_', '-')}: DeepSeek-V4's MTP layer is not built")
+    try:
+        result = train_demo_v4(args.dir, corpus, settings, log=log)
+    except td.TrainingDependencyMissing as exc:
+        raise CliError(str(exc)) from exc
+    emit(
+        f"wrote the DeepSeek-V4 demo checkpoint to {result.out_dir}: {settings.steps} steps in "
+        f"{result.wall_s:.0f} s, held-out loss {result.initial_eval_bits:.2f} -> {result.eval_bits:.2f} "
+        "bits per character"
+    )
+    return 0
+
+
 def _train_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -192,6 +220,8 @@ def _train_demo(args: argparse.Namespace) -> int:
     if args.mtp_only and not (args.dir / "config.json").is_file():
         raise CliError(f"--mtp-only: {args.dir} holds no checkpoint (config.json)")
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.arch == "deepseek_v4":
+        return _train_demo_v4(args, settings, corpus, log)
     try:
         if args.mtp_only:
             result = td.train_demo_mtp(args.dir, corpus, settings, log=log)

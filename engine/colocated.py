@@ -60,8 +60,9 @@ class ColocatedEngine:
 
         A DeepSeek-V4 model runs on pages of a multiple of every compression rate (the least
         common multiple with ``config.page_size``), as many as ``kv_pool_bytes`` holds of every
-        kind of its state beside ``max_num_seqs`` requests' windows (``model/v4/kv_layout.py``),
-        and without prefix caching (``engine/v4_runner.py``)."""
+        kind of its state beside ``max_num_seqs`` requests' windows (``model/v4/kv_layout.py``; with
+        prefix caching a page keeps its tokens' window KV too), its prefix-cache hits restoring
+        the exact state (``engine/v4_runner.py``)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.model_config = cfg = model.cfg
@@ -76,10 +77,17 @@ class ColocatedEngine:
         if isinstance(model, DeepseekV4):
             page_size = v4_page_size(model.cfg, config.page_size)
             num_pages = config.num_pages or v4_pages_for_bytes(
-                model.cfg, page_size, model.dtype.itemsize, config.kv_pool_bytes, config.max_num_seqs
+                model.cfg,
+                page_size,
+                model.dtype.itemsize,
+                config.kv_pool_bytes,
+                config.max_num_seqs,
+                window_on_pages=config.enable_prefix_caching,
             )
-            prefix_caching = False
-            self.runner = V4Runner(model, lockstep, guides=guides)
+            prefix_caching = config.enable_prefix_caching
+            self.runner = V4Runner(
+                model, lockstep, guides=guides, page_size=page_size if prefix_caching else None
+            )
         else:
             page_size = config.page_size
             num_pages = config.num_pages or KVPool.pages_for_bytes(

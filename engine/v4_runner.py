@@ -5,11 +5,17 @@ keys, and its compressors' open windows and overlap (``model/v4/attention.LayerS
 
 A chunk continues its request's state where the last one ended, so the request's tokens are the
 same whatever the chunking (``--prefill-chunk-tokens``) and the batch. A chunk at position 0
-starts a fresh state: a new request, or one preempted and recomputed. A chunk anywhere else
-must find the state at its position: V4's exact restore of a prefix-cache hit is not built, so
-the engine runs V4 without prefix caching, and a chunk this runner has no state for is refused
-with the request named rather than run on a wrong state. A step whose forward fails drops its
-requests' states (they moved part of the way). A request's state goes with it (``forget``)."""
+starts a fresh state: a new request, or one preempted (its state dropped with its pages) and
+recomputed.
+
+With prefix caching (``page_size`` given), every page a request completes leaves its part of the
+state here by page id (``model/v4/pages.py``: the page's window KV, compressed entries, indexer
+keys and last window's overlap): a chunk that starts at a prefix-cache hit (a page boundary
+past 0 with no state of its own) gets its state rebuilt from its first pages, exactly the state
+computing them leaves. A page's record is replaced when its page is filled again. A chunk that
+finds neither is refused, naming the request, rather than run on a wrong state. A step whose
+forward fails drops its requests' states (they moved part of the way). A request's state goes
+with it (``forget``)."""
 
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.model.grammar import GuidedRows
 from tandem.model.v4.attention import LayerState
+from tandem.model.v4.kv_layout import check_page_size
 from tandem.model.v4.model import DeepseekV4
+from tandem.model.v4.pages import PageState, keep_pages, restore, take_pages
 
 
 @dataclass
@@ -38,10 +46,18 @@ class V4Runner(SamplingRunner):
         lockstep: bool = False,
         guides: GuidedRows | None = None,
         guard_syncs: bool | None = None,
+        page_size: int | None = None,
     ) -> None:
+        """``page_size``: the prefix cache's pages (a multiple of every compression rate), whose
+        states are kept by page id; ``None``: no prefix caching."""
         super().__init__(model, lockstep, guides, guard_syncs)
         self.model = model
+        self.page_size = page_size
+        if page_size is not None:
+            check_page_size(model.cfg, page_size)
         self.states: dict[str, _Held] = {}
+        self.pages: dict[int, PageState] = {}  # page id -> its part of the state that filled it
+        self.restores = 0  # states rebuilt from pages (prefix-cache hits)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
@@ -55,6 +71,8 @@ class V4Runner(SamplingRunner):
         start = time.perf_counter()
         self._hidden, self._hidden_at = None, {}
         self.logprobs, self.prompt_logprobs = {}, {}
+        for rid in plan.preempted_request_ids:  # their pages are gone: so is their state
+            self.states.pop(rid, None)
         held = [self._state(c) for c in plan.chunks]
         device = self.model.device
         input_ids: list[int] = []
@@ -80,7 +98,8 @@ class V4Runner(SamplingRunner):
                 for chunk in plan.chunks:  # part-moved states: a later chunk is refused, not misrun
                     self.states.pop(chunk.request_id, None)
                 raise
-            for h, n in zip(held, query_lens, strict=True):
+            for h, n, chunk in zip(held, query_lens, plan.chunks, strict=True):
+                self._keep_pages(h, h.position + n, chunk.page_ids)
                 h.position += n
             if prompt_rows:
                 self._prompt_logprobs(plan, offsets, hidden)
@@ -89,14 +108,42 @@ class V4Runner(SamplingRunner):
         return self._sample(plan, forward, start)
 
     def _state(self, chunk: ScheduledChunk) -> _Held:
-        rid = chunk.request_id
-        if chunk.start_position == 0:
-            self.states[rid] = _Held(0, self.model.new_state())
+        rid, start = chunk.request_id, chunk.start_position
         held = self.states.get(rid)
-        if held is None or held.position != chunk.start_position:
+        if held is not None and held.position == start:
+            return held
+        if start == 0:
+            layers = self.model.new_state()
+            if self.page_size is not None:
+                keep_pages(layers, self.page_size)
+            held = self.states[rid] = _Held(0, layers)
+            return held
+        restored = self._restore(chunk)
+        if restored is None:
             at = "none" if held is None else f"position {held.position}"
             raise ValueError(
-                f"request {rid}: a DeepSeek-V4 chunk at position {chunk.start_position}, its state at {at} "
-                "(V4 runs without prefix caching)"
+                f"request {rid}: a DeepSeek-V4 chunk at position {start}, its state at {at} "
+                "and no pages to rebuild it from"
             )
+        self.restores += 1
+        held = self.states[rid] = _Held(start, restored)
         return held
+
+    def _restore(self, chunk: ScheduledChunk) -> list[LayerState] | None:
+        """The state at a prefix-cache hit, from the kept pages before the chunk's start."""
+        size, start = self.page_size, chunk.start_position
+        if size is None or start % size:
+            return None
+        pages = [self.pages.get(pid) for pid in chunk.page_ids[: start // size]]
+        if any(page is None for page in pages):
+            return None
+        return restore(self.model.cfg, [p for p in pages if p is not None], size)
+
+    def _keep_pages(self, held: _Held, end: int, page_ids: tuple[int, ...]) -> None:
+        """The pages the step completed, by page id (replacing what an earlier filling left)."""
+        size = self.page_size
+        if size is None:
+            return
+        first = held.position // size
+        for offset, page in enumerate(take_pages(self.model.cfg, held.layers, held.position, end, size)):
+            self.pages[page_ids[first + offset]] = page

@@ -33,6 +33,9 @@ class LayerState:
     window: torch.Tensor | None = None  # [<= sliding_window - 1, head_dim]
     compressor: CompressorState = field(default_factory=CompressorState)
     indexer: CompressorState = field(default_factory=CompressorState)
+    # with pages kept (``model/v4/pages.py``): the KV of the tokens since the last page taken
+    open_page: torch.Tensor | None = None
+    keep_pages: bool = False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,6 +140,8 @@ class V4Attention(nn.Module):
         )
         keep = cfg.sliding_window - 1
         state.window = keys[max(keys.shape[0] - keep, 0) :] if keep else keys[:0]
+        if state.keep_pages:
+            state.open_page = kv if state.open_page is None else torch.cat([state.open_page, kv])
         if self.compressor is not None:
             entries = self.compressor(state.compressor, x, cos, sin, kv.dtype)
             visible = (

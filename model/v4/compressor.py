@@ -16,7 +16,7 @@ visible to the query at position ``p`` once its window is complete: ``w < (p + 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,10 @@ class CompressorState:
     overlap_gate: torch.Tensor | None = None
     entries: torch.Tensor | None = None  # [E, dim]
     count: int = 0  # entries so far
+    # with ``page_size`` set (a prefix cache keeps pages): each window that ends on a page
+    # boundary leaves its ``Ca`` projections here, by the boundary's position, until taken
+    page_size: int = 0
+    boundary_overlaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class Compressor(nn.Module):
@@ -96,6 +100,11 @@ class Compressor(nn.Module):
                 assert state.overlap_gate is not None
                 slots_kv[0, :r], slots_gate[0, :r] = state.overlap_kv, state.overlap_gate
             state.overlap_kv, state.overlap_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+            if state.page_size:
+                for j in range(w):
+                    end = (state.count + j + 1) * r
+                    if end % state.page_size == 0:
+                        state.boundary_overlaps[end] = (kv[j, :, :d].clone(), gate[j, :, :d].clone())
             kv, gate = slots_kv, slots_gate
         pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
         return pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + self.eps) * self.norm

@@ -42,17 +42,23 @@ def v4_page_size(cfg: V4Config, page_size: int) -> int:
     return math.lcm(page_size, *cfg.compress_rates)
 
 
-def pages_for_bytes(cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int) -> int:
+def pages_for_bytes(
+    cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int, window_on_pages: bool = False
+) -> int:
     """Pages of ``page_size`` tokens (a multiple of every rate) that ``budget`` bytes hold beside
-    ``max_seqs`` running requests' windows and open windows."""
+    ``max_seqs`` running requests' windows and open windows; ``window_on_pages``: each page keeps
+    its tokens' window KV too (a prefix cache restores a hit's window from its pages)."""
     kinds = v4_kinds(cfg, item_bytes, page_size)
+    per_page = page_bytes(kinds, page_size)
+    if window_on_pages:
+        per_page += cfg.num_hidden_layers * page_size * cfg.head_dim * item_bytes
     free = budget - max_seqs * request_bytes(kinds)
-    if free < page_bytes(kinds, page_size):
+    if free < per_page:
         raise ValueError(
             f"kv_pool_bytes {budget}: below {max_seqs} requests' windows and open windows "
             f"({max_seqs * request_bytes(kinds)} bytes) and one page"
         )
-    return free // page_bytes(kinds, page_size)
+    return free // per_page
 
 
 def check_page_size(cfg: V4Config, page_size: int) -> None:

@@ -66,7 +66,6 @@ def test_every_prompt_at_once_gives_transformers_tokens(dense: tuple[Path, list[
     assert got == want
     assert isinstance(engine.runner, V4Runner) and engine.runner.states == {}  # each went with its request
     assert engine.scheduler.config.page_size == 16  # a multiple of the tiny model's rates 4 and 16
-    assert not engine.scheduler.config.enable_prefix_caching
 
 
 @pytest.mark.parametrize("chunk", [None, 7, 1])
@@ -80,13 +79,21 @@ def test_a_sparse_indexer_gives_transformers_tokens_whatever_the_chunk(
     assert got == want
 
 
-def test_preemption_and_recompute_give_the_same_tokens(sparse: tuple[Path, list[list[int]]]) -> None:
-    """Too few pages for all five requests at once: the newest are preempted and recomputed
-    from their first token (a fresh state), and their tokens do not change."""
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_and_recompute_give_the_same_tokens(
+    sparse: tuple[Path, list[list[int]]], prefix_caching: bool
+) -> None:
+    """Too few pages for all five requests at once: the newest are preempted and recomputed,
+    from their first token (a fresh state) or, with prefix caching, from the pages of theirs
+    still cached (a rebuilt state), and their tokens do not change."""
     model_dir, want = sparse
-    got, _, preempted = _generate(model_dir, num_pages=30, prefill_chunk_tokens=32)
+    got, engine, preempted = _generate(
+        model_dir, num_pages=30, prefill_chunk_tokens=32, enable_prefix_caching=prefix_caching
+    )
     assert got == want
     assert preempted, "the test must preempt"
+    assert isinstance(engine.runner, V4Runner)
+    assert (engine.runner.restores > 0) == prefix_caching
 
 
 def test_a_chunk_without_its_state_is_refused_with_the_request_named(
@@ -114,3 +121,24 @@ def test_tandem_generate_gives_transformers_tokens(
         args += ["--prefill-chunk-tokens", str(chunk)]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == want[3]
+
+
+@pytest.mark.parametrize("shared", [16, 48, 100])
+def test_a_prefix_cache_hit_restores_the_exact_state(
+    sparse: tuple[Path, list[list[int]]], shared: int
+) -> None:
+    """A second request sharing the first ``shared`` prompt tokens with a finished one hits the
+    pages of that prefix (16, 48, 96 tokens: inside the first CSA and HCA windows' pages, and
+    past several), its state rebuilt from them; its tokens are transformers' for its prompt."""
+    model_dir, _ = sparse
+    engine = ColocatedEngine.from_model_dir(model_dir, config=EngineConfig(page_size=16))
+    first = PROMPTS[4][:130]
+    second = first[:shared] + PROMPTS[3][: 140 - shared]
+    engine.generate([first], GREEDY)
+    [out] = engine.generate([second], GREEDY)
+    assert out.cached_tokens == shared // 16 * 16
+    assert isinstance(engine.runner, V4Runner) and engine.runner.states == {}
+    assert engine.runner.restores == 1
+    hf = hf_v4(model_dir)
+    with lowest_index_ties():
+        assert out.token_ids == hf_greedy(hf, second, NEW_TOKENS)
