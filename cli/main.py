@@ -388,7 +388,13 @@ def _generate_disaggregated(
     args: argparse.Namespace, specs: list[PromptSpec], engine_config: EngineConfig
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
-    from tandem.cli.serving import check_drafter_model, with_prefill_chunk, with_speculative, with_tiers
+    from tandem.cli.serving import (
+        check_drafter_model,
+        refuse_v4_deployment,
+        with_prefill_chunk,
+        with_speculative,
+        with_tiers,
+    )
     from tandem.cluster.topology import Topology
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.tokenizer import Tokenizer
@@ -396,6 +402,7 @@ def _generate_disaggregated(
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
     topology = with_prefill_chunk(args, with_tiers(args, with_speculative(args, topology)))
+    refuse_v4_deployment(args.model)
     cfg = check_model_dir(args.model)
     check_drafter_model(topology, args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)

@@ -93,6 +93,22 @@ def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
         raise InvalidRequestError("--speculative-tokens", str(exc)) from None
 
 
+def refuse_v4_deployment(model_dir: Path | None, flag: str = "--model") -> None:
+    """A deployment's ranks serve DeepSeek-V3 only: a V4 directory is refused here, naming what
+    runs it (torch-free: only its ``config.json`` is read)."""
+    from tandem.model.family import read_config
+    from tandem.model.v4.config import V4Config
+
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return  # nothing to tell apart here: the checks that follow name what is missing
+    if isinstance(read_config(model_dir), V4Config):
+        raise InvalidRequestError(
+            flag,
+            f"{model_dir} is DeepSeek-V4, which runs on tandem generate (colocated, or --dep N); "
+            "a deployment's prefill and decode ranks do not serve it yet",
+        )
+
+
 def check_drafter_model(topology: Topology, model_dir: Path | None) -> None:
     """With MTP drafts, the checkpoint's MTP layer is checked here (names and shapes), before
     anything starts: a checkpoint without one, or with a wrong tensor, is refused naming it."""
@@ -211,6 +227,7 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
         )
     if args.model is not None and not (args.model / "config.json").is_file():
         raise InvalidRequestError("--model", f"{args.model} holds no config.json")
+    refuse_v4_deployment(args.model)
     if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out
         check_model_dir(args.model)
     check_drafter_model(topology, args.model)

@@ -130,8 +130,8 @@ class ColocatedEngine:
         device: str = "cpu",
     ) -> ColocatedEngine:
         """The engine over the directory's model, of either family (``model/loader.py``)."""
-        tokenizer = Tokenizer.from_dir(model_dir)
-        return ColocatedEngine(load_model(model_dir, dtype, device), config, tokenizer)
+        model = load_model(model_dir, dtype, device)
+        return ColocatedEngine(model, config, Tokenizer.from_dir(model_dir))
 
     def validate_prompt(self, prompt_token_ids: list[int], field: str = "prompt_ids") -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, field)

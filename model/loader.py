@@ -22,6 +22,12 @@ from tandem.model.v4.model import DeepseekV4
 AnyModel = DeepseekV3 | DeepseekV4
 
 
+def is_v4_dir(model_dir: Path) -> bool:
+    """Whether the directory's ``config.json`` is DeepSeek-V4's (a missing one is left to V3's
+    reader, whose error names the directory)."""
+    return (model_dir / "config.json").is_file() and isinstance(read_config(model_dir), V4Config)
+
+
 def load_model(
     model_dir: Path | str,
     dtype: torch.dtype,
@@ -31,7 +37,7 @@ def load_model(
     mtp: bool = False,
 ) -> AnyModel:
     model_dir = Path(model_dir)
-    if isinstance(read_config(model_dir), V4Config):
+    if is_v4_dir(model_dir):
         if mtp:
             raise ValueError(
                 f"{model_dir}: DeepSeek-V4's MTP layer is not built: serve it without MTP drafts"
@@ -53,6 +59,6 @@ def load_model(
 def check_any_model_dir(model_dir: Path | str) -> AnyConfig:
     """Either family's directory checked whole from its headers (its ``config.json``, tokenizer
     and every tensor's name, shape and dtype) before anything starts; the config."""
-    if isinstance(read_config(Path(model_dir)), V4Config):
+    if is_v4_dir(Path(model_dir)):
         return check_v4_model_dir(model_dir)
     return check_model_dir(model_dir)

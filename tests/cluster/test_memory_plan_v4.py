@@ -14,6 +14,7 @@ import torch
 from tandem.cli.main import main
 from tandem.cluster.memory_plan import GIB, plan_memory
 from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
+from tandem.model.expert_dispatch import LocalExperts
 from tandem.model.make_tiny import BOS_ID, EOS_ID
 from tandem.model.rank_weights import expert_slice
 from tandem.model.v4.config import V4Config
@@ -30,9 +31,9 @@ FLASH = Path(__file__).resolve().parents[2] / "deploy" / "models" / "deepseek-v4
 def test_weight_bytes_are_what_the_model_allocates(world: int) -> None:
     cfg = V4Config.from_dict(tiny_v4_config_dict(BOS_ID, EOS_ID))
     for rank in range(world):
-        model = DeepseekV4(
-            cfg, torch.bfloat16, "meta", experts=expert_slice(cfg.n_routed_experts, rank, world)
-        )
+        experts = expert_slice(cfg.n_routed_experts, rank, world)
+        # a slice needs a dispatcher to run; only its allocation is counted here
+        model = DeepseekV4(cfg, torch.bfloat16, "meta", experts=experts, dispatcher=LocalExperts())
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         assert v4_rank_weight_bytes(cfg, "bfloat16", rank, world).total_bytes == held
 

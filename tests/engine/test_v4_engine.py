@@ -142,3 +142,17 @@ def test_a_prefix_cache_hit_restores_the_exact_state(
     hf = hf_v4(model_dir)
     with lowest_index_ties():
         assert out.token_ids == hf_greedy(hf, second, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve", "--port", "0"], ["generate", "--prompt", "x", "--max-tokens", "2", "--preset", "local"]],
+)
+def test_a_deployment_refuses_v4_before_anything_starts(
+    sparse: tuple[Path, list[list[int]]], command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A deployment's prefill and decode ranks serve V3 only: refused in one line naming what
+    runs V4, before any actor starts."""
+    assert main([*command, "--model", str(sparse[0])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is DeepSeek-V4, which runs on tandem generate" in err

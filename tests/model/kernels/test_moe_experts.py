@@ -291,9 +291,12 @@ def deepseek_v3_spill_bytes(dtype: str, fp8_experts: bool = False) -> dict[str, 
         sig = dict.fromkeys(["x_ptr", "h_ptr"], f"*{dtype}") | {"w_ptr": w_type} | scale_sig
         sig |= dict.fromkeys(["sorted_pair_ids_ptr", "block_expert_ptr"], "*i32")
         sig |= dict.fromkeys([*ints, "x_stride_t", "w_stride_e", "w_stride_n", "h_stride_m"], "i32")
-        consts = {"x_stride_d": 1, "w_stride_d": 1, "TOP_K": top_k, **shared, **scale}
+        sig |= {"limit": "fp32"}
+        consts = {"x_stride_d": 1, "w_stride_d": 1, "TOP_K": top_k, "CLIP": False, **shared, **scale}
         consts |= {"BLOCK_N": blocks.gate_up_block_n, "BLOCK_K": blocks.gate_up_block_k}
-        aligned = [name for name in sig if name not in ("num_pairs", "s_stride_n")]  # 56 scale columns
+        aligned = [
+            name for name in sig if name not in ("num_pairs", "s_stride_n", "limit")
+        ]  # 56 scale columns
         spills[f"gate_up/{num_tokens}"] = _sm90_spill_bytes(
             _gate_up_silu_kernel, sig, consts, aligned, blocks.num_warps
         )
