@@ -74,6 +74,7 @@ class ColocatedEngine:
             guides = GuidedRows(GrammarCompiler(tokenizer, cfg.vocab_size), tokenizer.eos_token_id)
         self.pool: KVPool | None = None
         self.runner: ModelRunner | V4Runner
+        prefix_caching = config.enable_prefix_caching
         if isinstance(model, DeepseekV4):
             page_size = v4_page_size(model.cfg, config.page_size)
             num_pages = config.num_pages or v4_pages_for_bytes(
@@ -82,9 +83,8 @@ class ColocatedEngine:
                 model.dtype.itemsize,
                 config.kv_pool_bytes,
                 config.max_num_seqs,
-                window_on_pages=config.enable_prefix_caching,
+                window_on_pages=prefix_caching,
             )
-            prefix_caching = config.enable_prefix_caching
             self.runner = V4Runner(
                 model, lockstep, guides=guides, page_size=page_size if prefix_caching else None
             )
@@ -93,7 +93,6 @@ class ColocatedEngine:
             num_pages = config.num_pages or KVPool.pages_for_bytes(
                 model.cfg, page_size, model.dtype, config.kv_pool_bytes
             )
-            prefix_caching = config.enable_prefix_caching
             self.pool = KVPool(model.cfg, num_pages, page_size, model.dtype, model.device)
             self.runner = ModelRunner(model, self.pool, lockstep, guides=guides)
         self.scheduler = Scheduler(

@@ -229,23 +229,20 @@ def held_out_bits(model: torch.nn.Module, data: torch.Tensor, settings: TrainSet
     return total / settings.eval_batches / math.log(2)
 
 
-def train_demo(
-    out_dir: Path | str,
-    corpus: Path | str = DEMO_CORPUS,
-    settings: TrainSettings | None = None,
+def train_model(
+    model: torch.nn.Module,
+    corpus: Path | str,
+    settings: TrainSettings,
+    out_dir: Path,
     log: Callable[[str], None] | None = None,
-) -> TrainResult:
-    """Train the tiny model on ``corpus`` and write its checkpoint to ``out_dir``: ``config.json``
-    and ``model.safetensors`` (float32) by ``make_tiny``'s ``write_checkpoint``, the tokenizer files
-    by its ``write_tokenizer``. Files of those names in ``out_dir`` are replaced; others are left."""
-    settings = settings or TrainSettings()
+) -> tuple[TrainResult, torch.Tensor, torch.Tensor]:
+    """Train a freshly initialised transformers model on ``corpus`` (the batches, optimizer,
+    schedule, clip and expert balancing above); its result and the corpus's two parts."""
     corpus = Path(corpus)
     if not corpus.is_file():
         raise FileNotFoundError(f"--corpus: {corpus} is not a file")
-    model = tiny_hf_model(settings.seed)
     train_data, held_out = corpus_split(corpus)
     starts = _verse_starts(train_data, settings.seq_tokens)
-
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -253,7 +250,7 @@ def train_demo(
         lr=settings.lr,
         betas=(0.9, 0.95),
     )
-    result = TrainResult(Path(out_dir), initial_eval_bits=held_out_bits(model, held_out, settings))
+    result = TrainResult(out_dir, initial_eval_bits=held_out_bits(model, held_out, settings))
     balancer = _ExpertBalancer(model, settings.bias_update_rate)
     gen = torch.Generator().manual_seed(settings.seed)
     began = time.monotonic()
@@ -273,6 +270,21 @@ def train_demo(
             log(f"step {step}: loss {result.losses_bits[-1]:.3f} bits/byte, {time.monotonic() - began:.0f} s")
     result.wall_s = time.monotonic() - began
     result.eval_bits = held_out_bits(model, held_out, settings)
+    return result, train_data, held_out
+
+
+def train_demo(
+    out_dir: Path | str,
+    corpus: Path | str = DEMO_CORPUS,
+    settings: TrainSettings | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train the tiny model on ``corpus`` and write its checkpoint to ``out_dir``: ``config.json``
+    and ``model.safetensors`` (float32) by ``make_tiny``'s ``write_checkpoint``, the tokenizer files
+    by its ``write_tokenizer``. Files of those names in ``out_dir`` are replaced; others are left."""
+    settings = settings or TrainSettings()
+    model = tiny_hf_model(settings.seed)
+    result, train_data, held_out = train_model(model, corpus, settings, Path(out_dir), log)
     return _write(model, train_data, held_out, settings, result, log)
 
 

@@ -16,11 +16,9 @@ with a loss of its own, which this demo does not. It has no MTP layer (V4's is n
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,18 +26,7 @@ from typing import Any
 import torch
 
 from tandem.model.make_tiny import BOS_ID, EOS_ID, write_tokenizer
-from tandem.model.train_demo import (
-    DEMO_CORPUS,
-    TrainResult,
-    TrainSettings,
-    _batch,
-    _ExpertBalancer,
-    _lr_at,
-    _transformers,
-    _verse_starts,
-    corpus_split,
-    held_out_bits,
-)
+from tandem.model.train_demo import DEMO_CORPUS, TrainResult, TrainSettings, _transformers, train_model
 from tandem.model.v4.checkpoint import check_v4_model_dir
 from tandem.model.v4.tiny import tiny_v4_config_dict
 
@@ -68,41 +55,9 @@ def train_demo_v4(
     checked as Tandem checks any V4 directory, then renamed into place: never half-written; an
     existing ``out_dir`` is replaced)."""
     settings = settings or TrainSettings()
-    corpus = Path(corpus)
-    if not corpus.is_file():
-        raise FileNotFoundError(f"--corpus: {corpus} is not a file")
     model = tiny_hf_v4_model(settings.seed)
-    train_data, held_out = corpus_split(corpus)
-    starts = _verse_starts(train_data, settings.seq_tokens)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
-    out = Path(out_dir)
-    result = TrainResult(out, initial_eval_bits=held_out_bits(model, held_out, settings))
-    balancer = _ExpertBalancer(model, settings.bias_update_rate)
-    gen = torch.Generator().manual_seed(settings.seed)
-    began = time.monotonic()
-    model.train()
-    for step in range(settings.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, settings)
-        ids = _batch(train_data, starts, settings, gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        optimizer.step()
-        balancer.update()
-        result.losses_bits.append(float(loss.detach()) / math.log(2))
-        if log is not None and (step % 50 == 0 or step == settings.steps - 1):
-            log(f"step {step}: loss {result.losses_bits[-1]:.3f} bits/byte, {time.monotonic() - began:.0f} s")
-    result.wall_s = time.monotonic() - began
-    result.eval_bits = held_out_bits(model, held_out, settings)
-    _write(model, out)
+    result, _, _ = train_model(model, corpus, settings, Path(out_dir), log)
+    _write(model, result.out_dir)
     return result
 
 
