@@ -11,7 +11,7 @@ took, with the peaks of ``model/kernels/roofline.py`` for this GPU (the H200's o
 decode runs with the default tiles and with this GPU's tuned ones (``model/kernels/tuning.py``).
 Rows with a target (MLA decode at B=64 over 4,096 tokens: 0.6 of HBM bandwidth; the FP8 x FP8
 grouped expert GEMM: 0.5 of FP8 peak) say whether they met it; a missed target is a figure, not a
-failed check.
+failed check. DeepSeek-V4's kernels follow at V4-Flash shapes (``gpu_check_v4.py``).
 """
 
 from __future__ import annotations
@@ -160,10 +160,14 @@ class _Checks:
         nbytes: float = 0.0,
         flops: float = 0.0,
         target: float | None = None,
+        err: float | None = None,
     ) -> None:
-        outs = out if isinstance(out, tuple) else (out,)
-        refs = ref if isinstance(ref, tuple) else (ref,)
-        err = max(_rel_err(o, r) for o, r in zip(outs, refs, strict=True))
+        """A row: ``out`` against ``ref`` (the largest relative error of their tensors), or the
+        ``err`` given; ``fn`` timed."""
+        if err is None:
+            outs = out if isinstance(out, tuple) else (out,)
+            refs = ref if isinstance(ref, tuple) else (ref,)
+            err = max(_rel_err(o, r) for o, r in zip(outs, refs, strict=True))
         self.rows.append(Row(name, shape, err, _time(fn, self.device), nbytes, flops, target=target))
 
 
@@ -172,6 +176,9 @@ def check_all(s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Row]:
     _check_attention(checks)
     _check_pointwise(checks)
     _check_moe(checks)
+    from tandem.bench.gpu_check_v4 import V4_FLASH, V4_TINY, check_v4
+
+    check_v4(checks, V4_TINY if s == TINY else V4_FLASH)
     return checks.rows
 
 

@@ -158,3 +158,41 @@ class KernelBackend(ABC):
     ) -> torch.Tensor:
         """``x [..., K] @ dequant(weight [N, K])^T (+ bias)`` with ``weight`` FP8 and one
         ``scale_inv`` per ``block``; ``mode`` as in ``kernels/fp8.py``."""
+
+    @abstractmethod
+    def sparse_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """DeepSeek-V4 attention: ``q [T, H, D]`` over the rows of ``kv [N, D]`` each query row's
+        ``indices [T, K]`` name (``-1``: none; K = V), with a per-head ``sink [H]`` logit in the
+        softmax -> ``[T, H, D]`` (``kernels/v4_attention.py``)."""
+
+    @abstractmethod
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        k: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """CSA's indexer: each row's top ``k`` of its visible entries ``keys[starts[t] :
+        starts[t] + counts[t]]`` by ``sum_h weights[t, h] ReLU(q[t, h] . key) * scale``, exact
+        ties to the lowest index, ascending -> ``[T, k]`` int32 (``-1`` past a row's picks)."""
+
+    @abstractmethod
+    def compress_windows(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        ape: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        overlap: bool,
+        prev_kv: torch.Tensor | None,
+        prev_gate: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A V4 compressor's complete windows ``kv, gate [W, r, width]`` -> entries ``[W, dim]``
+        float32 (``kernels/v4_attention.compress_windows_torch``)."""

@@ -8,6 +8,11 @@ from tandem.model.kernels.mla_attention import decode_attention_torch, extend_at
 from tandem.model.kernels.moe import fused_experts_torch, grouped_topk_torch
 from tandem.model.kernels.norm import rms_norm_torch
 from tandem.model.kernels.rope import apply_rope_torch
+from tandem.model.kernels.v4_attention import (
+    compress_windows_torch,
+    indexer_topk_torch,
+    sparse_attention_torch,
+)
 
 
 class TorchBackend(KernelBackend):
@@ -20,3 +25,6 @@ class TorchBackend(KernelBackend):
     moe_route = staticmethod(grouped_topk_torch)
     moe_experts = staticmethod(fused_experts_torch)
     fp8_linear = staticmethod(fp8_linear_torch)
+    sparse_attention = staticmethod(sparse_attention_torch)
+    indexer_topk = staticmethod(indexer_topk_torch)
+    compress_windows = staticmethod(compress_windows_torch)

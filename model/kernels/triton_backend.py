@@ -17,6 +17,9 @@ from tandem.model.kernels.norm_triton import rms_norm_triton
 from tandem.model.kernels.rope_kv_store_triton import rope_kv_store_triton
 from tandem.model.kernels.rope_triton import apply_rope_triton
 from tandem.model.kernels.tuning import fused_gate_route_min_tokens
+from tandem.model.kernels.v4_attention_triton import sparse_attention_triton
+from tandem.model.kernels.v4_compress_triton import compress_windows_triton
+from tandem.model.kernels.v4_indexer_triton import indexer_topk_triton
 
 
 class TritonBackend(KernelBackend):
@@ -30,6 +33,9 @@ class TritonBackend(KernelBackend):
     moe_route = staticmethod(grouped_topk_triton)
     moe_experts = staticmethod(fused_experts_triton)
     fp8_linear = staticmethod(fp8_linear_triton)
+    sparse_attention = staticmethod(sparse_attention_triton)
+    indexer_topk = staticmethod(indexer_topk_triton)
+    compress_windows = staticmethod(compress_windows_triton)
 
     def moe_gate_route(
         self,

@@ -15,6 +15,7 @@ compressors' states between forward calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from tandem.model.v4.config import CSA, V4Config
 from tandem.model.v4.hyper import unweighted_rms_norm
 from tandem.model.v4.indexer import Indexer
 from tandem.model.v4.rope import rotate_tail
+
+if TYPE_CHECKING:
+    from tandem.model.kernels.backend import KernelBackend
 
 
 @dataclass
@@ -92,9 +96,14 @@ class V4Attention(nn.Module):
         states: list[LayerState],
         cos: torch.Tensor,
         sin: torch.Tensor,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         """``x [T, D]``: the step's tokens, request after request (``query_lens`` each, with
-        their ``states``); ``cos, sin``: this layer's rope tables, whole."""
+        their ``states``); ``cos, sin``: this layer's rope tables, whole.
+
+        Each request's window keys and compressed entries go into one key buffer for the step,
+        and each query row gets the list of the buffer rows it sees; one ``sparse_attention``
+        call (and on CSA layers one ``indexer_topk``) serves the whole step."""
         cfg = self.cfg
         t, heads, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         c, s = cos[positions], sin[positions]
@@ -102,63 +111,120 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm((q_residual @ self.wq_b.t()).view(t, heads, hd), cfg.rms_norm_eps)
         q = rotate_tail(q, c, s)
         kv = rotate_tail(rms_norm(x @ self.wkv.t(), self.kv_norm, cfg.rms_norm_eps), c, s)
-        out = torch.empty_like(q)
+        step = _StepKeys()
         start = 0
         for n, state in zip(query_lens, states, strict=True):
             rows = slice(start, start + n)
-            out[rows] = self._request(
-                x[rows], q[rows], kv[rows], q_residual[rows], positions[rows], state, cos, sin
-            )
+            self._advance(step, state, x[rows], kv[rows], positions[rows], cos, sin, ops)
             start += n
+        indices = step.window_indices(positions, query_lens, cfg.sliding_window)
+        if self.compressor is not None:
+            if self.indexer is not None:
+                chosen = self.indexer.choose(
+                    x,
+                    q_residual,
+                    positions,
+                    cos,
+                    sin,
+                    step.index_keys(kv),
+                    step.rows(step.index_starts, query_lens, x.device),
+                    ops,
+                )
+            else:
+                chosen = _all_visible((positions + 1) // self.rate)
+            first = step.rows(step.entry_starts, query_lens, x.device)
+            indices = torch.cat([indices, torch.where(chosen >= 0, chosen + first[:, None], -1)], dim=1)
+        out = ops.sparse_attention(q, step.keys(kv), indices.to(torch.int32), self.attn_sink, hd**-0.5)
         out = rotate_tail(out, c, -s)
         groups = out.view(t, cfg.o_groups, heads * hd // cfg.o_groups).transpose(0, 1)  # [G, T, H * hd / G]
         wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
         grouped = torch.bmm(groups, wo_a.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, G * o_lora_rank]
         return grouped @ self.wo_b.t()
 
-    def _request(
+    def _advance(
         self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        q_residual: torch.Tensor,
-        positions: torch.Tensor,
+        step: _StepKeys,
         state: LayerState,
+        x: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """One request's new tokens: its attention output ``[n, H, hd]``; its state moves on."""
+        ops: KernelBackend,
+    ) -> None:
+        """One request's new tokens: its keys (window, then compressed entries) into ``step``;
+        its state moves on past them."""
         cfg = self.cfg
         past = state.window if state.window is not None else kv[:0]
         keys = torch.cat([past, kv])
-        key_pos = torch.arange(keys.shape[0], device=x.device) + (positions[0] - past.shape[0])
-        bias = torch.where(
-            (key_pos[None, :] <= positions[:, None])
-            & (key_pos[None, :] > positions[:, None] - cfg.sliding_window),
-            0.0,
-            float("-inf"),
-        )
+        step.add_window(keys, past.shape[0])
         keep = cfg.sliding_window - 1
         state.window = keys[max(keys.shape[0] - keep, 0) :] if keep else keys[:0]
         if state.keep_pages:
             state.open_page = kv if state.open_page is None else torch.cat([state.open_page, kv])
         if self.compressor is not None:
-            entries = self.compressor(state.compressor, x, cos, sin, kv.dtype)
-            visible = (
-                torch.arange(entries.shape[0], device=x.device)[None, :]
-                < ((positions + 1) // self.rate)[:, None]
-            )
-            if self.indexer is not None:
-                chosen = self.indexer(state.indexer, x, q_residual, positions, cos, sin)
-                # the chosen entries, and one column past the last for the "none" (-1) picks
-                picked = visible.new_zeros(visible.shape[0], visible.shape[1] + 1)
-                picked.scatter_(1, torch.where(chosen >= 0, chosen, visible.shape[1]), True)
-                visible = visible & picked[:, :-1]
-            keys = torch.cat([keys, entries])
-            bias = torch.cat([bias, torch.where(visible, 0.0, float("-inf"))], dim=1)
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * cfg.head_dim**-0.5 + bias[:, None, :]
-        sink = self.attn_sink.view(1, -1, 1).expand(logits.shape[0], -1, 1).to(logits.dtype)
-        combined = torch.cat([logits, sink], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.einsum("nhk,kd->nhd", probs, keys)
+            step.add_entries(self.compressor(state.compressor, x, cos, sin, kv.dtype, ops))
+        if self.indexer is not None:
+            step.add_index_keys(self.indexer.keys(state.indexer, x, cos, sin, kv.dtype, ops))
+
+
+def _all_visible(visible: torch.Tensor) -> torch.Tensor:
+    """HCA: every complete window's entry, ``[T, max visible]`` (``-1`` past a row's)."""
+    width = int(visible.max()) if visible.numel() else 0
+    entries = torch.arange(width, device=visible.device)[None, :]
+    return torch.where(entries < visible[:, None], entries, -1)
+
+
+class _StepKeys:
+    """The step's key buffer: per request its window keys (the past ``sliding_window - 1`` and
+    its new tokens) then its compressed entries; and the step's indexer keys, request after
+    request. Offsets are kept per request and spread to its rows."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.index_parts: list[torch.Tensor] = []
+        self.window_starts: list[int] = []  # buffer row of the request's first window key
+        self.pasts: list[int] = []  # window keys before its first new token
+        self.entry_starts: list[int] = []
+        self.index_starts: list[int] = []
+        self.size = self.index_size = 0
+
+    def add_window(self, keys: torch.Tensor, past: int) -> None:
+        self.window_starts.append(self.size)
+        self.pasts.append(past)
+        self.parts.append(keys)
+        self.size += keys.shape[0]
+
+    def add_entries(self, entries: torch.Tensor) -> None:
+        self.entry_starts.append(self.size)
+        self.parts.append(entries)
+        self.size += entries.shape[0]
+
+    def add_index_keys(self, keys: torch.Tensor) -> None:
+        self.index_starts.append(self.index_size)
+        self.index_parts.append(keys)
+        self.index_size += keys.shape[0]
+
+    def keys(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.parts) if self.parts else like[:0]
+
+    def index_keys(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.index_parts) if self.index_parts else like[:0]
+
+    @staticmethod
+    def rows(per_request: list[int], query_lens: list[int], device: torch.device) -> torch.Tensor:
+        """A number per request, spread to its rows: ``[T]``."""
+        counts = torch.tensor(query_lens, dtype=torch.int64)
+        return torch.tensor(per_request, dtype=torch.int64).repeat_interleave(counts).to(device)
+
+    def window_indices(self, positions: torch.Tensor, query_lens: list[int], window: int) -> torch.Tensor:
+        """``[T, window]``: row ``t`` (a request's ``i``-th new token) sees its request's window
+        keys ``past + i - window + 1 .. past + i`` (``-1`` before the first)."""
+        device = positions.device
+        first = self.rows(self.window_starts, query_lens, device)
+        within = (
+            torch.cat([torch.arange(n, device=device) for n in query_lens]) if query_lens else positions[:0]
+        )
+        last = self.rows(self.pasts, query_lens, device) + within  # the row's own key, in its request
+        offsets = last[:, None] - window + 1 + torch.arange(window, device=device)[None, :]
+        return torch.where(offsets >= 0, offsets + first[:, None], -1)

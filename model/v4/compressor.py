@@ -17,11 +17,15 @@ visible to the query at position ``p`` once its window is complete: ``w < (p + 1
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tandem.model.v4.rope import rotate_tail
+
+if TYPE_CHECKING:
+    from tandem.model.kernels.backend import KernelBackend
 
 
 @dataclass
@@ -63,10 +67,11 @@ class Compressor(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         dtype: torch.dtype,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         """Take a request's next tokens ``x [n, D]``; its entries so far ``[E, dim]``.
         ``cos, sin`` are the compress rope's whole tables (entries rotate at their window's
-        first position)."""
+        first position); ``ops`` pools the complete windows (``compress_windows``)."""
         kv = x.float() @ self.wkv.t()
         gate = x.float() @ self.wgate.t()
         if state.buffer_kv is not None:
@@ -76,9 +81,12 @@ class Compressor(nn.Module):
         state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
         if usable:
             windows = usable // self.rate
-            new = self._compress(
-                state, kv[:usable].view(windows, self.rate, -1), gate[:usable].view(windows, self.rate, -1)
+            kv, gate = kv[:usable].view(windows, self.rate, -1), gate[:usable].view(windows, self.rate, -1)
+            new = ops.compress_windows(
+                kv, gate, self.ape, self.norm, self.eps, self.overlap, state.overlap_kv, state.overlap_gate
             )
+            if self.overlap:
+                self._keep_overlaps(state, kv, gate)
             positions = torch.arange(windows, device=x.device) * self.rate + state.count * self.rate
             new = rotate_tail(new.to(dtype), cos[positions], sin[positions])
             state.entries = new if state.entries is None else torch.cat([state.entries, new])
@@ -87,24 +95,17 @@ class Compressor(nn.Module):
             state.entries = torch.empty(0, self.dim, dtype=dtype, device=x.device)
         return state.entries
 
-    def _compress(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Complete windows ``kv, gate [W, rate, width]`` -> their entries ``[W, dim]`` (float32)."""
-        gate = gate + self.ape
-        if self.overlap:
-            d, r, w = self.dim, self.rate, kv.shape[0]
-            slots_kv = kv.new_zeros(w, 2 * r, d)
-            slots_gate = gate.new_full((w, 2 * r, d), float("-inf"))
-            slots_kv[:, r:], slots_gate[:, r:] = kv[..., d:], gate[..., d:]
-            slots_kv[1:, :r], slots_gate[1:, :r] = kv[:-1, :, :d], gate[:-1, :, :d]
-            if state.overlap_kv is not None:
-                assert state.overlap_gate is not None
-                slots_kv[0, :r], slots_gate[0, :r] = state.overlap_kv, state.overlap_gate
-            state.overlap_kv, state.overlap_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
-            if state.page_size:
-                for j in range(w):
-                    end = (state.count + j + 1) * r
-                    if end % state.page_size == 0:
-                        state.boundary_overlaps[end] = (kv[j, :, :d].clone(), gate[j, :, :d].clone())
-            kv, gate = slots_kv, slots_gate
-        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
-        return pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + self.eps) * self.norm
+    def _keep_overlaps(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """The last complete window's ``Ca`` (KV, and gate with its ``ape``) for the next
+        window's entry; with pages kept, also each window's ending on a page boundary."""
+        d, r = self.dim, self.rate
+
+        def ca(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return kv[j, :, :d].clone(), gate[j, :, :d] + self.ape[:, :d]
+
+        state.overlap_kv, state.overlap_gate = ca(kv.shape[0] - 1)
+        if state.page_size:
+            per_page = state.page_size // r
+            first = -(state.count + 1) % per_page  # the first new window ending on a boundary
+            for j in range(first, kv.shape[0], per_page):
+                state.boundary_overlaps[(state.count + j + 1) * r] = ca(j)

@@ -8,9 +8,14 @@ Ties go to the lowest entry index. Entries whose every head is clipped by the Re
 0.0, so ties are common (on small models most valid scores may be 0); a top-k that breaks them
 by the shape of the score matrix (``torch.topk`` on a whole prompt, a chunk and one decode row
 each pick differently) makes a request's tokens depend on how it was split into steps. A stable
-descending sort keeps the lowest index among equal scores whatever the split."""
+descending sort keeps the lowest index among equal scores whatever the split. The kernel
+backend's ``indexer_topk`` scores and selects (``kernels/v4_attention.py``, and a Triton top-k that
+is stable by construction); this module holds the indexer's weights, its compressor and its
+queries."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,14 +23,8 @@ from torch import nn
 from tandem.model.v4.compressor import Compressor, CompressorState
 from tandem.model.v4.rope import rotate_tail
 
-
-def top_entries(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """``scores [n, E]`` and ``visible [n, E]`` -> ``[n, min(k, E)]`` entry indices, the highest
-    scores first and the lowest index among equal ones; ``-1`` where fewer than ``k`` entries
-    are visible."""
-    masked = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, : min(k, scores.shape[-1])]
-    return torch.where(visible.gather(1, order), order, torch.full_like(order, -1))
+if TYPE_CHECKING:
+    from tandem.model.kernels.backend import KernelBackend
 
 
 class Indexer(nn.Module):
@@ -49,25 +48,37 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Parameter(torch.empty(heads, hidden, device=device), requires_grad=False)
         self.compressor = Compressor(hidden, head_dim, rate, True, eps, device)
 
-    def forward(
+    def keys(
         self,
         state: CompressorState,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dtype: torch.dtype,
+        ops: KernelBackend,
+    ) -> torch.Tensor:
+        """A request's next tokens ``x [n, D]`` -> its indexer keys so far ``[E, head_dim]``."""
+        return self.compressor(state, x, cos, sin, dtype, ops)
+
+    def choose(
+        self,
         x: torch.Tensor,
         q_residual: torch.Tensor,
         positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        keys: torch.Tensor,
+        starts: torch.Tensor,
+        ops: KernelBackend,
     ) -> torch.Tensor:
-        """A request's next tokens ``x [n, D]`` (their query residual ``[n, q_lora_rank]``, their
-        ``positions [n]``) -> the entries each may attend to, ``[n, <= topk]`` (``-1``: none)."""
-        keys = self.compressor(state, x, cos, sin, q_residual.dtype)
-        n = x.shape[0]
-        q = (q_residual @ self.wq_b.t()).view(n, self.heads, self.head_dim)
+        """The step's tokens ``x [T, D]`` (their query residual, ``positions [T]``), the step's
+        indexer keys ``keys [N, head_dim]`` with each row's request's first at ``starts [T]`` ->
+        the entries each row may attend to, ``[T, <= topk]`` (relative to its request's first;
+        ascending; ``-1``: none). A row sees the entries whose window is complete."""
+        t = x.shape[0]
+        q = (q_residual @ self.wq_b.t()).view(t, self.heads, self.head_dim)
         q = rotate_tail(q, cos[positions], sin[positions])
-        scores = torch.relu(q.float() @ keys.float().t()) * self.head_dim**-0.5  # [n, H, E]
-        weights = (x.float() @ self.weights_proj.t()) * self.heads**-0.5  # [n, H]
-        total = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
-        visible = (
-            torch.arange(keys.shape[0], device=x.device)[None, :] < ((positions + 1) // self.rate)[:, None]
-        )
-        return top_entries(total, visible, self.topk)
+        weights = (x.float() @ self.weights_proj.t()) * self.heads**-0.5  # [T, H]
+        counts = (positions + 1) // self.rate
+        k = min(self.topk, int(counts.max())) if t else 0
+        return ops.indexer_topk(q, weights, keys, starts, counts, k, self.head_dim**-0.5)

@@ -116,6 +116,7 @@ class DeepseekV4(nn.Module):
                 per_request,
                 cos,
                 sin,
+                self.ops,
             )
             streams = spread(post, comb, out, streams)
             post, comb, collapsed = layer.hc_ffn(streams)

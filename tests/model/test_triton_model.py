@@ -74,5 +74,12 @@ def test_gpu_check_runs_on_tiny_shapes(capsys: pytest.CaptureFixture[str]) -> No
         "moe_gate_route_two_steps",
         "moe_experts",
         "moe_experts_clipped",
+        "v4_sparse_attention_decode",
+        "v4_sparse_attention_prefill",
+        "v4_indexer_topk_decode",
+        "v4_indexer_topk_prefill",
+        "v4_compress_csa",
+        "v4_compress_indexer",
+        "v4_compress_hca",
     ):
         assert f"| {kernel} " in table

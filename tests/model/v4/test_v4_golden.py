@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.model.v4 import indexer
+from tandem.model.kernels import v4_attention as indexer
+from tandem.model.kernels.registry import get_backend
 from tandem.model.v4.config import CSA, HCA, SLIDING, V4Config
 from tandem.model.v4.model import DeepseekV4
 from tests.hf_v4_reference import (
@@ -157,3 +158,21 @@ def test_the_command_writes_a_v4_that_transformers_and_tandem_load_alike(tmp_pat
         want = hf_v4(tmp_path / "v4")(torch.tensor([ids])).logits[0]
     assert (tandem_logits(tandem, ids, len(ids)) - want).abs().max() < 1e-4
     assert main(["model", "make-tiny", str(tmp_path / "v4m"), "--arch", "deepseek_v4", "--mtp"]) == 2
+
+
+def test_the_triton_kernels_give_transformers_tokens_through_every_layer_kind(models: dict[str, Any]) -> None:
+    """The sparse model with the Triton backend (Triton's interpreter here): the V4 attention,
+    the indexer's stable top-k and the compressor as kernels, against transformers under the
+    lowest-index rule: a 64-token prompt (16 CSA entries for a top-3, 4 HCA entries, windows of
+    8) and a 17-token one, 10 new tokens each (past two more CSA windows). (The split into
+    calls changes only the index lists, built as on the torch path; the kernels' rows are
+    checked one by one in ``tests/model/kernels/test_v4_kernels.py``.)"""
+    tandem, hf = models["sparse"]
+    torch_ops = tandem.ops
+    tandem.ops = get_backend("cpu", "triton")
+    try:
+        with lowest_index_ties():
+            for prompt in (PROMPTS[2], PROMPTS[1]):
+                assert tandem_greedy(tandem, prompt, 10) == hf_greedy(hf, prompt, 10), len(prompt)
+    finally:
+        tandem.ops = torch_ops
