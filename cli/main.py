@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="B",
-        help="write it in DeepSeek-V3's FP8 format with B x B block scales (the release uses 128)",
+        help="write it in DeepSeek's FP8 format (V3's or V4's) with B x B block scales (releases use 128)",
     )
     demo = model.add_parser("train-demo", help="train the tiny model on English text (the default model)")
     demo.add_argument("dir", type=Path, help="where to write the checkpoint (the committed one: model/demo)")

@@ -26,7 +26,7 @@ from tandem.model.config import ModelConfig, expected_mtp_tensor_shapes, expecte
 from tandem.model.kernels.fp8 import quantize_fp8_block
 from tandem.model.tokenizer import byte_level_alphabet
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.tiny import tiny_v4_config_dict, tiny_v4_weights
+from tandem.model.v4.tiny import quantize_like_deepseek_v4, tiny_v4_config_dict, tiny_v4_weights
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -266,8 +266,8 @@ def make_tiny_checkpoint(
     **overrides: Any,
 ) -> Path:
     """Write the tiny checkpoint for ``seed`` (config fields changed by ``overrides``) to ``out_dir``;
-    with ``fp8_block``, in DeepSeek-V3's FP8 format with scales of that block size. ``arch``
-    ``deepseek_v4``: a tiny DeepSeek-V4 (``model/v4/tiny.py``) instead, unquantised.
+    with ``fp8_block``, in DeepSeek's FP8 format with scales of that block size. ``arch``
+    ``deepseek_v4``: a tiny DeepSeek-V4 (``model/v4/tiny.py``) instead.
 
     The files are written to a temporary directory beside ``out_dir`` and renamed into place, so
     ``out_dir`` is never half-written. If ``out_dir`` already holds the identical checkpoint this
@@ -280,7 +280,10 @@ def make_tiny_checkpoint(
         config_dict, tensors = _tiny_files(arch, seed, fp8_block, overrides)
         if fp8_block is not None:
             config_dict["quantization_config"] = fp8_quantization_config(fp8_block)
-            tensors = quantize_like_deepseek(tensors, fp8_block)
+            if arch == "deepseek_v4":
+                tensors = quantize_like_deepseek_v4(V4Config.from_dict(config_dict), tensors)
+            else:
+                tensors = quantize_like_deepseek(tensors, fp8_block)
         write_checkpoint(staging, config_dict, tensors)
         write_tokenizer(staging)
         if out_dir.exists() and any(out_dir.iterdir()):
@@ -304,8 +307,6 @@ def _tiny_files(
     arch: str, seed: int, fp8_block: tuple[int, int] | None, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if arch == "deepseek_v4":
-        if fp8_block is not None:
-            raise ValueError("--fp8-block: a tiny DeepSeek-V4 is written unquantised")
         config_dict = tiny_v4_config_dict(BOS_ID, EOS_ID, **overrides)
         return config_dict, tiny_v4_weights(V4Config.from_dict(config_dict), seed)
     if arch != "deepseek_v3":

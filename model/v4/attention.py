@@ -24,6 +24,7 @@ from tandem.model.v4.compressor import Compressor, CompressorState
 from tandem.model.v4.config import CSA, V4Config
 from tandem.model.v4.hyper import unweighted_rms_norm
 from tandem.model.v4.indexer import Indexer
+from tandem.model.v4.projection import Projections, add_weight
 from tandem.model.v4.rope import rotate_tail
 
 if TYPE_CHECKING:
@@ -62,13 +63,23 @@ class V4Attention(nn.Module):
                 requires_grad=False,
             )
 
-        self.wq_a = param(cfg.q_lora_rank, h)
+        block = cfg.quant_block_size
+        if block and cfg.o_lora_rank % block[0]:
+            raise ValueError(
+                f"o_lora_rank {cfg.o_lora_rank} is not a multiple of the FP8 block's {block[0]} rows: "
+                "the grouped output projection's groups would share scale blocks"
+            )
+        self.proj = Projections(block)
+        for name, out_dim, in_dim in (
+            ("wq_a", cfg.q_lora_rank, h),
+            ("wq_b", heads * hd, cfg.q_lora_rank),
+            ("wkv", hd, h),
+            ("wo_a", cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups),
+            ("wo_b", h, cfg.o_groups * cfg.o_lora_rank),
+        ):
+            add_weight(self, name, out_dim, in_dim, dtype, device, block)
         self.q_norm = param(cfg.q_lora_rank, float32=True)
-        self.wq_b = param(heads * hd, cfg.q_lora_rank)
-        self.wkv = param(hd, h)
         self.kv_norm = param(hd, float32=True)
-        self.wo_a = param(cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups)
-        self.wo_b = param(h, cfg.o_groups * cfg.o_lora_rank)
         self.attn_sink = param(heads, float32=True)
         eps = cfg.rms_norm_eps
         self.compressor = Compressor(h, hd, self.rate, self.kind == CSA, eps, device) if self.rate else None
@@ -83,6 +94,7 @@ class V4Attention(nn.Module):
                 eps,
                 dtype,
                 device,
+                block,
             )
             if self.kind == CSA
             else None
@@ -107,10 +119,11 @@ class V4Attention(nn.Module):
         cfg = self.cfg
         t, heads, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         c, s = cos[positions], sin[positions]
-        q_residual = rms_norm(x @ self.wq_a.t(), self.q_norm, cfg.rms_norm_eps)
-        q = unweighted_rms_norm((q_residual @ self.wq_b.t()).view(t, heads, hd), cfg.rms_norm_eps)
+        proj = self.proj
+        q_residual = rms_norm(proj(self, "wq_a", x, ops), self.q_norm, cfg.rms_norm_eps)
+        q = unweighted_rms_norm(proj(self, "wq_b", q_residual, ops).view(t, heads, hd), cfg.rms_norm_eps)
         q = rotate_tail(q, c, s)
-        kv = rotate_tail(rms_norm(x @ self.wkv.t(), self.kv_norm, cfg.rms_norm_eps), c, s)
+        kv = rotate_tail(rms_norm(proj(self, "wkv", x, ops), self.kv_norm, cfg.rms_norm_eps), c, s)
         step = _StepKeys()
         start = 0
         for n, state in zip(query_lens, states, strict=True):
@@ -137,9 +150,8 @@ class V4Attention(nn.Module):
         out = ops.sparse_attention(q, step.keys(kv), indices.to(torch.int32), self.attn_sink, hd**-0.5)
         out = rotate_tail(out, c, -s)
         groups = out.view(t, cfg.o_groups, heads * hd // cfg.o_groups).transpose(0, 1)  # [G, T, H * hd / G]
-        wo_a = self.wo_a.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        grouped = torch.bmm(groups, wo_a.transpose(1, 2)).transpose(0, 1).flatten(1)  # [T, G * o_lora_rank]
-        return grouped @ self.wo_b.t()
+        grouped = proj.grouped(self, "wo_a", groups, cfg.o_groups, ops).transpose(0, 1).flatten(1)
+        return proj(self, "wo_b", grouped, ops)  # from [T, G * o_lora_rank]
 
     def _advance(
         self,

@@ -4,8 +4,10 @@ read one tensor at a time.
 Names are compared in DeepSeek's spelling (``model/v4/names.py``: transformers' ``model.``
 prefix and its names of the top-level tensors are the same tensors). Every problem is listed in
 one line naming the directory: a missing tensor with its expected shape, one of no parameter,
-one of the wrong shape or dtype (``tid2eid`` integers, every other tensor floats). The MTP
-layer's tensors (``mtp.*``) are not loaded yet and pass unchecked."""
+one of the wrong shape or dtype (``tid2eid`` integers; in an FP8 checkpoint its FP8 weights
+``F8_E4M3`` and their block scales ``F32`` or ``F8_E8M0``, DeepSeek's power-of-two scales, read
+as float32; every other tensor floats). The MTP layer's tensors (``mtp.*``) are not loaded yet
+and pass unchecked."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from safetensors import safe_open
 
 from tandem.model.checkpoint import CheckpointError, TensorEntry, read_headers
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.names import canonical_name, expected_v4_tensor_shapes, parameter_for
+from tandem.model.v4.names import canonical_name, expected_v4_tensor_shapes, is_fp8_weight, parameter_for
 
 _FLOATS = ("F32", "BF16", "F16")
 _INTEGERS = ("I64", "I32")
+_FP8 = ("F8_E4M3",)
+_SCALES = ("F32", "F8_E8M0")
 _LISTED = 10
 
 
@@ -30,6 +34,11 @@ def check_v4_model_dir(model_dir: Path | str) -> V4Config:
 
     model_dir = Path(model_dir)
     cfg = V4Config.from_dir(model_dir)
+    if cfg.expert_dtype == "fp4":
+        raise CheckpointError(
+            model_dir,
+            "routed experts in FP4 (expert_dtype fp4) are not loaded yet: FP8 or unquantised experts are",
+        )
     Tokenizer.from_dir(model_dir)
     _problems(model_dir, read_headers(model_dir), cfg)
     return cfg
@@ -51,7 +60,18 @@ def iter_v4_checkpoint(
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                yield name, handle.get_tensor(name)
+                tensor = handle.get_tensor(name)
+                yield name, tensor.float() if tensor.dtype == torch.float8_e8m0fnu else tensor
+
+
+def _allowed_dtypes(canonical: str, cfg: V4Config) -> tuple[str, ...]:
+    if canonical.endswith("tid2eid"):
+        return _INTEGERS
+    if is_fp8_weight(canonical, cfg):
+        return _FP8
+    if cfg.quant_block_size is not None and canonical.startswith("layers.") and canonical.endswith(".scale"):
+        return _SCALES
+    return _FLOATS
 
 
 def _problems(model_dir: Path, entries: dict[str, TensorEntry], cfg: V4Config) -> None:
@@ -69,7 +89,7 @@ def _problems(model_dir: Path, entries: dict[str, TensorEntry], cfg: V4Config) -
         seen.add(canonical)
         if entry.shape != shape:
             problems.append(f"tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
-        allowed = _INTEGERS if canonical.endswith("tid2eid") else _FLOATS
+        allowed = _allowed_dtypes(canonical, cfg)
         if entry.dtype not in allowed:
             problems.append(f"tensor {name!r} has dtype {entry.dtype}, expected {' or '.join(allowed)}")
     problems += [

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tandem.model.v4.compressor import Compressor, CompressorState
+from tandem.model.v4.projection import Projections, add_weight
 from tandem.model.v4.rope import rotate_tail
 
 if TYPE_CHECKING:
@@ -39,12 +40,12 @@ class Indexer(nn.Module):
         eps: float,
         dtype: torch.dtype,
         device: torch.device | str,
+        block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.rate, self.topk = heads, head_dim, rate, topk
-        self.wq_b = nn.Parameter(
-            torch.empty(heads * head_dim, q_lora_rank, dtype=dtype, device=device), requires_grad=False
-        )
+        self.proj = Projections(block)
+        add_weight(self, "wq_b", heads * head_dim, q_lora_rank, dtype, device, block)
         self.weights_proj = nn.Parameter(torch.empty(heads, hidden, device=device), requires_grad=False)
         self.compressor = Compressor(hidden, head_dim, rate, True, eps, device)
 
@@ -76,7 +77,7 @@ class Indexer(nn.Module):
         the entries each row may attend to, ``[T, <= topk]`` (relative to its request's first;
         ascending; ``-1``: none). A row sees the entries whose window is complete."""
         t = x.shape[0]
-        q = (q_residual @ self.wq_b.t()).view(t, self.heads, self.head_dim)
+        q = self.proj(self, "wq_b", q_residual, ops).view(t, self.heads, self.head_dim)
         q = rotate_tail(q, cos[positions], sin[positions])
         weights = (x.float() @ self.weights_proj.t()) * self.heads**-0.5  # [T, H]
         counts = (positions + 1) // self.rate

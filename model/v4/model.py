@@ -151,10 +151,11 @@ class DeepseekV4(nn.Module):
             if param is None:
                 raise ValueError(f"tensor {name}: the model has no parameter {param_name}")
             dst: torch.Tensor = param if expert is None else param[expert - self.experts.start]
+            split = dst.shape[0] // 2 if param_name.endswith("_scale") else inter  # gate rows, then up
             if rows == "gate":
-                dst = dst[:inter]
+                dst = dst[:split]
             elif rows == "up":
-                dst = dst[inter:]
+                dst = dst[split:]
             if dst.shape != tensor.shape:
                 raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor.to(dst.dtype))

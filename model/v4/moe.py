@@ -12,8 +12,10 @@ from torch import nn
 
 from tandem.model.expert_dispatch import ExpertDispatcher, Routed
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp8 import FP8_DTYPE, scale_shape
 from tandem.model.kernels.moe import ExpertScales
 from tandem.model.v4.config import V4Config
+from tandem.model.v4.projection import Projections, add_weight
 
 
 def score(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -32,7 +34,8 @@ class V4MoE(nn.Module):
     """Routed experts ``first_expert ..`` (``w_gate_up [E, 2I, D]``: gate rows then up rows,
     ``w_down [E, D, I]``) and the shared expert (``w1``, ``w3`` gate and up, ``w2`` down). The
     routed experts run where an :class:`~tandem.model.expert_dispatch.ExpertDispatcher` puts
-    them, clipped (``swiglu_limit``) by the kernel backend's ``moe_experts``."""
+    them, clipped (``swiglu_limit``) by the kernel backend's ``moe_experts``. From an FP8
+    checkpoint every one of them stays FP8 with its block scales."""
 
     def __init__(
         self, cfg: V4Config, layer: int, dtype: torch.dtype, device: torch.device | str, experts: range
@@ -50,9 +53,15 @@ class V4MoE(nn.Module):
             self.tid2eid = param(cfg.vocab_size, cfg.num_experts_per_tok, dt=torch.int64)
         else:
             self.gate_bias = param(cfg.n_routed_experts, dt=torch.float32)
-        self.w_gate_up = param(e, 2 * inter, h)
-        self.w_down = param(e, h, inter)
-        self.w1, self.w3, self.w2 = param(inter, h), param(inter, h), param(h, inter)
+        block = self.block = cfg.quant_block_size
+        self.proj = Projections(block)
+        self.w_gate_up = param(e, 2 * inter, h, dt=FP8_DTYPE if block else dtype)
+        self.w_down = param(e, h, inter, dt=FP8_DTYPE if block else dtype)
+        if block:  # gate's scale rows then up's, as the stack holds them
+            self.w_gate_up_scale = param(e, 2 * -(-inter // block[0]), -(-h // block[1]), dt=torch.float32)
+            self.w_down_scale = param(e, *scale_shape(h, inter, block), dt=torch.float32)
+        for name, out_dim, in_dim in (("w1", inter, h), ("w3", inter, h), ("w2", h, inter)):
+            add_weight(self, name, out_dim, in_dim, dtype, device, block)
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] float32, expert ids [T, k])``."""
@@ -68,7 +77,11 @@ class V4MoE(nn.Module):
 
     @property
     def expert_scales(self) -> ExpertScales | None:
-        return None  # the routed experts in the activation dtype (FP4/FP8 resident: not yet)
+        """FP8 experts' block scales (dequantised per tile: clipped experts take no FP8
+        activations), or ``None``."""
+        if self.block is None:
+            return None
+        return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.block, "dequant")
 
     @property
     def swiglu_limit(self) -> float:
@@ -86,6 +99,6 @@ class V4MoE(nn.Module):
             weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
             ids = torch.empty((0, k), dtype=torch.int64, device=x.device)
         out = dispatcher.routed_experts(self, Routed(x, weights, ids), ops)
-        limit = self.cfg.swiglu_limit
-        shared = clipped_swiglu(x @ self.w1.t(), x @ self.w3.t(), limit) @ self.w2.t()
-        return out + shared
+        limit, proj = self.cfg.swiglu_limit, self.proj
+        shared = clipped_swiglu(proj(self, "w1", x, ops), proj(self, "w3", x, ops), limit)
+        return out + proj(self, "w2", shared, ops)

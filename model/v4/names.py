@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from tandem.model.kernels.fp8 import scale_shape
 from tandem.model.v4.config import CSA, V4Config
 
 # top-level names -> parameters, every spelling
@@ -52,6 +53,19 @@ _LAYER = {
     "ffn.shared_experts.w2.weight": "ffn.w2",
     "ffn.shared_experts.w3.weight": "ffn.w3",
 }
+# the projections an FP8 checkpoint holds in FP8 (each with its block scales); the compressors',
+# the indexer's head weights and the router stay as they are
+_FP8_LAYER_WEIGHTS = (
+    "attn.wq_a.weight",
+    "attn.wq_b.weight",
+    "attn.wkv.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "attn.indexer.wq_b.weight",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+)
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -64,13 +78,31 @@ def canonical_name(name: str) -> str:
     top |= {f"hc_head.hc_{w}": f"hc_head_{w}" for w in ("fn", "base", "scale")}
     if bare in top:
         return top[bare]
+    if bare.endswith(".weight_scale_inv"):  # transformers' spelling of an FP8 weight's scales
+        bare = bare.removesuffix(".weight_scale_inv") + ".scale"
     return bare.replace(".attn.kv_norm.", ".attn.norm.")
+
+
+def is_fp8_weight(name: str, cfg: V4Config) -> bool:
+    """Whether an FP8 checkpoint of ``cfg`` holds tensor ``name`` (DeepSeek's spelling) in FP8,
+    with its block scales in ``<module>.scale``."""
+    if cfg.quant_block_size is None:
+        return False
+    match = _LAYER_NAME.match(name)
+    if match is None:
+        return False
+    rest = match.group(2)
+    return rest in _FP8_LAYER_WEIGHTS or _EXPERT.match(rest) is not None
 
 
 def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None] | None:
     """Where checkpoint tensor ``name`` goes: ``(parameter, routed expert or None, "gate"/"up"
     rows of the expert's stacked gate/up, or None)``; ``None`` for a name of no parameter."""
-    bare = name.removeprefix("model.")
+    bare = canonical_name(name) if name.endswith(".weight_scale_inv") else name.removeprefix("model.")
+    if bare.endswith(".scale") and bare.startswith("layers."):  # an FP8 weight's block scales
+        weight = bare.removesuffix(".scale") + ".weight"
+        of = parameter_for(weight, cfg) if is_fp8_weight(weight, cfg) else None
+        return None if of is None else (of[0] + "_scale", of[1], of[2])
     if bare in _TOP:
         return _TOP[bare], None, None
     match = _LAYER_NAME.match(bare)
@@ -91,7 +123,8 @@ def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None
 
 def expected_v4_tensor_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
     """Every tensor a V4 checkpoint holds (the MTP layer aside), by DeepSeek's name, with its
-    shape; ``tid2eid`` holds integers, every other tensor floats."""
+    shape; ``tid2eid`` holds integers, every other tensor floats. An FP8 checkpoint's FP8
+    weights (:func:`is_fp8_weight`) each have their block scales, ``<module>.scale``."""
     h, v, hd, heads = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
     n = cfg.hc_mult
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
@@ -136,6 +169,13 @@ def expected_v4_tensor_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
     shapes |= {"norm.weight": (h,), "hc_head_fn": (n, n * h), "hc_head_base": (n,), "hc_head_scale": (1,)}
     if not cfg.tie_word_embeddings:
         shapes["head.weight"] = (v, h)
+    if cfg.quant_block_size is not None:
+        block = cfg.quant_block_size
+        shapes |= {
+            name.removesuffix(".weight") + ".scale": scale_shape(shape[0], shape[1], block)
+            for name, shape in shapes.items()
+            if is_fp8_weight(name, cfg)
+        }
     return shapes
 
 

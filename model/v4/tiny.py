@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from tandem.model.kernels.fp8 import quantize_fp8_block
 from tandem.model.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, V4Config
-from tandem.model.v4.names import expected_v4_tensor_shapes
+from tandem.model.v4.names import expected_v4_tensor_shapes, is_fp8_weight
 
 TINY_V4_CONFIG: dict[str, Any] = {
     "vocab_size": 258,
@@ -93,3 +94,19 @@ def tiny_v4_weights(cfg: V4Config, seed: int) -> dict[str, torch.Tensor]:
         else:
             tensors[name] = 1.5 / shape[-1] ** 0.5 * noise
     return tensors
+
+
+def quantize_like_deepseek_v4(cfg: V4Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4's FP8 release format: each FP8 weight (``names.is_fp8_weight``: the attention's
+    projections, the indexer's query projection, the experts) in FP8 with its block scales under
+    ``<module>.scale``; everything else as it is."""
+    assert cfg.quant_block_size is not None
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if is_fp8_weight(name, cfg):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8_block(
+                tensor, cfg.quant_block_size
+            )
+        else:
+            out[name] = tensor
+    return out
