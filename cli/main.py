@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,7 +18,6 @@ from tandem.wire.request_params import Guide, GuideKind, InvalidRequestError, Sa
 
 if TYPE_CHECKING:
     from tandem.model.tokenizer import Tokenizer
-    from tandem.model.train_demo import TrainSettings
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch",
         choices=("deepseek_v3", "deepseek_v4"),
         default="deepseek_v3",
-        help="the tiny model trained (deepseek_v4: model/train_demo_v4.py; no MTP layer)",
+        help="the tiny model trained (deepseek_v4: model/train_demo_v4.py)",
     )
     demo.add_argument(
         "--mtp-steps", type=int, default=None, help="MTP layer steps after (default 600; 0: none)"
@@ -179,27 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _train_demo_v4(
-    args: argparse.Namespace, settings: TrainSettings, corpus: Path, log: Callable[[str], None]
-) -> int:
-    from tandem.model import train_demo as td
-    from tandem.model.train_demo_v4 import train_demo_v4
-
-    for flag in ("mtp_only", "mtp_steps"):
-        if getattr(args, flag):
-            raise CliError(f"--{flag.replace('_', '-')}: DeepSeek-V4's MTP layer is not built")
-    try:
-        result = train_demo_v4(args.dir, corpus, settings, log=log)
-    except td.TrainingDependencyMissing as exc:
-        raise CliError(str(exc)) from exc
-    emit(
-        f"wrote the DeepSeek-V4 demo checkpoint to {result.out_dir}: {settings.steps} steps in "
-        f"{result.wall_s:.0f} s, held-out loss {result.initial_eval_bits:.2f} -> {result.eval_bits:.2f} "
-        "bits per character"
-    )
-    return 0
-
-
 def _train_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -220,13 +198,13 @@ def _train_demo(args: argparse.Namespace) -> int:
     if args.mtp_only and not (args.dir / "config.json").is_file():
         raise CliError(f"--mtp-only: {args.dir} holds no checkpoint (config.json)")
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    full, mtp_only, what = td.train_demo, td.train_demo_mtp, "the demo checkpoint"
     if args.arch == "deepseek_v4":
-        return _train_demo_v4(args, settings, corpus, log)
+        from tandem.model.train_demo_v4 import train_demo_v4, train_demo_v4_mtp
+
+        full, mtp_only, what = train_demo_v4, train_demo_v4_mtp, "the DeepSeek-V4 demo checkpoint"
     try:
-        if args.mtp_only:
-            result = td.train_demo_mtp(args.dir, corpus, settings, log=log)
-        else:
-            result = td.train_demo(args.dir, corpus, settings, log=log)
+        result = (mtp_only if args.mtp_only else full)(args.dir, corpus, settings, log=log)
     except td.TrainingDependencyMissing as exc:
         raise CliError(str(exc)) from exc
     if settings.mtp_steps:
@@ -235,10 +213,10 @@ def _train_demo(args: argparse.Namespace) -> int:
             f"loss {result.mtp_eval_bits:.2f} bits per character"
         )
     if args.mtp_only:
-        emit(f"wrote the demo checkpoint to {result.out_dir}, its model's weights as they were")
+        emit(f"wrote {what} to {result.out_dir}, its model's weights as they were")
         return 0
     emit(
-        f"wrote the demo checkpoint to {result.out_dir}: {settings.steps} steps in {result.wall_s:.0f} s, "
+        f"wrote {what} to {result.out_dir}: {settings.steps} steps in {result.wall_s:.0f} s, "
         f"held-out loss {result.initial_eval_bits:.2f} -> {result.eval_bits:.2f} bits per character"
     )
     return 0
@@ -250,8 +228,6 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
         from tandem.model.make_tiny import make_tiny_checkpoint
 
-        if args.mtp and args.arch == "deepseek_v4":
-            raise InvalidRequestError("--mtp", "a tiny DeepSeek-V4 has no MTP layer yet")
         extra = {"num_nextn_predict_layers": 1} if args.mtp else {}
         block = (args.fp8_block, args.fp8_block) if args.fp8_block else None
         try:

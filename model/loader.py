@@ -38,13 +38,9 @@ def load_model(
 ) -> AnyModel:
     model_dir = Path(model_dir)
     if is_v4_dir(model_dir):
-        if mtp:
-            raise ValueError(
-                f"{model_dir}: DeepSeek-V4's MTP layer is not built: serve it without MTP drafts"
-            )
-        v4 = check_v4_model_dir(model_dir)
-        model4 = DeepseekV4(v4, dtype, device, experts=experts, dispatcher=dispatcher)
-        model4.load_weights(iter_v4_checkpoint(model_dir, v4, experts))
+        v4 = check_v4_model_dir(model_dir, mtp)
+        model4 = DeepseekV4(v4, dtype, device, experts=experts, dispatcher=dispatcher, mtp=mtp)
+        model4.load_weights(iter_v4_checkpoint(model_dir, v4, experts, mtp))
         return model4
     cfg = ModelConfig.from_dir(model_dir)
     model = DeepseekV3(cfg, dtype, device, experts=experts, dispatcher=dispatcher, mtp=mtp)

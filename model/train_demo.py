@@ -393,16 +393,19 @@ def _final_hidden(model: DeepseekV3ForCausalLM, ids: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def mtp_held_out_bits(
-    model: DeepseekV3ForCausalLM, mtp: DemoMTP, data: torch.Tensor, settings: TrainSettings
+    mtp: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    data: torch.Tensor,
+    settings: TrainSettings,
 ) -> float:
-    """The MTP layer's mean next-next-byte loss in bits over the fixed held-out batches."""
+    """An MTP layer's mean next-next-byte loss in bits (``loss_of(ids)``, nats) over the fixed
+    held-out batches."""
     mtp.eval()
     starts = _verse_starts(data, settings.seq_tokens)
     gen = torch.Generator().manual_seed(1234)
     total = 0.0
     for _ in range(settings.eval_batches):
-        ids = _batch(data, starts, settings, gen)
-        total += float(mtp(ids, _final_hidden(model, ids)))
+        total += float(loss_of(_batch(data, starts, settings, gen)))
     mtp.train()
     return total / settings.eval_batches / math.log(2)
 
@@ -419,8 +422,24 @@ def train_mtp(
     next-next token's cross-entropy), the same schedule shape as the model's."""
     mtp = DemoMTP(model, settings.seed)
     model.eval()
+    fit_mtp(mtp, lambda ids: mtp(ids, _final_hidden(model, ids)), train_data, held_out, settings, result, log)
+    return mtp
+
+
+def fit_mtp(
+    mtp: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    train_data: torch.Tensor,
+    held_out: torch.Tensor,
+    settings: TrainSettings,
+    result: TrainResult,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """``settings.mtp_steps`` AdamW steps of ``mtp``'s trainable parameters on ``loss_of(ids)``
+    (nats) over training batches, its routers balanced as the model's are; the losses and the
+    held-out loss into ``result``."""
     starts = _verse_starts(train_data, settings.seq_tokens)
-    params = list(mtp.parameters())
+    params = [p for p in mtp.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
@@ -429,7 +448,7 @@ def train_mtp(
         lr=settings.mtp_lr,
         betas=(0.9, 0.95),
     )
-    balancer = _ExpertBalancer(mtp.block, settings.bias_update_rate)
+    balancer = _ExpertBalancer(mtp, settings.bias_update_rate)
     gen = torch.Generator().manual_seed(settings.seed + 1)
     schedule = TrainSettings(
         steps=max(1, settings.mtp_steps), lr=settings.mtp_lr, warmup_steps=settings.warmup_steps
@@ -439,8 +458,7 @@ def train_mtp(
     for step in range(settings.mtp_steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, schedule)
-        ids = _batch(train_data, starts, settings, gen)
-        loss = mtp(ids, _final_hidden(model, ids))
+        loss = loss_of(_batch(train_data, starts, settings, gen))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
@@ -451,5 +469,4 @@ def train_mtp(
             elapsed = time.monotonic() - began
             log(f"mtp step {step}: loss {result.mtp_losses_bits[-1]:.3f} bits/byte, {elapsed:.0f} s")
     result.mtp_wall_s = time.monotonic() - began
-    result.mtp_eval_bits = mtp_held_out_bits(model, mtp, held_out, settings)
-    return mtp
+    result.mtp_eval_bits = mtp_held_out_bits(mtp, loss_of, held_out, settings)

@@ -8,7 +8,9 @@ table), with transformers' ``DeepseekV4ForCausalLM`` on the CPU, then written by
 
 Its indexer keeps every compressed entry (``index_topk`` above the entries of any demo context),
 so the indexer's weights get no gradient and stay as initialised: DeepSeek trains V4's indexer
-with a loss of its own, which this demo does not. It has no MTP layer (V4's is not built).
+with a loss of its own, which this demo does not. Then its MTP layer
+(``model/train_demo_v4_mtp.py``), ``mtp_steps`` steps on the frozen model, written as
+``mtp.0.*``; ``--mtp-only`` trains only that layer onto an existing V4 demo.
 
 ``tandem model train-demo --arch deepseek_v4 DIR``; the committed ``model/demo_v4`` is
 ``--steps 700`` (seed 0), its held-out loss beside the V3 demo's in ``model/demo_v4/README.md``.
@@ -24,9 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tandem.model.make_tiny import BOS_ID, EOS_ID, write_tokenizer
-from tandem.model.train_demo import DEMO_CORPUS, TrainResult, TrainSettings, _transformers, train_model
+from tandem.model.train_demo import (
+    DEMO_CORPUS,
+    TrainResult,
+    TrainSettings,
+    _transformers,
+    corpus_split,
+    held_out_bits,
+    train_model,
+)
+from tandem.model.train_demo_v4_mtp import DemoMTPV4, train_mtp_v4
 from tandem.model.v4.checkpoint import check_v4_model_dir
 from tandem.model.v4.tiny import tiny_v4_config_dict
 
@@ -56,19 +68,41 @@ def train_demo_v4(
     existing ``out_dir`` is replaced)."""
     settings = settings or TrainSettings()
     model = tiny_hf_v4_model(settings.seed)
-    result, _, _ = train_model(model, corpus, settings, Path(out_dir), log)
-    _write(model, result.out_dir)
+    result, train_data, held_out = train_model(model, corpus, settings, Path(out_dir), log)
+    mtp = train_mtp_v4(model, train_data, held_out, settings, result, log) if settings.mtp_steps else None
+    _write(model, result.out_dir, mtp)
     return result
 
 
-def _write(model: Any, out: Path) -> None:
+def train_demo_v4_mtp(
+    model_dir: Path | str,
+    corpus: Path | str = DEMO_CORPUS,
+    settings: TrainSettings | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train only the MTP layer of the V4 demo in ``model_dir`` (its model's weights are kept bit
+    for bit) and write the checkpoint back with it."""
+    settings = settings or TrainSettings()
+    model = _transformers().DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    train_data, held_out = corpus_split(corpus)
+    result = TrainResult(Path(model_dir), eval_bits=held_out_bits(model, held_out, settings))
+    result.initial_eval_bits = result.eval_bits
+    _write(model, result.out_dir, train_mtp_v4(model, train_data, held_out, settings, result, log))
+    return result
+
+
+def _write(model: Any, out: Path, mtp: DemoMTPV4 | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        model.config.num_nextn_predict_layers = int(mtp is not None)
         model.save_pretrained(staging)
         (staging / "generation_config.json").unlink(missing_ok=True)  # transformers' own, not read
+        if mtp is not None:
+            weights = staging / "model.safetensors"
+            save_file(load_file(weights) | mtp.tensors(), str(weights), metadata={"format": "pt"})
         write_tokenizer(staging)
-        check_v4_model_dir(staging)
+        check_v4_model_dir(staging, mtp=mtp is not None)
         staging.chmod(0o755)
         for path in staging.iterdir():
             path.chmod(0o644)  # safetensors writes its file private; a model directory is shared

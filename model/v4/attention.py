@@ -53,7 +53,7 @@ class V4Attention(nn.Module):
     def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.kind = cfg.layer_types[layer]
+        self.kind = cfg.layer_type(layer)
         self.rate = cfg.compress_rate(layer)
         h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
 

@@ -6,8 +6,8 @@ prefix and its names of the top-level tensors are the same tensors). Every probl
 one line naming the directory: a missing tensor with its expected shape, one of no parameter,
 one of the wrong shape or dtype (``tid2eid`` integers; in an FP8 checkpoint its FP8 weights
 ``F8_E4M3`` and their block scales ``F32`` or ``F8_E8M0``, DeepSeek's power-of-two scales, read
-as float32; every other tensor floats). The MTP layer's tensors (``mtp.*``) are not loaded yet
-and pass unchecked."""
+as float32; every other tensor floats). The MTP layer's tensors (``mtp.0.*``) are checked and
+read when it is asked for, and pass unread otherwise."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ _SCALES = ("F32", "F8_E8M0")
 _LISTED = 10
 
 
-def check_v4_model_dir(model_dir: Path | str) -> V4Config:
-    """``config.json``, the tokenizer and every tensor's name, shape and dtype (no tensor read)."""
+def check_v4_model_dir(model_dir: Path | str, mtp: bool = False) -> V4Config:
+    """``config.json``, the tokenizer and every tensor's name, shape and dtype (no tensor read);
+    with ``mtp``, the MTP layer's too."""
     from tandem.model.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
@@ -40,21 +41,24 @@ def check_v4_model_dir(model_dir: Path | str) -> V4Config:
             "routed experts in FP4 (expert_dtype fp4) are not loaded yet: FP8 or unquantised experts are",
         )
     Tokenizer.from_dir(model_dir)
-    _problems(model_dir, read_headers(model_dir), cfg)
+    _problems(model_dir, read_headers(model_dir), cfg, mtp)
     return cfg
 
 
 def iter_v4_checkpoint(
-    model_dir: Path | str, cfg: V4Config, experts: range | None = None
+    model_dir: Path | str, cfg: V4Config, experts: range | None = None, mtp: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor the model loads, one at a time (routed experts outside ``experts`` skipped)."""
+    """Every tensor the model loads, one at a time (routed experts outside ``experts`` skipped;
+    the MTP layer's only with ``mtp``)."""
     model_dir = Path(model_dir)
     entries = read_headers(model_dir)
-    _problems(model_dir, entries, cfg)
+    _problems(model_dir, entries, cfg, mtp)
     by_file: dict[Path, list[str]] = {}
     for name, entry in entries.items():
         target = parameter_for(name, cfg)
         if target is None or (experts is not None and target[1] is not None and target[1] not in experts):
+            continue
+        if not mtp and _is_mtp(name):
             continue
         by_file.setdefault(entry.file, []).append(name)
     for file, names in by_file.items():
@@ -69,17 +73,22 @@ def _allowed_dtypes(canonical: str, cfg: V4Config) -> tuple[str, ...]:
         return _INTEGERS
     if is_fp8_weight(canonical, cfg):
         return _FP8
-    if cfg.quant_block_size is not None and canonical.startswith("layers.") and canonical.endswith(".scale"):
+    scaled = canonical.startswith(("layers.", "mtp.")) and canonical.endswith(".scale")
+    if cfg.quant_block_size is not None and scaled:
         return _SCALES
     return _FLOATS
 
 
-def _problems(model_dir: Path, entries: dict[str, TensorEntry], cfg: V4Config) -> None:
-    expected = expected_v4_tensor_shapes(cfg)
+def _is_mtp(name: str) -> bool:
+    return name.startswith(("mtp.", "model.mtp."))
+
+
+def _problems(model_dir: Path, entries: dict[str, TensorEntry], cfg: V4Config, mtp: bool) -> None:
+    expected = expected_v4_tensor_shapes(cfg, mtp)
     seen: set[str] = set()
     problems: list[str] = []
     for name, entry in entries.items():
-        if name.startswith(("mtp.", "model.mtp.")):
+        if not mtp and _is_mtp(name):
             continue
         canonical = canonical_name(name)
         shape = expected.get(canonical)

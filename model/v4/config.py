@@ -66,16 +66,21 @@ class V4Config:
     quant_block_size: tuple[int, int] | None = None  # FP8 block-scaled attention and dense weights
     expert_dtype: str | None = None  # the routed experts' format in the checkpoint: "fp4", "fp8"
 
+    def layer_type(self, layer: int) -> str:
+        """``layer``'s attention kind; past the main layers (the MTP layer) a sliding window."""
+        return self.layer_types[layer] if layer < self.num_hidden_layers else SLIDING
+
     def compress_rate(self, layer: int) -> int:
         """Source tokens per compressed entry of ``layer``; 0 for a sliding-window layer."""
-        kind = self.layer_types[layer]
+        kind = self.layer_type(layer)
         return self.compress_rate_csa if kind == CSA else self.compress_rate_hca if kind == HCA else 0
 
     def is_hash_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == HASH_MOE
+        """Whether ``layer`` routes by token id (never the MTP layer: it scores)."""
+        return layer < self.num_hidden_layers and self.mlp_layer_types[layer] == HASH_MOE
 
     def rope(self, layer: int) -> RopeConfig:
-        return self.rope_main if self.layer_types[layer] == SLIDING else self.rope_compress
+        return self.rope_main if self.layer_type(layer) == SLIDING else self.rope_compress
 
     @property
     def compress_rates(self) -> tuple[int, ...]:

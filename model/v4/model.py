@@ -23,27 +23,13 @@ from torch import nn
 from tandem.model.expert_dispatch import ExpertDispatcher, LocalExperts
 from tandem.model.kernels.backend import KernelBackend
 from tandem.model.kernels.registry import get_backend
-from tandem.model.v4.attention import LayerState, V4Attention, rms_norm
+from tandem.model.v4.attention import LayerState, rms_norm
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.hyper import HyperConnection, HyperHead, spread
-from tandem.model.v4.moe import V4MoE
+from tandem.model.v4.hyper import HyperHead
+from tandem.model.v4.layer import Step, V4Layer
+from tandem.model.v4.mtp import V4MTP
 from tandem.model.v4.names import parameter_for
 from tandem.model.v4.rope import rope_table
-
-
-class V4Layer(nn.Module):
-    def __init__(
-        self, cfg: V4Config, index: int, dtype: torch.dtype, device: torch.device | str, experts: range
-    ) -> None:
-        super().__init__()
-        self.index = index
-        self.attn = V4Attention(cfg, index, dtype, device)
-        self.ffn = V4MoE(cfg, index, dtype, device, experts)
-        self.attn_norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device), requires_grad=False)
-        self.ffn_norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device), requires_grad=False)
-        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, device)
-        self.hc_attn = HyperConnection(*hc)
-        self.hc_ffn = HyperConnection(*hc)
 
 
 class DeepseekV4(nn.Module):
@@ -55,10 +41,12 @@ class DeepseekV4(nn.Module):
         experts: range | None = None,
         dispatcher: ExpertDispatcher | None = None,
         ops: KernelBackend | None = None,
+        mtp: bool = False,
     ) -> None:
         """``experts``: the routed experts this copy holds (all by default); a slice needs the
         expert-parallel ``dispatcher`` of its DEP group, which moves rows to their experts.
-        ``ops``: the kernel backend (the device's by default)."""
+        ``ops``: the kernel backend (the device's by default). ``mtp``: with the MTP layer
+        (``model/v4/mtp.py``)."""
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.experts = experts if experts is not None else range(cfg.n_routed_experts)
@@ -72,6 +60,7 @@ class DeepseekV4(nn.Module):
             V4Layer(cfg, i, dtype, device, self.experts) for i in range(cfg.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(h, device=device), requires_grad=False)
+        self.mtp = V4MTP(cfg, dtype, device, self.experts) if mtp else None
         self.hc_head = HyperHead(cfg.hc_mult, h, cfg.hc_eps, cfg.rms_norm_eps, device)
         self.head = nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -97,34 +86,41 @@ class DeepseekV4(nn.Module):
         positions: torch.Tensor,
         query_lens: list[int],
         states: list[list[LayerState]],
+        before_head: bool = False,
     ) -> torch.Tensor:
         """Hidden states ``[T, D]`` after the final norm for the step's tokens, packed request
         after request (``query_lens`` each, at ``positions``, with ``states[r]`` the request's
-        state, which moves on past these tokens)."""
-        cfg = self.cfg
+        state, which moves on past these tokens). ``before_head``: the residual streams
+        ``[T, hc_mult, D]`` before the hyper-head instead (what the MTP layer takes)."""
         x = F.embedding(input_ids, self.embed)
-        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        step = Step(input_ids, positions, query_lens, self.ops, self.dispatcher)
         for layer in self.layers:
             assert isinstance(layer, V4Layer)
-            cos, sin = self.rope["main" if layer.attn.rate == 0 else "compress"]
-            per_request = [s[layer.index] for s in states]
-            post, comb, collapsed = layer.hc_attn(streams)
-            out = layer.attn(
-                rms_norm(collapsed, layer.attn_norm, cfg.rms_norm_eps),
-                positions,
-                query_lens,
-                per_request,
-                cos,
-                sin,
-                self.ops,
-            )
-            streams = spread(post, comb, out, streams)
-            post, comb, collapsed = layer.hc_ffn(streams)
-            out = layer.ffn(
-                rms_norm(collapsed, layer.ffn_norm, cfg.rms_norm_eps), input_ids, self.ops, self.dispatcher
-            )
-            streams = spread(post, comb, out, streams)
-        return rms_norm(self.hc_head(streams), self.norm, cfg.rms_norm_eps)
+            rope = self.rope["main" if layer.attn.rate == 0 else "compress"]
+            streams = layer(streams, step, [s[layer.index] for s in states], rope)
+        return streams if before_head else self.head_hidden(streams)
+
+    def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The hyper-head and the final norm: streams -> hidden states ``[T, D]``."""
+        return rms_norm(self.hc_head(streams), self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        streams: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: list[int],
+        states: list[LayerState],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer (``model/v4/mtp.py``) over the main model's ``streams`` at ``positions``
+        and the tokens after them: ``(hidden [T, D]`` for :meth:`compute_logits` (the token two
+        ahead), the MTP block's streams``)``; ``states[r]``: request ``r``'s MTP state."""
+        if self.mtp is None:
+            raise ValueError("this model was built without its MTP layer")
+        step = Step(next_ids, positions, query_lens, self.ops, self.dispatcher)
+        return self.mtp(streams, step, self.embed, states, self.rope["main"])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,7 +135,7 @@ class DeepseekV4(nn.Module):
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         inter = self.cfg.moe_intermediate_size
         for name, tensor in items:
-            if name.startswith(("mtp.", "model.mtp.")):  # the MTP layer: not loaded yet
+            if self.mtp is None and name.startswith(("mtp.", "model.mtp.")):  # the MTP layer: not asked for
                 continue
             target = parameter_for(name, self.cfg)
             if target is None:

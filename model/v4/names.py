@@ -67,6 +67,18 @@ _FP8_LAYER_WEIGHTS = (
     "ffn.shared_experts.w3.weight",
 )
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+# the MTP layer's own tensors (``mtp.0.``; its block's are a layer's) -> parameters
+_MTP_NAME = re.compile(r"^mtp\.0\.(.+)$")
+_MTP_TOP = {
+    "enorm.weight": "mtp.enorm",
+    "hnorm.weight": "mtp.hnorm",
+    "norm.weight": "mtp.norm",
+    "e_proj.weight": "mtp.e_proj",
+    "h_proj.weight": "mtp.h_proj",
+    "hc_head_fn": "mtp.hc_head.fn",
+    "hc_head_base": "mtp.hc_head.base",
+    "hc_head_scale": "mtp.hc_head.scale",
+}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
@@ -88,10 +100,13 @@ def is_fp8_weight(name: str, cfg: V4Config) -> bool:
     with its block scales in ``<module>.scale``."""
     if cfg.quant_block_size is None:
         return False
-    match = _LAYER_NAME.match(name)
+    mtp = _MTP_NAME.match(name)
+    if mtp is not None and mtp.group(1) in ("e_proj.weight", "h_proj.weight"):
+        return True
+    match = mtp or _LAYER_NAME.match(name)
     if match is None:
         return False
-    rest = match.group(2)
+    rest = match.group(match.lastindex or 0)
     return rest in _FP8_LAYER_WEIGHTS or _EXPERT.match(rest) is not None
 
 
@@ -99,16 +114,23 @@ def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None
     """Where checkpoint tensor ``name`` goes: ``(parameter, routed expert or None, "gate"/"up"
     rows of the expert's stacked gate/up, or None)``; ``None`` for a name of no parameter."""
     bare = canonical_name(name) if name.endswith(".weight_scale_inv") else name.removeprefix("model.")
-    if bare.endswith(".scale") and bare.startswith("layers."):  # an FP8 weight's block scales
+    if bare.endswith(".scale") and bare.startswith(("layers.", "mtp.")):  # an FP8 weight's block scales
         weight = bare.removesuffix(".scale") + ".weight"
         of = parameter_for(weight, cfg) if is_fp8_weight(weight, cfg) else None
         return None if of is None else (of[0] + "_scale", of[1], of[2])
     if bare in _TOP:
         return _TOP[bare], None, None
+    mtp = _MTP_NAME.match(bare)
+    if mtp is not None:
+        rest = mtp.group(1)
+        return (_MTP_TOP[rest], None, None) if rest in _MTP_TOP else _layer_parameter("mtp.layer.", rest, cfg)
     match = _LAYER_NAME.match(bare)
     if match is None or int(match.group(1)) >= cfg.num_hidden_layers:
         return None
-    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    return _layer_parameter(f"layers.{match.group(1)}.", match.group(2), cfg)
+
+
+def _layer_parameter(prefix: str, rest: str, cfg: V4Config) -> tuple[str, int | None, str | None] | None:
     expert = _EXPERT.match(rest)
     if expert is not None:
         e, w = int(expert.group(1)), expert.group(2)
@@ -121,52 +143,21 @@ def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None
     return None if target is None else (prefix + target, None, None)
 
 
-def expected_v4_tensor_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a V4 checkpoint holds (the MTP layer aside), by DeepSeek's name, with its
-    shape; ``tid2eid`` holds integers, every other tensor floats. An FP8 checkpoint's FP8
-    weights (:func:`is_fp8_weight`) each have their block scales, ``<module>.scale``."""
-    h, v, hd, heads = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
-    n = cfg.hc_mult
+def expected_v4_tensor_shapes(cfg: V4Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor a V4 checkpoint holds, by DeepSeek's name, with its shape (with ``mtp``, the
+    MTP layer's ``mtp.0.*`` too); ``tid2eid`` holds integers, every other tensor floats. An FP8
+    checkpoint's FP8 weights (:func:`is_fp8_weight`) each have their block scales,
+    ``<module>.scale``."""
+    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
     for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes |= {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)}
-        for part in ("attn", "ffn"):
-            shapes |= {p + f"hc_{part}_fn": ((2 + n) * n, n * h), p + f"hc_{part}_base": ((2 + n) * n,)}
-            shapes[p + f"hc_{part}_scale"] = (3,)
-        a = p + "attn."
-        shapes |= {
-            a + "wq_a.weight": (cfg.q_lora_rank, h),
-            a + "q_norm.weight": (cfg.q_lora_rank,),
-            a + "wq_b.weight": (heads * hd, cfg.q_lora_rank),
-            a + "wkv.weight": (hd, h),
-            a + "norm.weight": (hd,),
-            a + "wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups),
-            a + "wo_b.weight": (h, cfg.o_groups * cfg.o_lora_rank),
-            a + "attn_sink": (heads,),
-        }
-        rate = cfg.compress_rate(i)
-        if rate:
-            csa = cfg.layer_types[i] == CSA
-            shapes |= _compressor_shapes(a + "compressor.", h, hd, rate, csa)
-            if csa:
-                ihd = cfg.index_head_dim
-                shapes |= _compressor_shapes(a + "indexer.compressor.", h, ihd, rate, True)
-                shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * ihd, cfg.q_lora_rank)
-                shapes[a + "indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
-        f = p + "ffn."
-        inter = cfg.moe_intermediate_size
-        shapes[f + "gate.weight"] = (cfg.n_routed_experts, h)
-        if cfg.is_hash_layer(i):
-            shapes[f + "gate.tid2eid"] = (v, cfg.num_experts_per_tok)
-        else:
-            shapes[f + "gate.bias"] = (cfg.n_routed_experts,)
-        for e in range(cfg.n_routed_experts):
-            shapes |= {f + f"experts.{e}.w1.weight": (inter, h), f + f"experts.{e}.w3.weight": (inter, h)}
-            shapes[f + f"experts.{e}.w2.weight"] = (h, inter)
-        shapes |= {f + "shared_experts.w1.weight": (inter, h), f + "shared_experts.w3.weight": (inter, h)}
-        shapes[f + "shared_experts.w2.weight"] = (h, inter)
+        shapes |= _layer_shapes(cfg, i, f"layers.{i}.")
     shapes |= {"norm.weight": (h,), "hc_head_fn": (n, n * h), "hc_head_base": (n,), "hc_head_scale": (1,)}
+    if mtp:  # one more block (sliding window, scored MoE), its glue and its own hyper-head
+        shapes |= _layer_shapes(cfg, cfg.num_hidden_layers, "mtp.0.")
+        shapes |= {f"mtp.0.{name}.weight": (h,) for name in ("enorm", "hnorm", "norm")}
+        shapes |= {f"mtp.0.{name}.weight": (h, h) for name in ("e_proj", "h_proj")}
+        shapes |= {"mtp.0.hc_head_fn": (n, n * h), "mtp.0.hc_head_base": (n,), "mtp.0.hc_head_scale": (1,)}
     if not cfg.tie_word_embeddings:
         shapes["head.weight"] = (v, h)
     if cfg.quant_block_size is not None:
@@ -176,6 +167,50 @@ def expected_v4_tensor_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
             for name, shape in shapes.items()
             if is_fp8_weight(name, cfg)
         }
+    return shapes
+
+
+def _layer_shapes(cfg: V4Config, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer ``i``'s tensors under prefix ``p``."""
+    h, v, hd, heads = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads
+    n = cfg.hc_mult
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes |= {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)}
+    for part in ("attn", "ffn"):
+        shapes |= {p + f"hc_{part}_fn": ((2 + n) * n, n * h), p + f"hc_{part}_base": ((2 + n) * n,)}
+        shapes[p + f"hc_{part}_scale"] = (3,)
+    a = p + "attn."
+    shapes |= {
+        a + "wq_a.weight": (cfg.q_lora_rank, h),
+        a + "q_norm.weight": (cfg.q_lora_rank,),
+        a + "wq_b.weight": (heads * hd, cfg.q_lora_rank),
+        a + "wkv.weight": (hd, h),
+        a + "norm.weight": (hd,),
+        a + "wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups),
+        a + "wo_b.weight": (h, cfg.o_groups * cfg.o_lora_rank),
+        a + "attn_sink": (heads,),
+    }
+    rate = cfg.compress_rate(i)
+    if rate:
+        csa = cfg.layer_type(i) == CSA
+        shapes |= _compressor_shapes(a + "compressor.", h, hd, rate, csa)
+        if csa:
+            ihd = cfg.index_head_dim
+            shapes |= _compressor_shapes(a + "indexer.compressor.", h, ihd, rate, True)
+            shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * ihd, cfg.q_lora_rank)
+            shapes[a + "indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
+    f = p + "ffn."
+    inter = cfg.moe_intermediate_size
+    shapes[f + "gate.weight"] = (cfg.n_routed_experts, h)
+    if cfg.is_hash_layer(i):
+        shapes[f + "gate.tid2eid"] = (v, cfg.num_experts_per_tok)
+    else:
+        shapes[f + "gate.bias"] = (cfg.n_routed_experts,)
+    for e in range(cfg.n_routed_experts):
+        shapes |= {f + f"experts.{e}.w1.weight": (inter, h), f + f"experts.{e}.w3.weight": (inter, h)}
+        shapes[f + f"experts.{e}.w2.weight"] = (h, inter)
+    shapes |= {f + "shared_experts.w1.weight": (inter, h), f + "shared_experts.w3.weight": (inter, h)}
+    shapes[f + "shared_experts.w2.weight"] = (h, inter)
     return shapes
 
 

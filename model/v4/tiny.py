@@ -72,10 +72,11 @@ def tiny_v4_config_dict(bos_id: int, eos_id: int, **overrides: Any) -> dict[str,
 
 
 def tiny_v4_weights(cfg: V4Config, seed: int) -> dict[str, torch.Tensor]:
-    """Random tensors for every name of ``cfg``, the same for the same seed."""
+    """Random tensors for every name of ``cfg`` (the MTP layer's too when it has one), the same
+    for the same seed."""
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in expected_v4_tensor_shapes(cfg).items():
+    for name, shape in expected_v4_tensor_shapes(cfg, mtp=cfg.num_nextn_predict_layers > 0).items():
         if name.endswith("tid2eid"):  # each token's experts: distinct ones
             rows = [
                 torch.randperm(cfg.n_routed_experts, generator=generator)[: shape[1]] for _ in range(shape[0])

@@ -157,7 +157,9 @@ def test_the_command_writes_a_v4_that_transformers_and_tandem_load_alike(tmp_pat
     with torch.no_grad():
         want = hf_v4(tmp_path / "v4")(torch.tensor([ids])).logits[0]
     assert (tandem_logits(tandem, ids, len(ids)) - want).abs().max() < 1e-4
-    assert main(["model", "make-tiny", str(tmp_path / "v4m"), "--arch", "deepseek_v4", "--mtp"]) == 2
+    assert main(["model", "make-tiny", str(tmp_path / "v4m"), "--arch", "deepseek_v4", "--mtp"]) == 0
+    assert V4Config.from_dir(tmp_path / "v4m").num_nextn_predict_layers == 1
+    assert "mtp.0.e_proj.weight" in load_file(tmp_path / "v4m" / "model.safetensors")
 
 
 def test_the_triton_kernels_give_transformers_tokens_through_every_layer_kind(models: dict[str, Any]) -> None:
