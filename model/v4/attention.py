@@ -128,7 +128,7 @@ class V4Attention(nn.Module):
         start = 0
         for n, state in zip(query_lens, states, strict=True):
             rows = slice(start, start + n)
-            self._advance(step, state, x[rows], kv[rows], positions[rows], cos, sin, ops)
+            self._advance(step, state, x[rows], kv[rows], cos, sin, ops)
             start += n
         indices = step.window_indices(positions, query_lens, cfg.sliding_window)
         if self.compressor is not None:
@@ -159,7 +159,6 @@ class V4Attention(nn.Module):
         state: LayerState,
         x: torch.Tensor,
         kv: torch.Tensor,
-        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         ops: KernelBackend,

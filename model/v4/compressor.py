@@ -37,12 +37,28 @@ class CompressorState:
     buffer_gate: torch.Tensor | None = None
     overlap_kv: torch.Tensor | None = None  # [rate, dim]: the last complete window's Ca
     overlap_gate: torch.Tensor | None = None
-    entries: torch.Tensor | None = None  # [E, dim]
+    entries: torch.Tensor | None = None  # [E, dim]: a view of ``storage``'s first rows
     count: int = 0  # entries so far
+    # the rows ``entries`` views, with room to grow: appending copies the new entries only (the
+    # capacity doubles when full), where concatenating would copy all of them every window
+    storage: torch.Tensor | None = None
     # with ``page_size`` set (a prefix cache keeps pages): each window that ends on a page
     # boundary leaves its ``Ca`` projections here, by the boundary's position, until taken
     page_size: int = 0
     boundary_overlaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def append(self, new: torch.Tensor) -> None:
+        """``entries`` followed by ``new [n, dim]``."""
+        have = 0 if self.entries is None else self.entries.shape[0]
+        need = have + new.shape[0]
+        if self.storage is None or self.storage.shape[0] < need or self.storage.dtype != new.dtype:
+            capacity = max(need, 2 * (0 if self.storage is None else self.storage.shape[0]), 16)
+            grown = new.new_empty(capacity, new.shape[1])
+            if self.entries is not None and have:
+                grown[:have] = self.entries
+            self.storage = grown
+        self.storage[have:need] = new
+        self.entries = self.storage[:need]
 
 
 class Compressor(nn.Module):
@@ -89,7 +105,7 @@ class Compressor(nn.Module):
                 self._keep_overlaps(state, kv, gate)
             positions = torch.arange(windows, device=x.device) * self.rate + state.count * self.rate
             new = rotate_tail(new.to(dtype), cos[positions], sin[positions])
-            state.entries = new if state.entries is None else torch.cat([state.entries, new])
+            state.append(new)
             state.count += windows
         if state.entries is None:
             state.entries = torch.empty(0, self.dim, dtype=dtype, device=x.device)

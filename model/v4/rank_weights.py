@@ -21,8 +21,9 @@ FP4_GROUP = 32  # weights per FP4 scale, along the input
 
 
 def v4_rank_weight_bytes(
-    cfg: V4Config, dtype: str, rank: int, world_size: int, quantized: bool = False
+    cfg: V4Config, dtype: str, rank: int, world_size: int, quantized: bool = False, mtp: bool = False
 ) -> RankWeightBytes:
+    """With ``mtp``, the MTP layer too (one more block, its glue and its own hyper-head)."""
     item = dtype_bytes(dtype)
     block = cfg.quant_block_size if quantized else None
 
@@ -43,14 +44,16 @@ def v4_rank_weight_bytes(
     replicated = 2 * v * h * item + h * FLOAT32 + (n * n * h + n + 1) * FLOAT32  # embed, head, norm, hc_head
     routed = 0
     local = len(expert_slice(cfg.n_routed_experts, rank, world_size))
-    for i in range(cfg.num_hidden_layers):
+    if mtp:  # enorm, hnorm, norm, e_proj, h_proj, its hyper-head
+        replicated += 3 * h * FLOAT32 + 2 * linear(h, h) + (n * n * h + n + 1) * FLOAT32
+    for i in range(cfg.num_hidden_layers + int(mtp)):
         replicated += 2 * h * FLOAT32 + 2 * hc  # attn_norm, ffn_norm, hc_attn, hc_ffn
         replicated += linear(h, cfg.q_lora_rank) + linear(cfg.q_lora_rank, heads * hd) + linear(h, hd)
         replicated += linear(heads * hd // groups, groups * olr) + linear(groups * olr, h)
         replicated += (cfg.q_lora_rank + hd + heads) * FLOAT32  # q_norm, kv_norm, attn_sink
         rate = cfg.compress_rate(i)
         if rate:
-            csa = cfg.layer_types[i] == CSA
+            csa = cfg.layer_type(i) == CSA
             replicated += _compressor(h, hd, rate, csa)
             if csa:
                 ihd = cfg.index_head_dim

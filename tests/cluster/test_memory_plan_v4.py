@@ -15,7 +15,7 @@ from tandem.cli.main import main
 from tandem.cluster.memory_plan import GIB, plan_memory
 from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
 from tandem.model.expert_dispatch import LocalExperts
-from tandem.model.make_tiny import BOS_ID, EOS_ID
+from tandem.model.make_tiny import BOS_ID, EOS_ID, fp8_quantization_config
 from tandem.model.rank_weights import expert_slice
 from tandem.model.v4.config import V4Config
 from tandem.model.v4.kv_layout import v4_kinds
@@ -27,15 +27,19 @@ from tandem.wire.messages import Role
 FLASH = Path(__file__).resolve().parents[2] / "deploy" / "models" / "deepseek-v4-flash"
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_weight_bytes_are_what_the_model_allocates(world: int) -> None:
-    cfg = V4Config.from_dict(tiny_v4_config_dict(BOS_ID, EOS_ID))
+@pytest.mark.parametrize(("world", "mtp", "fp8"), [(1, False, False), (3, False, False), (2, True, True)])
+def test_weight_bytes_are_what_the_model_allocates(world: int, mtp: bool, fp8: bool) -> None:
+    """Counted from the config alone, as the model allocates them: a DEP rank's slice, the MTP
+    layer, FP8 weights with their float32 block scales."""
+    quant = {"quantization_config": fp8_quantization_config((16, 16))} if fp8 else {}
+    cfg = V4Config.from_dict(tiny_v4_config_dict(BOS_ID, EOS_ID, **quant))
     for rank in range(world):
         experts = expert_slice(cfg.n_routed_experts, rank, world)
         # a slice needs a dispatcher to run; only its allocation is counted here
-        model = DeepseekV4(cfg, torch.bfloat16, "meta", experts=experts, dispatcher=LocalExperts())
+        model = DeepseekV4(cfg, torch.bfloat16, "meta", experts=experts, dispatcher=LocalExperts(), mtp=mtp)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert v4_rank_weight_bytes(cfg, "bfloat16", rank, world).total_bytes == held
+        counted = v4_rank_weight_bytes(cfg, "bfloat16", rank, world, quantized=fp8, mtp=mtp)
+        assert counted.total_bytes == held
 
 
 def test_v4_flash_has_its_published_size_and_fits_dep2_with_fp4_experts() -> None:

@@ -78,3 +78,18 @@ def test_a_state_rebuilt_from_pages_is_the_computed_one(tmp_path: Path, window: 
         rest = [*TOKENS[boundary:], 3, 5, 7][:20]
         going_on = _run(model, copy.deepcopy(computed), rest, boundary, 5)
         _same(_run(model, rebuilt, rest, boundary, 5), going_on, exact)
+
+
+def test_a_requests_entries_grow_in_place_with_doubling_capacity() -> None:
+    """Appending a window's entry copies that entry only: the storage is reallocated a
+    logarithmic number of times, and the entries are the ones appended, in order."""
+    state = CompressorState()
+    appended, storages = [], set()
+    for i in range(1000):
+        new = torch.full((1 + i % 3, 4), float(i))
+        appended.append(new)
+        state.append(new)
+        assert state.storage is not None
+        storages.add(state.storage.data_ptr())
+    assert state.entries is not None and torch.equal(state.entries, torch.cat(appended))
+    assert len(storages) <= 9  # 16, 32, ..., 2048 rows for 1,999 entries
