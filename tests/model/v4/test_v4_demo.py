@@ -28,7 +28,7 @@ from tests.model.test_demo_model import PROMPT, _english, _greedy_text
 
 
 def test_the_committed_v4_demo_is_the_tiny_v4_and_writes_words() -> None:
-    cfg = check_v4_model_dir(DEMO_V4_DIR)  # config, tokenizer and every tensor's header
+    cfg = check_v4_model_dir(DEMO_V4_DIR, mtp=True)  # config, tokenizer and every tensor's header
     tiny = tiny_v4_config_dict(256, 257)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (
         tiny["num_hidden_layers"],
@@ -38,6 +38,13 @@ def test_the_committed_v4_demo_is_the_tiny_v4_and_writes_words() -> None:
     text = _greedy_text(DEMO_V4_DIR)
     allowed, words = _english(text)
     assert allowed >= 0.9 and len(words) >= 3, text
+
+
+def test_the_committed_v4_demos_mtp_layer_mostly_guesses_the_models_own_token() -> None:
+    from tandem.bench.v4_mtp_agreement import agreement
+
+    agree, truth, positions = agreement(str(DEMO_V4_DIR), batches=1)
+    assert positions == 8 * 255 and agree > 0.7 and truth > 0.6  # 8 rows of BOS + 256 bytes
 
 
 def test_train_demo_v4_lowers_the_loss_and_writes_what_it_trained(tmp_path: Path) -> None:
