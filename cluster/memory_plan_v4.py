@@ -6,7 +6,9 @@
     kv_pages   = floor((usable - weight_bytes - workspace_bytes - state) / kv_page_bytes)
 
 ``kv_page_bytes`` is one page of the kinds that grow with a request (compressed entries, the
-indexer's keys, the overlap; ``model/v4/kv_layout.py``), every layer. A page holds the least
+indexer's keys, the overlap; ``model/v4/kv_layout.py``), every layer, and the page's tokens'
+window KV: the pools cache prefixes, and a prefix-cache hit restores its window from its pages
+(the engine keeps it there with prefix caching on, as it is by default). A page holds the least
 common multiple of the pool's ``page_size`` and every compression rate (a page boundary is a
 compression boundary). ``weight_bytes`` counts the weights as the checkpoint ships them,
 resident (FP8 attention and shared experts, FP4 routed experts: ``model/v4/rank_weights.py``).

@@ -30,7 +30,7 @@ from tandem.model.grammar import GuidedRows
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.kv_layout import check_page_size
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.pages import PageState, keep_pages, restore, take_pages
+from tandem.model.v4.pages import PageState, keep_pages, restore, snapshot, take_pages
 
 
 @dataclass
@@ -64,8 +64,15 @@ class V4Runner(SamplingRunner):
         self.states.pop(request_id, None)
 
     def verify(self, plan: SchedulerOutput) -> dict[str, tuple[int, ...]]:
-        if any(c.draft_token_ids for c in plan.chunks):
-            raise ValueError("speculative drafts for DeepSeek-V4 are not built: serve it without drafts")
+        """The plan's chunks as one step, each sampling chunk's tokens; a verify chunk (ending
+        with drafts) runs as a chunk like any other and samples at each draft
+        (``engine/speculation.accept``). A V4 state cannot be rewound in place (the compressors'
+        windows move on), so a verify chunk's request's state is kept as it was before the step
+        (its fields: a state's tensors are replaced or appended to, never written over); when a
+        draft is rejected, the state goes back to that and the accepted tokens are computed
+        again (the same state as computing them alone: a request's state does not depend on how
+        its tokens are split into steps), and the pages the rejected tokens completed are
+        dropped."""
         if not plan.chunks and not self.lockstep:
             return {}
         start = time.perf_counter()
@@ -74,38 +81,90 @@ class V4Runner(SamplingRunner):
         for rid in plan.preempted_request_ids:  # their pages are gone: so is their state
             self.states.pop(rid, None)
         held = [self._state(c) for c in plan.chunks]
+        before = {
+            c.request_id: (h.position, snapshot(h.layers))
+            for c, h in zip(plan.chunks, held, strict=True)
+            if c.draft_token_ids
+        }
         device = self.model.device
-        input_ids: list[int] = []
-        positions: list[int] = []
         sample_rows: list[int] = []
         offsets: list[int] = []
+        at = 0
         for chunk in plan.chunks:
-            offsets.append(len(input_ids))
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_position, chunk.start_position + len(chunk.token_ids)))
+            offsets.append(at)
+            at += len(chunk.token_ids)
             if chunk.sample:
-                sample_rows.extend(range(len(input_ids) - chunk.num_sampled, len(input_ids)))
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=device)
-        query_lens = [len(c.token_ids) for c in plan.chunks]
+                sample_rows.extend(range(at - chunk.num_sampled, at))
         prompt_rows = any(c.prompt_logprob_targets for c in plan.chunks)
 
         def forward(_: SchedulerOutput) -> torch.Tensor:
-            try:
-                with self._guarded():
-                    hidden = self.model.forward(ids, pos, query_lens, [h.layers for h in held])
-            except BaseException:
-                for chunk in plan.chunks:  # part-moved states: a later chunk is refused, not misrun
-                    self.states.pop(chunk.request_id, None)
-                raise
-            for h, n, chunk in zip(held, query_lens, plan.chunks, strict=True):
-                self._keep_pages(h, h.position + n, chunk.page_ids)
-                h.position += n
+            hidden = self._advance(list(plan.chunks), held, [len(c.token_ids) for c in plan.chunks])
             if prompt_rows:
                 self._prompt_logprobs(plan, offsets, hidden)
             return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
 
-        return self._sample(plan, forward, start)
+        sampled = self._sample(plan, forward, start)
+        if before:
+            self._roll_back(plan, held, before, sampled)
+        return sampled
+
+    def _advance(self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]) -> torch.Tensor:
+        """The first ``counts[i]`` tokens of each chunk through the model, each request's state
+        moving on past them (and the pages they complete kept); the hidden rows."""
+        device = self.model.device
+        ids = torch.tensor(
+            [t for c, n in zip(chunks, counts, strict=True) for t in c.token_ids[:n]],
+            dtype=torch.int64,
+            device=device,
+        )
+        positions = [
+            p
+            for c, n in zip(chunks, counts, strict=True)
+            for p in range(c.start_position, c.start_position + n)
+        ]
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        try:
+            with self._guarded():
+                hidden = self.model.forward(ids, pos, counts, [h.layers for h in held])
+        except BaseException:
+            for chunk in chunks:  # part-moved states: a later chunk is refused, not misrun
+                self.states.pop(chunk.request_id, None)
+            raise
+        for h, n, chunk in zip(held, counts, chunks, strict=True):
+            self._keep_pages(h, h.position + n, chunk.page_ids)
+            h.position += n
+        return hidden
+
+    def _roll_back(
+        self,
+        plan: SchedulerOutput,
+        held: list[_Held],
+        before: dict[str, tuple[int, list[LayerState]]],
+        sampled: dict[str, tuple[int, ...]],
+    ) -> None:
+        """Each verify chunk whose drafts were not all accepted: its state as before the step,
+        then its accepted tokens computed again (one forward for all of them)."""
+        again: list[tuple[ScheduledChunk, _Held, int]] = []
+        for chunk, h in zip(plan.chunks, held, strict=True):
+            if chunk.request_id not in before:
+                continue
+            accepted = len(sampled[chunk.request_id]) - 1
+            keep = len(chunk.token_ids) - len(chunk.draft_token_ids) + accepted
+            if keep == len(chunk.token_ids):
+                continue
+            h.position, h.layers = before[chunk.request_id]
+            self._drop_pages(chunk, h.position + keep, h.position + len(chunk.token_ids))
+            again.append((chunk, h, keep))
+        if again:
+            self._advance([c for c, _, _ in again], [h for _, h, _ in again], [n for _, _, n in again])
+
+    def _drop_pages(self, chunk: ScheduledChunk, end: int, computed: int) -> None:
+        """Forget the pages completed by the chunk's tokens past ``end`` (rejected drafts)."""
+        size = self.page_size
+        if size is None:
+            return
+        for boundary in range((end // size + 1) * size, computed + 1, size):
+            self.pages.pop(chunk.page_ids[boundary // size - 1], None)
 
     def _state(self, chunk: ScheduledChunk) -> _Held:
         rid, start = chunk.request_id, chunk.start_position

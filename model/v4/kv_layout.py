@@ -48,10 +48,8 @@ def pages_for_bytes(
     """Pages of ``page_size`` tokens (a multiple of every rate) that ``budget`` bytes hold beside
     ``max_seqs`` running requests' windows and open windows; ``window_on_pages``: each page keeps
     its tokens' window KV too (a prefix cache restores a hit's window from its pages)."""
-    kinds = v4_kinds(cfg, item_bytes, page_size)
+    kinds = v4_kinds(cfg, item_bytes, page_size, window_on_pages)
     per_page = page_bytes(kinds, page_size)
-    if window_on_pages:
-        per_page += cfg.num_hidden_layers * page_size * cfg.head_dim * item_bytes
     free = budget - max_seqs * request_bytes(kinds)
     if free < per_page:
         raise ValueError(
@@ -73,8 +71,12 @@ def window_pages(cfg: V4Config, page_size: int) -> int:
     return math.ceil((cfg.sliding_window - 1) / page_size) + 1
 
 
-def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int) -> list[KindBytes]:
-    """Each kind's bytes, in a model of ``item_bytes`` a number."""
+def v4_kinds(
+    cfg: V4Config, item_bytes: int, page_size: int, window_on_pages: bool = False
+) -> list[KindBytes]:
+    """Each kind's bytes, in a model of ``item_bytes`` a number; ``window_on_pages``: with the
+    ``page_window`` kind, each page keeping its tokens' window KV (what a prefix cache restores a
+    hit's window from), beside the running requests' own windows."""
     check_page_size(cfg, page_size)
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
@@ -95,6 +97,8 @@ def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int) -> list[KindBytes]:
         width = 2 * hd + 2 * ihd if i in csa else hd
         open_window += (rate - 1) * 2 * width * FLOAT32_BYTES
     kinds.append(KindBytes("open_window", len(compressed), 0.0, open_window))
+    if window_on_pages:
+        kinds.append(KindBytes("page_window", n, n * hd * item_bytes, 0))
     return kinds
 
 

@@ -14,7 +14,7 @@ computing the prefix leaves (``tests/model/v4/test_v4_pages.py`` compares them t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +37,19 @@ class LayerPage:
 
 
 PageState = list[LayerPage]  # one a layer
+
+
+def snapshot(layers: list[LayerState]) -> list[LayerState]:
+    """A request's state as it is now, to go back to: its fields (a state's tensors are replaced
+    or appended past their rows as it moves on, never written over)."""
+    return [
+        replace(
+            state,
+            compressor=replace(state.compressor, boundary_overlaps=dict(state.compressor.boundary_overlaps)),
+            indexer=replace(state.indexer, boundary_overlaps=dict(state.indexer.boundary_overlaps)),
+        )
+        for state in layers
+    ]
 
 
 def keep_pages(layers: list[LayerState], page_size: int) -> None:

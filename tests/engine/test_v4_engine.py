@@ -156,3 +156,43 @@ def test_a_deployment_refuses_v4_before_anything_starts(
     assert main([*command, "--model", str(sparse[0])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is DeepSeek-V4, which runs on tandem generate" in err
+
+
+def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_state_back(
+    sparse: tuple[Path, list[list[int]]],
+) -> None:
+    """Verify chunks (the last token and drafts) through the V4 runner, with drafts right, wrong
+    and right-then-wrong, crossing page boundaries: every step's tokens are transformers' (plain
+    greedy decoding's), the state ends where the accepted tokens end, and a page only rejected
+    drafts completed is not kept."""
+    model_dir, want = sparse
+    engine = ColocatedEngine.from_model_dir(model_dir, config=EngineConfig(page_size=16))
+    runner = engine.runner
+    assert isinstance(runner, V4Runner)
+    prompt, target = PROMPTS[2], want[2]  # 64 tokens: the next page boundary is at 80
+    pages = tuple(range(12))
+
+    def step(tokens: tuple[int, ...], position: int, drafts: tuple[int, ...], index: int) -> tuple[int, ...]:
+        chunk = ScheduledChunk("r", tokens, position, pages, True, GREEDY, index, draft_token_ids=drafts)
+        return runner.verify(SchedulerOutput((chunk,), len(tokens), ()))["r"]
+
+    out = list(step(tuple(prompt), 0, (), 0))
+    wrong = lambda t: (t + 1) % 256  # noqa: E731
+    patterns = [(2, 0), (0, 1), (1, 2), (3, 0), (0, 3), (2, 1), (1, 1), (0, 2)]  # (right, then wrong) drafts
+    rejected_past_boundary = False
+    while len(out) < NEW_TOKENS - 4:
+        right, bad = patterns[len(out) % len(patterns)]
+        position = len(prompt) + len(out) - 1  # the last token's
+        drafts = tuple(target[len(out) : len(out) + right]) + tuple(
+            wrong(t) for t in target[len(out) + right :][:bad]
+        )
+        got = step((out[-1], *drafts), position, drafts, len(out))
+        assert list(got) == target[len(out) : len(out) + len(got)], (position, drafts)
+        assert len(got) == right + 1 if bad else len(got) >= right + 1
+        out.extend(got)
+        assert runner.states["r"].position == len(prompt) + len(out) - 1
+        end = position + 1 + len(drafts)
+        if bad and end // 16 > (position + right + 1) // 16:  # rejected tokens completed a page
+            rejected_past_boundary = True
+            assert pages[end // 16 - 1] not in runner.pages
+    assert out == target[: len(out)] and rejected_past_boundary
