@@ -72,7 +72,13 @@ class V4Runner(SamplingRunner):
         draft is rejected, the state goes back to that and the accepted tokens are computed
         again (the same state as computing them alone: a request's state does not depend on how
         its tokens are split into steps), and the pages the rejected tokens completed are
-        dropped."""
+        dropped. In a DEP group drafts are refused: that second forward would be one the other
+        ranks of the group do not make."""
+        if self.lockstep and any(c.draft_token_ids for c in plan.chunks):
+            raise ValueError(
+                "DeepSeek-V4 drafts in a DEP group are not built: a rejected draft's recompute is a "
+                "forward the group's other ranks do not make"
+            )
         if not plan.chunks and not self.lockstep:
             return {}
         start = time.perf_counter()

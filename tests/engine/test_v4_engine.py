@@ -196,3 +196,12 @@ def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_s
             rejected_past_boundary = True
             assert pages[end // 16 - 1] not in runner.pages
     assert out == target[: len(out)] and rejected_past_boundary
+
+
+def test_drafts_in_a_dep_group_are_refused(sparse: tuple[Path, list[list[int]]]) -> None:
+    engine = ColocatedEngine.from_model_dir(sparse[0], config=EngineConfig(page_size=16))
+    assert isinstance(engine.runner, V4Runner)
+    runner = V4Runner(engine.runner.model, lockstep=True)
+    chunk = ScheduledChunk("r", (1, 2), 0, (0,), True, GREEDY, 0, draft_token_ids=(2,))
+    with pytest.raises(ValueError, match="DeepSeek-V4 drafts in a DEP group are not built"):
+        runner.verify(SchedulerOutput((chunk,), 2, ()))
