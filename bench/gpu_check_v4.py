@@ -131,7 +131,7 @@ def _check_indexer(c: _Checks, v: V4Shapes) -> None:
         tokens = starts.shape[0]
         q = c.rand(tokens, v.index_heads, v.index_dim)
         weights = torch.randn(tokens, v.index_heads, generator=c.gen).to(c.device)
-        args = (q, weights, keys, starts, counts, v.topk, v.index_dim**-0.5)
+        args = (q, weights, keys, starts, counts, entries, v.topk, v.index_dim**-0.5)
         out, ref = c.tri.indexer_topk(*args), indexer_topk_torch(*args)
         differ = sum(len(set(a) ^ set(b)) for a, b in zip(out.tolist(), ref.tolist(), strict=True)) / 2
         seen = int(counts.sum())

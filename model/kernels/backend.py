@@ -175,12 +175,14 @@ class KernelBackend(ABC):
         keys: torch.Tensor,
         starts: torch.Tensor,
         counts: torch.Tensor,
+        max_count: int,
         k: int,
         scale: float,
     ) -> torch.Tensor:
         """CSA's indexer: each row's top ``k`` of its visible entries ``keys[starts[t] :
         starts[t] + counts[t]]`` by ``sum_h weights[t, h] ReLU(q[t, h] . key) * scale``, exact
-        ties to the lowest index, ascending -> ``[T, k]`` int32 (``-1`` past a row's picks)."""
+        ties to the lowest index, ascending -> ``[T, k]`` int32 (``-1`` past a row's picks).
+        ``max_count``: the largest of ``counts``, known on the host (no device read)."""
 
     @abstractmethod
     def compress_windows(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+REFERENCE_CHUNK_BYTES = 256 << 20  # the indexer reference's gathered keys and scores, a chunk
+
 
 def sparse_attention_torch(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
@@ -51,41 +53,36 @@ def ascending(chosen: torch.Tensor) -> torch.Tensor:
     return torch.where(order == big, -1, order)
 
 
-def indexer_scores_torch(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``q [n, H, d]``, ``weights [n, H]`` float32, ``keys [E, d]`` -> ``[n, E]`` float32."""
-    scores = torch.relu(q.float() @ keys.float().t()) * scale  # [n, H, E]
-    return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
-
-
 def indexer_topk_torch(
     q: torch.Tensor,
     weights: torch.Tensor,
     keys: torch.Tensor,
     starts: torch.Tensor,
     counts: torch.Tensor,
+    max_count: int,
     k: int,
     scale: float,
 ) -> torch.Tensor:
     """``q [T, H, d]``, ``weights [T, H]`` float32 and the step's indexer keys ``keys [N, d]``;
     row ``t``'s visible entries are ``keys[starts[t] : starts[t] + counts[t]]`` (the rows of one
-    request are consecutive and share a start). -> ``[T, k]`` int32: each row's top ``k`` entry
-    indices (relative to its start) in ascending order, ``-1`` after them when it sees fewer."""
-    out = torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
-    if q.shape[0] == 0 or k == 0:
+    request are consecutive and share a start; ``max_count`` is the largest count). -> ``[T, k]``
+    int32: each row's top ``k`` entry indices (relative to its start) in ascending order, ``-1``
+    after them when it sees fewer. Nothing is read from the device on the host."""
+    tokens, heads = q.shape[0], q.shape[1]
+    out = torch.full((tokens, k), -1, dtype=torch.int32, device=q.device)
+    if tokens == 0 or k == 0 or max_count == 0:
         return out
-    bounds = torch.unique_consecutive(starts, return_counts=True)
-    row = 0
-    for start, rows in zip(bounds[0].tolist(), bounds[1].tolist(), strict=True):
-        these = slice(row, row + rows)
-        seen = counts[these]
-        width = int(seen.max())
-        scores = indexer_scores_torch(q[these], weights[these], keys[start : start + width], scale)
-        visible = torch.arange(width, device=q.device)[None, :] < seen[:, None]
-        chosen = ascending(top_entries(scores, visible, k))
-        out[these, : chosen.shape[1]] = chosen.to(torch.int32)
-        row += rows
+    width = max_count
+    entries = torch.arange(width, device=q.device)
+    # rows a chunk at a time, sized on the host: each row's keys gathered ``[rows, width, d]``
+    step = max(1, REFERENCE_CHUNK_BYTES // (4 * width * (heads + q.shape[2])))
+    for first in range(0, tokens, step):
+        rows = slice(first, first + step)
+        at = (starts[rows].long()[:, None] + entries[None, :]).clamp(max=keys.shape[0] - 1)
+        scores = torch.relu(torch.einsum("thd,twd->thw", q[rows].float(), keys[at].float())) * scale
+        total = (scores * weights[rows].float().unsqueeze(-1)).sum(dim=1)
+        chosen = ascending(top_entries(total, entries[None, :] < counts[rows, None], k))
+        out[rows, : chosen.shape[1]] = chosen.to(torch.int32)
     return out
 
 

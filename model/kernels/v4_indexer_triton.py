@@ -141,12 +141,12 @@ def _select_kernel(
 
 def indexer_scores_triton(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-    scale: float,
+    width: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """``[T, max(counts)]`` int32: row ``t``'s scores over ``keys[starts[t] : starts[t] + counts[t]]``
-    as :func:`order_keys` of the float32 scores (columns past its count unwritten)."""
+    """``[T, width]`` int32 (``width``: at least every count): row ``t``'s scores over
+    ``keys[starts[t] : starts[t] + counts[t]]`` as :func:`order_keys` of the float32 scores
+    (columns past its count unwritten)."""
     tokens, heads, dim = q.shape
-    width = int(counts.max()) if tokens else 0
     scores = torch.empty(tokens, width, dtype=torch.int32, device=q.device)
     if tokens == 0 or width == 0:
         return scores
@@ -195,19 +195,21 @@ def indexer_topk_triton(
     keys: torch.Tensor,
     starts: torch.Tensor,
     counts: torch.Tensor,
+    max_count: int,
     k: int,
     scale: float,
 ) -> torch.Tensor:
-    """As ``indexer_topk_torch``: ``[T, k]`` int32, each row's top ``k`` entries ascending."""
+    """As ``indexer_topk_torch``: ``[T, k]`` int32, each row's top ``k`` entries ascending (no
+    device value read on the host)."""
     tokens = q.shape[0]
     out = torch.full((tokens, k), -1, dtype=torch.int32, device=q.device)
     if tokens == 0 or k == 0:
         return out
     starts, counts = starts.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
-    width = max(int(counts.max()), 1)
+    width = max(max_count, 1)
     step = max(1, SCORE_BUFFER_BYTES // (4 * width))
     for first in range(0, tokens, step):
         rows = slice(first, first + step)
-        scores = indexer_scores_triton(q[rows], weights[rows], keys, starts[rows], counts[rows], scale)
+        scores = indexer_scores_triton(q[rows], weights[rows], keys, starts[rows], counts[rows], width, scale)
         out[rows] = select_topk_triton(scores, counts[rows], k)
     return out

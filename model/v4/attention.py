@@ -141,10 +141,11 @@ class V4Attention(nn.Module):
                     sin,
                     step.index_keys(kv),
                     step.rows(step.index_starts, query_lens, x.device),
+                    max(step.index_counts, default=0),
                     ops,
                 )
             else:
-                chosen = _all_visible((positions + 1) // self.rate)
+                chosen = _all_visible((positions + 1) // self.rate, max(step.entry_counts, default=0))
             first = step.rows(step.entry_starts, query_lens, x.device)
             indices = torch.cat([indices, torch.where(chosen >= 0, chosen + first[:, None], -1)], dim=1)
         out = ops.sparse_attention(q, step.keys(kv), indices.to(torch.int32), self.attn_sink, hd**-0.5)
@@ -179,9 +180,9 @@ class V4Attention(nn.Module):
             step.add_index_keys(self.indexer.keys(state.indexer, x, cos, sin, kv.dtype, ops))
 
 
-def _all_visible(visible: torch.Tensor) -> torch.Tensor:
-    """HCA: every complete window's entry, ``[T, max visible]`` (``-1`` past a row's)."""
-    width = int(visible.max()) if visible.numel() else 0
+def _all_visible(visible: torch.Tensor, width: int) -> torch.Tensor:
+    """HCA: every complete window's entry, ``[T, width]`` (``width``: the most a row sees, from
+    the host; ``-1`` past a row's)."""
     entries = torch.arange(width, device=visible.device)[None, :]
     return torch.where(entries < visible[:, None], entries, -1)
 
@@ -198,6 +199,9 @@ class _StepKeys:
         self.pasts: list[int] = []  # window keys before its first new token
         self.entry_starts: list[int] = []
         self.index_starts: list[int] = []
+        # each request's entries (indexer keys) after this step: what its last row sees
+        self.entry_counts: list[int] = []
+        self.index_counts: list[int] = []
         self.size = self.index_size = 0
 
     def add_window(self, keys: torch.Tensor, past: int) -> None:
@@ -208,11 +212,13 @@ class _StepKeys:
 
     def add_entries(self, entries: torch.Tensor) -> None:
         self.entry_starts.append(self.size)
+        self.entry_counts.append(entries.shape[0])
         self.parts.append(entries)
         self.size += entries.shape[0]
 
     def add_index_keys(self, keys: torch.Tensor) -> None:
         self.index_starts.append(self.index_size)
+        self.index_counts.append(keys.shape[0])
         self.index_parts.append(keys)
         self.index_size += keys.shape[0]
 

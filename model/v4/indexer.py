@@ -70,16 +70,18 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         keys: torch.Tensor,
         starts: torch.Tensor,
+        max_count: int,
         ops: KernelBackend,
     ) -> torch.Tensor:
         """The step's tokens ``x [T, D]`` (their query residual, ``positions [T]``), the step's
         indexer keys ``keys [N, head_dim]`` with each row's request's first at ``starts [T]`` ->
         the entries each row may attend to, ``[T, <= topk]`` (relative to its request's first;
-        ascending; ``-1``: none). A row sees the entries whose window is complete."""
+        ascending; ``-1``: none). A row sees the entries whose window is complete;
+        ``max_count``: the most any row sees (its request's entry count, on the host)."""
         t = x.shape[0]
         q = self.proj(self, "wq_b", q_residual, ops).view(t, self.heads, self.head_dim)
         q = rotate_tail(q, cos[positions], sin[positions])
         weights = (x.float() @ self.weights_proj.t()) * self.heads**-0.5  # [T, H]
         counts = (positions + 1) // self.rate
-        k = min(self.topk, int(counts.max())) if t else 0
-        return ops.indexer_topk(q, weights, keys, starts, counts, k, self.head_dim**-0.5)
+        k = min(self.topk, max_count)
+        return ops.indexer_topk(q, weights, keys, starts, counts, max_count, k, self.head_dim**-0.5)

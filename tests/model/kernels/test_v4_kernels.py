@@ -77,8 +77,9 @@ def test_indexer_topk_matches_the_reference_with_ties_at_the_boundary(k: int) ->
     gen = torch.Generator().manual_seed(k)
     # a prefill chunk (rows seeing 0 .. 12 entries), a decode row and a long row
     q, w, keys, starts, counts = _indexer_case(gen, [[0, 1, 3, 5, 8, 12], [7], [40]])
-    ref = indexer_topk_torch(q, w, keys, starts, counts, k, 0.25)
-    out = indexer_topk_triton(q, w, keys, starts, counts, k, 0.25)
+    most = int(counts.max())
+    ref = indexer_topk_torch(q, w, keys, starts, counts, most, k, 0.25)
+    out = indexer_topk_triton(q, w, keys, starts, counts, most, k, 0.25)
     assert out.dtype == torch.int32 and out.shape == (len(counts), k)
     assert torch.equal(out, ref)
     assert (out[0] == -1).all()  # a row that sees no entry picks none

@@ -178,3 +178,26 @@ def test_the_triton_kernels_give_transformers_tokens_through_every_layer_kind(mo
                 assert tandem_greedy(tandem, prompt, 10) == hf_greedy(hf, prompt, 10), len(prompt)
     finally:
         tandem.ops = torch_ops
+
+
+def test_a_mixed_step_reads_no_device_value_on_the_host(models: dict[str, Any]) -> None:
+    """The V4 forward with the Triton kernels (every layer kind, the sparse indexer, a prefill
+    chunk and a decode row together) never reads a device value onto the host: what a GPU step
+    needs to launch ahead (``engine/host_sync.py``: any such read inside the model raises). (The
+    torch backend's experts read their ids back, as V3's do.)"""
+    from tandem.engine.host_sync import no_host_sync
+
+    tandem, _ = models["sparse"]
+    a, b = PROMPTS[1], PROMPTS[2]
+    states = [tandem.new_state() for _ in range(2)]
+    tandem(torch.tensor(b[:40]), torch.arange(40), [40], [states[1]])
+    ids = torch.tensor(a + b[40:41])
+    positions = torch.cat([torch.arange(len(a)), torch.tensor([40])])
+    torch_ops = tandem.ops
+    tandem.ops = get_backend("cpu", "triton")
+    try:
+        with no_host_sync(torch.device("cpu")):
+            hidden = tandem(ids, positions, [len(a), 1], states)
+    finally:
+        tandem.ops = torch_ops
+    assert hidden.shape == (len(a) + 1, tandem.cfg.hidden_size)
