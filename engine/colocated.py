@@ -26,6 +26,7 @@ from tandem.model.tokenizer import Tokenizer
 from tandem.model.v4.kv_layout import pages_for_bytes as v4_pages_for_bytes
 from tandem.model.v4.kv_layout import v4_page_size
 from tandem.model.v4.model import DeepseekV4
+from tandem.model.v4.pages import v4_pool
 from tandem.wire.logprobs import TokenLogprobs
 from tandem.wire.request_params import FinishReason, InvalidRequestError, SamplingParams, check_prompt
 
@@ -85,9 +86,9 @@ class ColocatedEngine:
                 config.max_num_seqs,
                 window_on_pages=prefix_caching,
             )
-            self.runner = V4Runner(
-                model, lockstep, guides=guides, page_size=page_size if prefix_caching else None
-            )
+            if prefix_caching:  # the pages keep every kind of state, for hits
+                self.pool = v4_pool(model.cfg, num_pages, page_size, model.dtype, model.device)
+            self.runner = V4Runner(model, lockstep, guides=guides, pool=self.pool)
         else:
             page_size = config.page_size
             num_pages = config.num_pages or KVPool.pages_for_bytes(

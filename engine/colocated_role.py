@@ -29,15 +29,16 @@ class ColocatedRole(RoleSpec):
         from tandem.engine.colocated import ColocatedEngine
         from tandem.engine.colocated_worker import ColocatedWorker
         from tandem.engine.rank_context import guided_rows
+        from tandem.engine.v4_runner import V4Runner
 
         guides = guided_rows(ctx.model_dir, ctx.model_config.vocab_size)
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True, guides=guides)
-        if engine.pool is None:  # DeepSeek-V4: its kinds of state have no tiers yet
+        if isinstance(engine.runner, V4Runner):  # DeepSeek-V4: its kinds of state have no tiers yet
             if self.host_cache_pages or self.store is not None:
                 raise ValueError(
                     f"rank {ctx.rank_id.name}: KV tiers (host cache, store) for DeepSeek-V4 are not built"
                 )
-        else:
+        elif engine.pool is not None:
             copier = ctx.tiers(
                 engine.pool, self.host_cache_pages, self.store, self.model_key, self.store_secret
             )

@@ -8,11 +8,13 @@ same whatever the chunking (``--prefill-chunk-tokens``) and the batch. A chunk a
 starts a fresh state: a new request, or one preempted (its state dropped with its pages) and
 recomputed.
 
-With prefix caching (``page_size`` given), every page a request completes leaves its part of the
-state here by page id (``model/v4/pages.py``: the page's window KV, compressed entries, indexer
-keys and last window's overlap): a chunk that starts at a prefix-cache hit (a page boundary
-past 0 with no state of its own) gets its state rebuilt from its first pages, exactly the state
-computing them leaves. A page's record is replaced when its page is filled again. A chunk that
+With prefix caching (a ``pool`` given), every page a request completes is written into the
+rank's KV pool at its page id, every kind of state (``model/v4/pages.py``: the page's window
+KV, compressed entries, indexer keys and last window's overlap): a chunk that starts at a
+prefix-cache hit (a page boundary past 0 with no state of its own) gets its state rebuilt from
+its first pages, exactly the state computing them leaves. A page is restorable once written
+whole, until its request rejects the drafts that completed it; filled again, it is the new
+tokens'. A chunk that
 finds neither is refused, naming the request, rather than run on a wrong state. A step whose
 forward fails drops its requests' states (they moved part of the way). A request's state goes
 with it (``forget``)."""
@@ -27,10 +29,10 @@ import torch
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.model.grammar import GuidedRows
+from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
-from tandem.model.v4.kv_layout import check_page_size
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.pages import PageState, keep_pages, restore, snapshot, take_pages
+from tandem.model.v4.pages import keep_pages, restore, snapshot, store_pages
 
 
 @dataclass
@@ -46,17 +48,16 @@ class V4Runner(SamplingRunner):
         lockstep: bool = False,
         guides: GuidedRows | None = None,
         guard_syncs: bool | None = None,
-        page_size: int | None = None,
+        pool: KVPool | None = None,
     ) -> None:
-        """``page_size``: the prefix cache's pages (a multiple of every compression rate), whose
-        states are kept by page id; ``None``: no prefix caching."""
+        """``pool``: the rank's KV pool of V4's kinds (its pages a multiple of every compression
+        rate), where completed pages are written; ``None``: no prefix caching."""
         super().__init__(model, lockstep, guides, guard_syncs)
         self.model = model
-        self.page_size = page_size
-        if page_size is not None:
-            check_page_size(model.cfg, page_size)
+        self.pool = pool
+        self.page_size = None if pool is None else pool.page_size
         self.states: dict[str, _Held] = {}
-        self.pages: dict[int, PageState] = {}  # page id -> its part of the state that filled it
+        self.written: set[int] = set()  # page ids holding the whole state of the tokens that filled them
         self.restores = 0  # states rebuilt from pages (prefix-cache hits)
 
     def forget(self, request_id: str) -> None:
@@ -170,7 +171,7 @@ class V4Runner(SamplingRunner):
         if size is None:
             return
         for boundary in range((end // size + 1) * size, computed + 1, size):
-            self.pages.pop(chunk.page_ids[boundary // size - 1], None)
+            self.written.discard(chunk.page_ids[boundary // size - 1])
 
     def _state(self, chunk: ScheduledChunk) -> _Held:
         rid, start = chunk.request_id, chunk.start_position
@@ -196,19 +197,18 @@ class V4Runner(SamplingRunner):
 
     def _restore(self, chunk: ScheduledChunk) -> list[LayerState] | None:
         """The state at a prefix-cache hit, from the kept pages before the chunk's start."""
-        size, start = self.page_size, chunk.start_position
-        if size is None or start % size:
+        pool, start = self.pool, chunk.start_position
+        if pool is None or start % pool.page_size:
             return None
-        pages = [self.pages.get(pid) for pid in chunk.page_ids[: start // size]]
-        if any(page is None for page in pages):
+        pages = list(chunk.page_ids[: start // pool.page_size])
+        if not self.written.issuperset(pages):
             return None
-        return restore(self.model.cfg, [p for p in pages if p is not None], size)
+        return restore(self.model.cfg, pool, pages)
 
     def _keep_pages(self, held: _Held, end: int, page_ids: tuple[int, ...]) -> None:
-        """The pages the step completed, by page id (replacing what an earlier filling left)."""
-        size = self.page_size
-        if size is None:
-            return
-        first = held.position // size
-        for offset, page in enumerate(take_pages(self.model.cfg, held.layers, held.position, end, size)):
-            self.pages[page_ids[first + offset]] = page
+        """The pages the step completed, into the pool at their ids (over what an earlier filling
+        left)."""
+        if self.pool is not None:
+            self.written.update(
+                store_pages(self.model.cfg, held.layers, held.position, end, self.pool, page_ids)
+            )

@@ -1,13 +1,18 @@
-"""The paged latent KV pool of one rank.
+"""The paged KV pool of one rank: one preallocated tensor per kind of state
+(``model/page_kinds.py``), every kind a page for every page id::
 
-One tensor holds every layer::
+    tensors[kind][layer, page, row, :]   (``layer`` counts the kind's layers)
+
+    layer stride = num_pages * rows * dim numbers; page stride = rows * dim numbers
+
+so one page of one layer of one kind is a contiguous run of bytes, which is what KV transfer
+moves. DeepSeek-V3 keeps one kind, its latent::
 
     kv[layer, page, slot, :]  =  [ c (kv_lora_rank) | k_pe (qk_rope_head_dim) ]
 
-    layer stride = num_pages * page_size * dim numbers; page stride = page_size * dim numbers
-
-so one page of one layer is a contiguous run of bytes, which is what KV transfer moves. Page ids
-come from the rank's page allocator; the pool itself keeps no ownership state.
+DeepSeek-V4 several (``model/v4/kv_layout.v4_page_kinds``: window KV, compressed entries by
+rate, indexer keys, the compressors' overlap). Page ids come from the rank's page allocator; the
+pool itself keeps no ownership state.
 """
 
 from __future__ import annotations
@@ -16,48 +21,85 @@ import torch
 
 from tandem.kvtransfer.types import PoolLayout
 from tandem.model.config import ModelConfig
+from tandem.model.page_kinds import PageKind, latent_kinds, pool_page_bytes
 
 
 class KVPool:
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelConfig | None,
         num_pages: int,
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_layers: int | None = None,
+        kinds: list[PageKind] | None = None,
     ) -> None:
-        """``num_layers``: the decoder layers by default; one more with the MTP layer's KV."""
+        """``kinds``: what each page keeps; by default ``cfg``'s (a DeepSeek-V3) latent in its
+        decoder layers, or in ``num_layers`` (one more with the MTP layer's KV). DeepSeek-V4
+        passes its kinds (``model/v4/kv_layout.v4_page_kinds``)."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        if kinds is None:
+            if cfg is None:
+                raise ValueError("a KV pool needs the model's config or its kinds of state")
+            kinds = latent_kinds(num_layers or cfg.num_hidden_layers, page_size, cfg.kv_cache_dim)
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv = torch.zeros(
-            (num_layers or cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim),
-            dtype=dtype,
-            device=device,
-        )
+        self.kinds = kinds
+        self.tensors = {
+            kind.name: torch.zeros(
+                (len(kind.layers), num_pages, kind.rows, kind.dim),
+                dtype=torch.float32 if kind.float32 else dtype,
+                device=device,
+            )
+            for kind in self.kinds
+        }
+        self._index = {kind.name: {layer: i for i, layer in enumerate(kind.layers)} for kind in self.kinds}
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The one kind's tensor ``[layers, pages, rows, dim]`` of a one-kind (V3) pool."""
+        if len(self.tensors) != 1:
+            raise ValueError(f"this pool keeps {len(self.tensors)} kinds of state: name one ({self.names})")
+        return next(iter(self.tensors.values()))
+
+    @property
+    def names(self) -> list[str]:
+        return [kind.name for kind in self.kinds]
+
+    def kind(self, name: str, layer: int) -> torch.Tensor:
+        """Model layer ``layer``'s pages of kind ``name``: ``[pages, rows, dim]``."""
+        return self.tensors[name][self._index[name][layer]]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Each ``(source, destination)`` page's KV, every layer, into the destination (on the
-        device's stream, ordered before the next forward)."""
+        """Each ``(source, destination)`` page's state, every kind and layer, into the destination
+        (on the device's stream, ordered before the next forward)."""
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.kv.device)
-            dst = torch.tensor([d for _, d in copies], device=self.kv.device)
-            self.kv[:, dst] = self.kv[:, src]
+            for kv in self.tensors.values():
+                src = torch.tensor([s for s, _ in copies], device=kv.device)
+                dst = torch.tensor([d for _, d in copies], device=kv.device)
+                kv[:, dst] = kv[:, src]
 
     def layer(self, index: int) -> torch.Tensor:
         return self.kv[index]
 
     @property
     def layout(self) -> PoolLayout:
+        """The one kind's transfer layout (V3)."""
         return pool_layout(self.kv)
+
+    def layouts(self) -> dict[str, PoolLayout]:
+        """Every kind's transfer layout, by name."""
+        return {name: pool_layout(kv) for name, kv in self.tensors.items()}
 
     @staticmethod
     def pages_for_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        per_page = cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * itemsize
+        per_page = pool_page_bytes(latent_kinds(cfg.num_hidden_layers, page_size, cfg.kv_cache_dim), itemsize)
         return max(1, budget_bytes // per_page)
 
 

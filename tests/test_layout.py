@@ -89,6 +89,8 @@ TORCH_FREE = (
     "tandem.cluster.memory_plan",
     "tandem.model.rank_weights",
     "tandem.model.dtype_names",
+    "tandem.model.page_kinds",
+    "tandem.model.v4.kv_layout",
     "tandem.frontend.core",
     "tandem.frontend.membership",
     "tandem.frontend.migration",

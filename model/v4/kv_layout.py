@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.model.page_kinds import FLOAT32_BYTES, PageKind
 from tandem.model.v4.config import CSA, V4Config
-
-FLOAT32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -71,40 +70,65 @@ def window_pages(cfg: V4Config, page_size: int) -> int:
     return math.ceil((cfg.sliding_window - 1) / page_size) + 1
 
 
+def v4_page_kinds(cfg: V4Config, page_size: int) -> list[PageKind]:
+    """What a V4 page keeps, by kind (``model/page_kinds.py``): every layer's ``window`` KV of
+    the page's tokens; the ``compressed.R`` entries of the layers of rate ``R`` (``page_size /
+    R`` a page); CSA layers' ``indexer_keys``; and CSA layers' ``overlap``, the page's last
+    window's ``Ca`` projections, ``rate`` rows of ``[kv | gate | indexer kv | indexer gate]``
+    (float32, as the compressors compute them)."""
+    check_page_size(cfg, page_size)
+    n = cfg.num_hidden_layers
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    kinds = [PageKind("window", tuple(range(n)), page_size, hd)]
+    for rate in sorted({cfg.compress_rate(i) for i in range(n)} - {0}):
+        layers = tuple(i for i in range(n) if cfg.compress_rate(i) == rate)
+        kinds.append(PageKind(f"compressed.{rate}", layers, page_size // rate, hd))
+    csa = tuple(i for i in range(n) if cfg.layer_types[i] == CSA)
+    if csa:
+        r = cfg.compress_rate_csa
+        kinds.append(PageKind("indexer_keys", csa, page_size // r, ihd))
+        kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True))
+    return kinds
+
+
 def v4_kinds(
     cfg: V4Config, item_bytes: int, page_size: int, window_on_pages: bool = False
 ) -> list[KindBytes]:
     """Each kind's bytes, in a model of ``item_bytes`` a number; ``window_on_pages``: with the
     ``page_window`` kind, each page keeping its tokens' window KV (what a prefix cache restores a
-    hit's window from), beside the running requests' own windows."""
-    check_page_size(cfg, page_size)
+    hit's window from), beside the running requests' own windows. The kinds on pages are
+    :func:`v4_page_kinds`' (the pool's tensors)."""
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
+    on_pages = {kind.name: kind for kind in v4_page_kinds(cfg, page_size)}
+
+    def paged(name: str, *names: str) -> KindBytes:
+        found = [on_pages[k] for k in names if k in on_pages]
+        per_token = sum(k.page_bytes(item_bytes) for k in found) / page_size
+        return KindBytes(name, sum(len(k.layers) for k in found), per_token, 0)
+
     compressed = [i for i in range(n) if cfg.compress_rate(i)]
-    csa = [i for i in range(n) if cfg.layer_types[i] == CSA]
-    r = cfg.compress_rate_csa
     kinds = [
         KindBytes("window", n, 0.0, n * window_pages(cfg, page_size) * page_size * hd * item_bytes),
-        KindBytes(
-            "compressed", len(compressed), sum(hd * item_bytes / cfg.compress_rate(i) for i in compressed), 0
-        ),
-        KindBytes("indexer_keys", len(csa), len(csa) * ihd * item_bytes / r, 0),
-        KindBytes("overlap", len(csa), len(csa) * 2 * r * (hd + ihd) * FLOAT32_BYTES / page_size, 0),
+        paged("compressed", *(k for k in on_pages if k.startswith("compressed."))),
+        paged("indexer_keys", "indexer_keys"),
+        paged("overlap", "overlap"),
     ]
     open_window = 0
     for i in compressed:  # (rate - 1) tokens' gate and KV projections, the indexer's too on CSA
         rate = cfg.compress_rate(i)
-        width = 2 * hd + 2 * ihd if i in csa else hd
+        width = 2 * hd + 2 * ihd if cfg.layer_types[i] == CSA else hd
         open_window += (rate - 1) * 2 * width * FLOAT32_BYTES
     kinds.append(KindBytes("open_window", len(compressed), 0.0, open_window))
     if window_on_pages:
-        kinds.append(KindBytes("page_window", n, n * hd * item_bytes, 0))
+        kinds.append(paged("page_window", "window"))
     return kinds
 
 
 def page_bytes(kinds: list[KindBytes], page_size: int) -> int:
-    """One page of the kinds that grow with a request, every layer."""
-    return math.ceil(sum(k.per_token for k in kinds) * page_size)
+    """One page of the kinds that grow with a request, every layer (a whole number of bytes:
+    each kind's page is)."""
+    return round(sum(k.per_token for k in kinds) * page_size)
 
 
 def request_bytes(kinds: list[KindBytes]) -> int:

@@ -1,42 +1,37 @@
-"""A DeepSeek-V4 request's state cut into pages as it is computed, and rebuilt from pages: what a
-prefix-cache hit restores.
+"""A DeepSeek-V4 request's state written into the rank's KV pool page by page as it is computed,
+and rebuilt from pages: what a prefix-cache hit restores.
 
 A page of ``page_size`` tokens (a multiple of every compression rate, so that its boundaries are
-compression boundaries of every layer) keeps, per layer: its tokens' window KV (``head_dim``
-numbers a token, K = V); on compressed layers the entries of its windows (``page_size / rate``
-of them); on CSA layers the ``Ca`` projections (KV and gate) of its last window, which the next
-page's first entry gates over; the indexer's keys and ``Ca`` the same way. At a page boundary
-no compressor holds an open window, so the state after ``k`` whole pages is a function of those
-pages alone: the window is the last ``sliding_window - 1`` rows of their KV, the entries are
-theirs in order, the overlap is the last page's. :func:`restore` rebuilds exactly the state that
-computing the prefix leaves (``tests/model/v4/test_v4_pages.py`` compares them tensor for tensor)."""
+compression boundaries of every layer) keeps, per layer, in the pool's kinds
+(``model/v4/kv_layout.v4_page_kinds``): its tokens' ``window`` KV (``head_dim`` numbers a token,
+K = V); on compressed layers the entries of its windows (``compressed.R``, ``page_size / R`` of
+them); on CSA layers the indexer's keys and the ``overlap``: the compressor's and the indexer's
+``Ca`` projections (KV and gate) of its last window, which the next page's first entries gate
+over. At a page boundary no compressor holds an open window, so the state after ``k`` whole pages
+is a function of those pages alone: the window is the last ``sliding_window - 1`` rows of their
+KV, the entries are theirs in order, the overlap is the last page's. :func:`restore` rebuilds
+exactly the state that computing the prefix leaves (``tests/model/v4/test_v4_pages.py``
+compares them tensor for tensor)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState
-from tandem.model.v4.config import V4Config
+from tandem.model.v4.config import CSA, V4Config
+from tandem.model.v4.kv_layout import v4_page_kinds
 
 
-@dataclass(frozen=True)
-class CompressedPage:
-    entries: torch.Tensor  # [page_size // rate, dim]
-    overlap: tuple[torch.Tensor, torch.Tensor] | None  # the page's last window's Ca: (kv, gate); CSA
-
-
-@dataclass(frozen=True)
-class LayerPage:
-    window: torch.Tensor  # [page_size, head_dim]: the page's tokens' KV
-    compressor: CompressedPage | None
-    indexer: CompressedPage | None
-
-
-PageState = list[LayerPage]  # one a layer
+def v4_pool(
+    cfg: V4Config, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> KVPool:
+    """A rank's KV pool of V4's kinds (``page_size`` a multiple of every compression rate)."""
+    return KVPool(None, num_pages, page_size, dtype, device, kinds=v4_page_kinds(cfg, page_size))
 
 
 def snapshot(layers: list[LayerState]) -> list[LayerState]:
@@ -59,68 +54,76 @@ def keep_pages(layers: list[LayerState], page_size: int) -> None:
         state.compressor.page_size = state.indexer.page_size = page_size
 
 
-def take_pages(
-    cfg: V4Config, layers: list[LayerState], start: int, end: int, page_size: int
-) -> list[PageState]:
-    """The pages a request completed as its state moved from position ``start`` to ``end`` (the
-    boundaries in ``(start, end]``), in order; what they keep leaves the state."""
-    pages: list[PageState] = []
-    for boundary in range((start // page_size + 1) * page_size, end + 1, page_size):
-        page: PageState = []
+def store_pages(
+    cfg: V4Config, layers: list[LayerState], start: int, end: int, pool: KVPool, page_ids: tuple[int, ...]
+) -> list[int]:
+    """Write into ``pool`` the pages a request completed as its state moved from position
+    ``start`` to ``end`` (the boundaries in ``(start, end]``), at their ids in ``page_ids`` (the
+    request's pages from its first token); what they keep leaves the state. The ids written."""
+    size, hd = pool.page_size, cfg.head_dim
+    written = []
+    for boundary in range((start // size + 1) * size, end + 1, size):
+        page = page_ids[boundary // size - 1]
         for index, state in enumerate(layers):
-            assert state.open_page is not None and state.open_page.shape[0] >= page_size
-            rows, state.open_page = state.open_page[:page_size], state.open_page[page_size:]
+            assert state.open_page is not None and state.open_page.shape[0] >= size
+            pool.kind("window", index)[page] = state.open_page[:size]
+            state.open_page = state.open_page[size:]
             rate = cfg.compress_rate(index)
-            page.append(
-                LayerPage(
-                    rows.clone(),
-                    _compressed(state.compressor, boundary, page_size, rate),
-                    _compressed(state.indexer, boundary, page_size, rate),
-                )
-            )
-        pages.append(page)
-    return pages
+            if not rate:
+                continue
+            first, last = (boundary - size) // rate, boundary // rate
+            entries, keys = state.compressor.entries, state.indexer.entries
+            assert entries is not None  # a compressed layer's compressor has run
+            pool.kind(f"compressed.{rate}", index)[page] = entries[first:last]
+            if cfg.layer_types[index] != CSA:
+                continue
+            assert keys is not None
+            pool.kind("indexer_keys", index)[page] = keys[first:last]
+            overlap = pool.kind("overlap", index)[page]
+            for at, compressor in ((0, state.compressor), (2 * hd, state.indexer)):
+                kv, gate = compressor.boundary_overlaps.pop(boundary)
+                width = kv.shape[1]
+                overlap[:, at : at + width] = kv
+                overlap[:, at + width : at + 2 * width] = gate
+        written.append(page)
+    return written
 
 
-def _compressed(state: CompressorState, boundary: int, page_size: int, rate: int) -> CompressedPage | None:
-    if state.entries is None or not rate:  # no compressor here (or not this one: HCA's indexer)
-        return None
-    entries = state.entries[(boundary - page_size) // rate : boundary // rate].clone()
-    return CompressedPage(entries, state.boundary_overlaps.pop(boundary, None))
-
-
-def restore(cfg: V4Config, pages: list[PageState], page_size: int) -> list[LayerState]:
-    """The state after the ``len(pages)`` whole pages (their tokens computed in order), ready to
-    go on from there and to keep its next pages."""
-    position = len(pages) * page_size
+def restore(cfg: V4Config, pool: KVPool, page_ids: list[int]) -> list[LayerState]:
+    """The state after the pages ``page_ids`` (``len(page_ids)`` whole pages, their tokens
+    computed in order), ready to go on from there and to keep its next pages."""
+    if not page_ids:
+        raise ValueError("a state is restored from one page or more")
+    size, hd = pool.page_size, cfg.head_dim
+    position = len(page_ids) * size
     keep = cfg.sliding_window - 1
-    tail = pages[-math.ceil(keep / page_size) :] if keep else []
+    window = pool.tensors["window"]
+    ids = torch.tensor(page_ids, dtype=torch.int64, device=window.device)
+    tail = ids[-math.ceil(keep / size) :] if keep else ids[:0]
     layers = []
     for index in range(cfg.num_hidden_layers):
         state = LayerState()
-        if tail:
-            rows = torch.cat([page[index].window for page in tail])
-            state.window = rows[max(rows.shape[0] - keep, 0) :]
-        else:
-            state.window = pages[0][index].window[:0]
+        rows = pool.kind("window", index)[tail].reshape(-1, hd)
+        state.window = rows[max(rows.shape[0] - keep, 0) :]
         rate = cfg.compress_rate(index)
-        state.compressor = _restored([page[index].compressor for page in pages], position, rate)
-        state.indexer = _restored([page[index].indexer for page in pages], position, rate)
+        if rate:
+            count = position // rate
+            entries = pool.kind(f"compressed.{rate}", index)[ids].reshape(count, hd)
+            if cfg.layer_types[index] == CSA:
+                overlap = pool.kind("overlap", index)[ids[-1]]
+                keys = pool.kind("indexer_keys", index)[ids].reshape(count, cfg.index_head_dim)
+                state.compressor = _restored(entries, overlap[:, : 2 * hd], count)
+                state.indexer = _restored(keys, overlap[:, 2 * hd :], count)
+            else:
+                state.compressor = CompressorState(entries=entries, count=count)
         layers.append(state)
-    keep_pages(layers, page_size)
+    keep_pages(layers, size)
     return layers
 
 
-def _restored(items: list[CompressedPage | None], position: int, rate: int) -> CompressorState:
-    present = [item for item in items if item is not None]
-    if not present:
-        return CompressorState()
-    if len(present) != len(items):
-        raise ValueError("a page without the compressed state its layer keeps")
-    last = present[-1].overlap
-    return CompressorState(
-        overlap_kv=None if last is None else last[0],
-        overlap_gate=None if last is None else last[1],
-        entries=torch.cat([item.entries for item in present]),
-        count=position // rate,
-    )
+def _restored(entries: torch.Tensor, overlap: torch.Tensor, count: int) -> CompressorState:
+    """A compressor's state at a page boundary: its entries and its last window's ``Ca``
+    (``overlap``: ``[rate, kv | gate]``)."""
+    width = overlap.shape[1] // 2
+    kv, gate = overlap[:, :width].clone(), overlap[:, width:].clone()
+    return CompressorState(overlap_kv=kv, overlap_gate=gate, entries=entries, count=count)

@@ -194,7 +194,7 @@ def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_s
         end = position + 1 + len(drafts)
         if bad and end // 16 > (position + right + 1) // 16:  # rejected tokens completed a page
             rejected_past_boundary = True
-            assert pages[end // 16 - 1] not in runner.pages
+            assert pages[end // 16 - 1] not in runner.written
     assert out == target[: len(out)] and rejected_past_boundary
 
 
