@@ -227,7 +227,7 @@ class _PoolFigures:
         if isinstance(cfg, V4Config):
             check_v4_topology(pool.mtp)
             size = v4_page_size(cfg, spec.page_size)
-            kinds = tuple(v4_kinds(cfg, dtype_bytes(dtype), size, window_on_pages=True))
+            kinds = tuple(v4_kinds(cfg, dtype_bytes(dtype), size, prefix_caching=True))
             workspace = v4_workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
             state = request_bytes(list(kinds)) * spec.max_num_seqs
             return _PoolFigures(

@@ -61,9 +61,10 @@ class ColocatedEngine:
 
         A DeepSeek-V4 model runs on pages of a multiple of every compression rate (the least
         common multiple with ``config.page_size``), as many as ``kv_pool_bytes`` holds of every
-        kind of its state beside ``max_num_seqs`` requests' windows (``model/v4/kv_layout.py``; with
-        prefix caching a page keeps its tokens' window KV too), its prefix-cache hits restoring
-        the exact state (``engine/v4_runner.py``)."""
+        kind of its state beside ``max_num_seqs`` requests' windows (``model/v4/kv_layout.py``: the
+        compressed entries and indexer keys; with prefix caching a page keeps its tokens' window
+        KV and its last window's overlap too), its prefix-cache hits restoring the exact state
+        (``engine/v4_runner.py``)."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.model_config = cfg = model.cfg
@@ -84,11 +85,12 @@ class ColocatedEngine:
                 model.dtype.itemsize,
                 config.kv_pool_bytes,
                 config.max_num_seqs,
-                window_on_pages=prefix_caching,
+                prefix_caching=prefix_caching,
             )
-            if prefix_caching:  # the pages keep every kind of state, for hits
-                self.pool = v4_pool(model.cfg, num_pages, page_size, model.dtype, model.device)
-            self.runner = V4Runner(model, lockstep, guides=guides, pool=self.pool)
+            self.pool = v4_pool(model.cfg, num_pages, page_size, model.dtype, model.device, prefix_caching)
+            self.runner = V4Runner(
+                model, lockstep, guides=guides, pool=self.pool, prefix_caching=prefix_caching
+            )
         else:
             page_size = config.page_size
             num_pages = config.num_pages or KVPool.pages_for_bytes(

@@ -8,13 +8,13 @@ same whatever the chunking (``--prefill-chunk-tokens``) and the batch. A chunk a
 starts a fresh state: a new request, or one preempted (its state dropped with its pages) and
 recomputed.
 
-With prefix caching (a ``pool`` given), every page a request completes is written into the
-rank's KV pool at its page id, every kind of state (``model/v4/pages.py``: the page's window
-KV, compressed entries, indexer keys and last window's overlap): a chunk that starts at a
-prefix-cache hit (a page boundary past 0 with no state of its own) gets its state rebuilt from
-its first pages, exactly the state computing them leaves. A page is restorable once written
-whole, until its request rejects the drafts that completed it; filled again, it is the new
-tokens'. A chunk that
+A request's compressed entries and indexer keys live in its pages of the rank's KV pool (the
+``pool`` given; ``model/v4/pages.bind_pages``), written as they are made and read from there.
+With ``prefix_caching``, every page a request completes gets the rest of its state too (the
+page's window KV and its last window's overlap): a chunk that starts at a prefix-cache hit (a
+page boundary past 0 with no state of its own) gets its state rebuilt from its first pages,
+exactly the state computing them leaves. A page is restorable from its completion until it is
+filled again or its request rejects the drafts that completed it. A chunk that
 finds neither is refused, naming the request, rather than run on a wrong state. A step whose
 forward fails drops its requests' states (they moved part of the way). A request's state goes
 with it (``forget``)."""
@@ -32,7 +32,7 @@ from tandem.model.grammar import GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.pages import keep_pages, restore, snapshot, store_pages
+from tandem.model.v4.pages import bind_pages, keep_pages, restore, snapshot, store_pages
 
 
 @dataclass
@@ -49,13 +49,18 @@ class V4Runner(SamplingRunner):
         guides: GuidedRows | None = None,
         guard_syncs: bool | None = None,
         pool: KVPool | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """``pool``: the rank's KV pool of V4's kinds (its pages a multiple of every compression
-        rate), where completed pages are written; ``None``: no prefix caching."""
+        rate; ``None``: each request's entries in tensors of its own, no prefix caching);
+        ``prefix_caching``: completed pages keep all their state, for hits (the pool has the
+        kinds for it)."""
         super().__init__(model, lockstep, guides, guard_syncs)
+        if prefix_caching and (pool is None or "window" not in pool.names):
+            raise ValueError("prefix caching for DeepSeek-V4 needs a pool with the window and overlap kinds")
         self.model = model
         self.pool = pool
-        self.page_size = None if pool is None else pool.page_size
+        self.page_size = pool.page_size if pool is not None and prefix_caching else None
         self.states: dict[str, _Held] = {}
         self.written: set[int] = set()  # page ids holding the whole state of the tokens that filled them
         self.restores = 0  # states rebuilt from pages (prefix-cache hits)
@@ -130,6 +135,7 @@ class V4Runner(SamplingRunner):
             for p in range(c.start_position, c.start_position + n)
         ]
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        self._bind(chunks, held, counts)
         try:
             with self._guarded():
                 hidden = self.model.forward(ids, pos, counts, [h.layers for h in held])
@@ -141,6 +147,16 @@ class V4Runner(SamplingRunner):
             self._keep_pages(h, h.position + n, chunk.page_ids)
             h.position += n
         return hidden
+
+    def _bind(self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]) -> None:
+        """Each request's entries into its pages (as many as this step reaches); the pages it
+        fills in this step are no longer restorable as what filled them before."""
+        if self.pool is None:
+            return
+        size = self.pool.page_size
+        for chunk, h, n in zip(chunks, held, counts, strict=True):
+            bind_pages(self.model.cfg, h.layers, self.pool, chunk.page_ids)
+            self.written.difference_update(chunk.page_ids[h.position // size : -(-(h.position + n) // size)])
 
     def _roll_back(
         self,
@@ -198,7 +214,7 @@ class V4Runner(SamplingRunner):
     def _restore(self, chunk: ScheduledChunk) -> list[LayerState] | None:
         """The state at a prefix-cache hit, from the kept pages before the chunk's start."""
         pool, start = self.pool, chunk.start_position
-        if pool is None or start % pool.page_size:
+        if pool is None or self.page_size is None or start % pool.page_size:
             return None
         pages = list(chunk.page_ids[: start // pool.page_size])
         if not self.written.issuperset(pages):
@@ -208,7 +224,7 @@ class V4Runner(SamplingRunner):
     def _keep_pages(self, held: _Held, end: int, page_ids: tuple[int, ...]) -> None:
         """The pages the step completed, into the pool at their ids (over what an earlier filling
         left)."""
-        if self.pool is not None:
+        if self.pool is not None and self.page_size is not None:
             self.written.update(
                 store_pages(self.model.cfg, held.layers, held.position, end, self.pool, page_ids)
             )

@@ -12,6 +12,10 @@ A request's :class:`CompressorState` is what makes this independent of how its t
 into forward calls: the projections of the tokens of the window not yet complete (``buffer``),
 the previous window's ``Ca`` projections (``overlap``) and the entries so far. Entry ``w`` is
 visible to the query at position ``p`` once its window is complete: ``w < (p + 1) // rate``.
+
+On a serving rank the entries live in the rank's KV pool (:class:`PagedRows`: the request's
+pages of the layer's kind, ``page_size / rate`` entries a page, written as they are made and
+read from there); a state with no pages bound keeps them in tensors of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,32 @@ if TYPE_CHECKING:
     from tandem.model.kernels.backend import KernelBackend
 
 
+@dataclass(frozen=True)
+class PagedRows:
+    """A request's entries in one layer's pages of one kind of the KV pool: ``table [pages,
+    per_page, dim]`` and the request's page ids from its first token (entry ``e`` is row ``e %
+    per_page`` of page ``page_ids[e // per_page]``)."""
+
+    table: torch.Tensor
+    page_ids: tuple[int, ...]
+
+    def _rows(self, first: int, count: int) -> torch.Tensor:
+        per = self.table.shape[1]
+        flat = [self.page_ids[e // per] * per + e % per for e in range(first, first + count)]
+        return torch.tensor(flat, dtype=torch.int64).to(self.table.device)
+
+    def write(self, first: int, new: torch.Tensor) -> None:
+        """Entries ``first ..`` (``new [n, dim]``) into their pages."""
+        self.table.view(-1, self.table.shape[2]).index_copy_(0, self._rows(first, new.shape[0]), new)
+
+    def read(self, count: int) -> torch.Tensor:
+        """The first ``count`` entries, ``[count, dim]`` (a copy, gathered from the pages)."""
+        per, dim = self.table.shape[1], self.table.shape[2]
+        pages = self.page_ids[: -(-count // per)]
+        ids = torch.tensor(pages, dtype=torch.int64).to(self.table.device)
+        return self.table[ids].reshape(-1, dim)[:count]
+
+
 @dataclass
 class CompressorState:
     """One request's compressor state for one layer (float32 projections, entries in the
@@ -39,6 +69,7 @@ class CompressorState:
     overlap_gate: torch.Tensor | None = None
     entries: torch.Tensor | None = None  # [E, dim]: a view of ``storage``'s first rows
     count: int = 0  # entries so far
+    pages: PagedRows | None = None  # where the entries live on a serving rank (then not ``entries``)
     # the rows ``entries`` views, with room to grow: appending copies the new entries only (the
     # capacity doubles when full), where concatenating would copy all of them every window
     storage: torch.Tensor | None = None
@@ -47,8 +78,19 @@ class CompressorState:
     page_size: int = 0
     boundary_overlaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def so_far(self, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The entries so far, ``[count, dim]``."""
+        if self.pages is not None:
+            return self.pages.read(self.count)
+        if self.entries is None:
+            return torch.empty(0, dim, dtype=dtype, device=device)
+        return self.entries
+
     def append(self, new: torch.Tensor) -> None:
-        """``entries`` followed by ``new [n, dim]``."""
+        """The entries so far followed by ``new [n, dim]`` (before ``count`` moves on)."""
+        if self.pages is not None:
+            self.pages.write(self.count, new)
+            return
         have = 0 if self.entries is None else self.entries.shape[0]
         need = have + new.shape[0]
         if self.storage is None or self.storage.shape[0] < need or self.storage.dtype != new.dtype:
@@ -107,9 +149,7 @@ class Compressor(nn.Module):
             new = rotate_tail(new.to(dtype), cos[positions], sin[positions])
             state.append(new)
             state.count += windows
-        if state.entries is None:
-            state.entries = torch.empty(0, self.dim, dtype=dtype, device=x.device)
-        return state.entries
+        return state.so_far(self.dim, dtype, x.device)
 
     def _keep_overlaps(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor) -> None:
         """The last complete window's ``Ca`` (KV, and gate with its ``ape``) for the next

@@ -42,12 +42,13 @@ def v4_page_size(cfg: V4Config, page_size: int) -> int:
 
 
 def pages_for_bytes(
-    cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int, window_on_pages: bool = False
+    cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int, prefix_caching: bool = False
 ) -> int:
     """Pages of ``page_size`` tokens (a multiple of every rate) that ``budget`` bytes hold beside
-    ``max_seqs`` running requests' windows and open windows; ``window_on_pages``: each page keeps
-    its tokens' window KV too (a prefix cache restores a hit's window from its pages)."""
-    kinds = v4_kinds(cfg, item_bytes, page_size, window_on_pages)
+    ``max_seqs`` running requests' windows and open windows; ``prefix_caching``: each page keeps
+    its tokens' window KV and its last window's overlap too (a prefix cache restores a hit's state
+    from its pages)."""
+    kinds = v4_kinds(cfg, item_bytes, page_size, prefix_caching)
     per_page = page_bytes(kinds, page_size)
     free = budget - max_seqs * request_bytes(kinds)
     if free < per_page:
@@ -70,16 +71,17 @@ def window_pages(cfg: V4Config, page_size: int) -> int:
     return math.ceil((cfg.sliding_window - 1) / page_size) + 1
 
 
-def v4_page_kinds(cfg: V4Config, page_size: int) -> list[PageKind]:
-    """What a V4 page keeps, by kind (``model/page_kinds.py``): every layer's ``window`` KV of
-    the page's tokens; the ``compressed.R`` entries of the layers of rate ``R`` (``page_size /
-    R`` a page); CSA layers' ``indexer_keys``; and CSA layers' ``overlap``, the page's last
+def v4_page_kinds(cfg: V4Config, page_size: int, prefix_caching: bool = True) -> list[PageKind]:
+    """What a V4 page keeps, by kind (``model/page_kinds.py``): the ``compressed.R`` entries of
+    the layers of rate ``R`` (``page_size / R`` a page) and CSA layers' ``indexer_keys``, which
+    running requests attend to from their pages; with ``prefix_caching``, what only a hit reads:
+    every layer's ``window`` KV of the page's tokens and CSA layers' ``overlap``, the page's last
     window's ``Ca`` projections, ``rate`` rows of ``[kv | gate | indexer kv | indexer gate]``
     (float32, as the compressors compute them)."""
     check_page_size(cfg, page_size)
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
-    kinds = [PageKind("window", tuple(range(n)), page_size, hd)]
+    kinds = [PageKind("window", tuple(range(n)), page_size, hd)] if prefix_caching else []
     for rate in sorted({cfg.compress_rate(i) for i in range(n)} - {0}):
         layers = tuple(i for i in range(n) if cfg.compress_rate(i) == rate)
         kinds.append(PageKind(f"compressed.{rate}", layers, page_size // rate, hd))
@@ -87,20 +89,19 @@ def v4_page_kinds(cfg: V4Config, page_size: int) -> list[PageKind]:
     if csa:
         r = cfg.compress_rate_csa
         kinds.append(PageKind("indexer_keys", csa, page_size // r, ihd))
-        kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True))
+        if prefix_caching:
+            kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True))
     return kinds
 
 
-def v4_kinds(
-    cfg: V4Config, item_bytes: int, page_size: int, window_on_pages: bool = False
-) -> list[KindBytes]:
-    """Each kind's bytes, in a model of ``item_bytes`` a number; ``window_on_pages``: with the
-    ``page_window`` kind, each page keeping its tokens' window KV (what a prefix cache restores a
-    hit's window from), beside the running requests' own windows. The kinds on pages are
-    :func:`v4_page_kinds`' (the pool's tensors)."""
+def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int, prefix_caching: bool = False) -> list[KindBytes]:
+    """Each kind's bytes, in a model of ``item_bytes`` a number; ``prefix_caching``: with the
+    ``overlap`` and the ``page_window`` kinds, each page keeping its last window's overlap and its
+    tokens' window KV (what a prefix cache restores a hit's state from), beside the running
+    requests' own windows. The kinds on pages are :func:`v4_page_kinds`' (the pool's tensors)."""
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
-    on_pages = {kind.name: kind for kind in v4_page_kinds(cfg, page_size)}
+    on_pages = {kind.name: kind for kind in v4_page_kinds(cfg, page_size, prefix_caching)}
 
     def paged(name: str, *names: str) -> KindBytes:
         found = [on_pages[k] for k in names if k in on_pages]
@@ -112,15 +113,16 @@ def v4_kinds(
         KindBytes("window", n, 0.0, n * window_pages(cfg, page_size) * page_size * hd * item_bytes),
         paged("compressed", *(k for k in on_pages if k.startswith("compressed."))),
         paged("indexer_keys", "indexer_keys"),
-        paged("overlap", "overlap"),
     ]
+    if prefix_caching:
+        kinds.append(paged("overlap", "overlap"))
     open_window = 0
     for i in compressed:  # (rate - 1) tokens' gate and KV projections, the indexer's too on CSA
         rate = cfg.compress_rate(i)
         width = 2 * hd + 2 * ihd if cfg.layer_types[i] == CSA else hd
         open_window += (rate - 1) * 2 * width * FLOAT32_BYTES
     kinds.append(KindBytes("open_window", len(compressed), 0.0, open_window))
-    if window_on_pages:
+    if prefix_caching:
         kinds.append(paged("page_window", "window"))
     return kinds
 

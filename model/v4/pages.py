@@ -1,5 +1,9 @@
-"""A DeepSeek-V4 request's state written into the rank's KV pool page by page as it is computed,
-and rebuilt from pages: what a prefix-cache hit restores.
+"""A DeepSeek-V4 request's state in the rank's KV pool page by page as it is computed, and
+rebuilt from pages: what a prefix-cache hit restores.
+
+A running request's compressed entries and indexer keys live in its pages from the start
+(:func:`bind_pages`: written as the compressors make them, read from there by attention); with
+prefix caching, each page it completes gets its window KV and overlap too (:func:`store_pages`).
 
 A page of ``page_size`` tokens (a multiple of every compression rate, so that its boundaries are
 compression boundaries of every layer) keeps, per layer, in the pool's kinds
@@ -22,16 +26,23 @@ import torch
 
 from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
-from tandem.model.v4.compressor import CompressorState
+from tandem.model.v4.compressor import CompressorState, PagedRows
 from tandem.model.v4.config import CSA, V4Config
 from tandem.model.v4.kv_layout import v4_page_kinds
 
 
 def v4_pool(
-    cfg: V4Config, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    cfg: V4Config,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    prefix_caching: bool = True,
 ) -> KVPool:
-    """A rank's KV pool of V4's kinds (``page_size`` a multiple of every compression rate)."""
-    return KVPool(None, num_pages, page_size, dtype, device, kinds=v4_page_kinds(cfg, page_size))
+    """A rank's KV pool of V4's kinds (``page_size`` a multiple of every compression rate); with
+    ``prefix_caching``, the kinds only hits read too (window KV, overlap)."""
+    kinds = v4_page_kinds(cfg, page_size, prefix_caching)
+    return KVPool(None, num_pages, page_size, dtype, device, kinds=kinds)
 
 
 def snapshot(layers: list[LayerState]) -> list[LayerState]:
@@ -54,12 +65,32 @@ def keep_pages(layers: list[LayerState], page_size: int) -> None:
         state.compressor.page_size = state.indexer.page_size = page_size
 
 
+def bind_pages(cfg: V4Config, layers: list[LayerState], pool: KVPool, page_ids: tuple[int, ...]) -> None:
+    """Put a request's compressed entries and indexer keys in its pages of ``pool`` (``page_ids``:
+    its pages from its first token, as many as its tokens so far and this step's need): they are
+    written there as they are made and read from there. A state's entries are bound before its
+    first is made (a fresh state, or one restored from pages)."""
+    for index, state in enumerate(layers):
+        rate = cfg.compress_rate(index)
+        if not rate:
+            continue
+        pairs = [(state.compressor, f"compressed.{rate}")]
+        if cfg.layer_types[index] == CSA:
+            pairs.append((state.indexer, "indexer_keys"))
+        for compressor, kind in pairs:
+            if compressor.entries is not None and compressor.count:
+                raise ValueError("a state's entries already made in its own tensors cannot move to pages")
+            compressor.pages = PagedRows(pool.kind(kind, index), page_ids)
+
+
 def store_pages(
     cfg: V4Config, layers: list[LayerState], start: int, end: int, pool: KVPool, page_ids: tuple[int, ...]
 ) -> list[int]:
-    """Write into ``pool`` the pages a request completed as its state moved from position
+    """Complete in ``pool`` the pages a request completed as its state moved from position
     ``start`` to ``end`` (the boundaries in ``(start, end]``), at their ids in ``page_ids`` (the
-    request's pages from its first token); what they keep leaves the state. The ids written."""
+    request's pages from its first token), for prefix-cache hits: their window KV and their last
+    window's overlap leave the state for the pool (the entries are there already:
+    :func:`bind_pages`). The ids written."""
     size, hd = pool.page_size, cfg.head_dim
     written = []
     for boundary in range((start // size + 1) * size, end + 1, size):
@@ -68,17 +99,9 @@ def store_pages(
             assert state.open_page is not None and state.open_page.shape[0] >= size
             pool.kind("window", index)[page] = state.open_page[:size]
             state.open_page = state.open_page[size:]
-            rate = cfg.compress_rate(index)
-            if not rate:
-                continue
-            first, last = (boundary - size) // rate, boundary // rate
-            entries, keys = state.compressor.entries, state.indexer.entries
-            assert entries is not None  # a compressed layer's compressor has run
-            pool.kind(f"compressed.{rate}", index)[page] = entries[first:last]
             if cfg.layer_types[index] != CSA:
                 continue
-            assert keys is not None
-            pool.kind("indexer_keys", index)[page] = keys[first:last]
+            assert state.compressor.pages is not None and state.indexer.pages is not None
             overlap = pool.kind("overlap", index)[page]
             for at, compressor in ((0, state.compressor), (2 * hd, state.indexer)):
                 kv, gate = compressor.boundary_overlaps.pop(boundary)
@@ -108,22 +131,21 @@ def restore(cfg: V4Config, pool: KVPool, page_ids: list[int]) -> list[LayerState
         rate = cfg.compress_rate(index)
         if rate:
             count = position // rate
-            entries = pool.kind(f"compressed.{rate}", index)[ids].reshape(count, hd)
             if cfg.layer_types[index] == CSA:
                 overlap = pool.kind("overlap", index)[ids[-1]]
-                keys = pool.kind("indexer_keys", index)[ids].reshape(count, cfg.index_head_dim)
-                state.compressor = _restored(entries, overlap[:, : 2 * hd], count)
-                state.indexer = _restored(keys, overlap[:, 2 * hd :], count)
+                state.compressor = _restored(overlap[:, : 2 * hd], count)
+                state.indexer = _restored(overlap[:, 2 * hd :], count)
             else:
-                state.compressor = CompressorState(entries=entries, count=count)
+                state.compressor = CompressorState(count=count)
         layers.append(state)
+    bind_pages(cfg, layers, pool, tuple(page_ids))
     keep_pages(layers, size)
     return layers
 
 
-def _restored(entries: torch.Tensor, overlap: torch.Tensor, count: int) -> CompressorState:
-    """A compressor's state at a page boundary: its entries and its last window's ``Ca``
-    (``overlap``: ``[rate, kv | gate]``)."""
+def _restored(overlap: torch.Tensor, count: int) -> CompressorState:
+    """A compressor's state at a page boundary, its entries in their pages: their count and its
+    last window's ``Ca`` (``overlap``: ``[rate, kv | gate]``)."""
     width = overlap.shape[1] // 2
     kv, gate = overlap[:, :width].clone(), overlap[:, width:].clone()
-    return CompressorState(overlap_kv=kv, overlap_gate=gate, entries=entries, count=count)
+    return CompressorState(overlap_kv=kv, overlap_gate=gate, count=count)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.cli.main import main
 from tandem.engine.colocated import ColocatedEngine
@@ -205,3 +206,29 @@ def test_drafts_in_a_dep_group_are_refused(sparse: tuple[Path, list[list[int]]])
     chunk = ScheduledChunk("r", (1, 2), 0, (0,), True, GREEDY, 0, draft_token_ids=(2,))
     with pytest.raises(ValueError, match="DeepSeek-V4 drafts in a DEP group are not built"):
         runner.verify(SchedulerOutput((chunk,), 2, ()))
+
+
+def test_a_running_requests_entries_live_in_its_pages_of_the_pool(
+    sparse: tuple[Path, list[list[int]]],
+) -> None:
+    """The engine's V4 pool holds a running request's compressed entries and indexer keys, at
+    its pages (any ids), and the request's state keeps no copy of them: they are the entries the
+    model computes into tensors of its own."""
+    engine = ColocatedEngine.from_model_dir(sparse[0], config=EngineConfig(page_size=16))
+    runner, pool = engine.runner, engine.pool
+    assert isinstance(runner, V4Runner) and pool is not None
+    prompt, pages = PROMPTS[2], (7, 2, 11, 4)  # 64 tokens, four pages
+    runner.run(SchedulerOutput((ScheduledChunk("r", tuple(prompt), 0, pages, True, GREEDY, 0),), 64, ()))
+    alone = runner.model.new_state()
+    runner.model(torch.tensor(prompt), torch.arange(len(prompt)), [len(prompt)], [alone])
+    cfg, checked = runner.model.cfg, 0
+    for index, (state, own) in enumerate(zip(runner.states["r"].layers, alone, strict=True)):
+        rate = cfg.compress_rate(index)
+        if not rate:
+            continue
+        table = pool.kind(f"compressed.{rate}", index)
+        in_pages = table[torch.tensor(pages)].reshape(-1, cfg.head_dim)[: len(prompt) // rate]
+        assert state.compressor.entries is None and own.compressor.entries is not None
+        assert torch.equal(in_pages, own.compressor.entries)
+        checked += 1
+    assert checked and pool.names == ["window", "compressed.4", "compressed.16", "indexer_keys", "overlap"]

@@ -1,6 +1,6 @@
 """The KV pool holds each kind of state a model's pages keep as one tensor (``model/kv_pool.py``):
 DeepSeek-V3's latent is its one-kind case; DeepSeek-V4's pool holds exactly the bytes the memory
-plan counts for its pages, and a page copy moves every kind."""
+plan counts for its pages (with prefix caching and without), and a page copy moves every kind."""
 
 from __future__ import annotations
 
@@ -26,18 +26,22 @@ def test_v3_keeps_one_kind_its_latent_in_every_layer() -> None:
     assert pool.layout.page_bytes == 4 * cfg.kv_cache_dim * 2
 
 
-def test_v4_pool_holds_what_the_plan_counts_for_its_pages() -> None:
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_v4_pool_holds_what_the_plan_counts_for_its_pages(prefix_caching: bool) -> None:
     cfg = V4Config.from_dir(MODELS / "deepseek-v4-flash")
     size = v4_page_size(cfg, 64)
-    kinds = v4_kinds(cfg, 2, size, window_on_pages=True)
+    kinds = v4_kinds(cfg, 2, size, prefix_caching=prefix_caching)
     budget = 64 * 2**20 + 4 * request_bytes(kinds)
-    num_pages = pages_for_bytes(cfg, size, 2, budget, 4, window_on_pages=True)
-    pool = v4_pool(cfg, num_pages, size, torch.bfloat16)
+    num_pages = pages_for_bytes(cfg, size, 2, budget, 4, prefix_caching=prefix_caching)
+    pool = v4_pool(cfg, num_pages, size, torch.bfloat16, prefix_caching=prefix_caching)
     assert pool.nbytes() == num_pages * page_bytes(kinds, size)
     assert pool.nbytes() + 4 * request_bytes(kinds) <= budget
     csa = [i for i in range(cfg.num_hidden_layers) if cfg.layer_types[i] == CSA]
-    assert pool.names == ["window", "compressed.4", "compressed.128", "indexer_keys", "overlap"]
     assert pool.kind("compressed.4", csa[0]).shape == (num_pages, size // 4, cfg.head_dim)
+    if not prefix_caching:  # what only a hit reads is not kept
+        assert pool.names == ["compressed.4", "compressed.128", "indexer_keys"]
+        return
+    assert pool.names == ["window", "compressed.4", "compressed.128", "indexer_keys", "overlap"]
     assert pool.tensors["overlap"].dtype == torch.float32
     for layout in pool.layouts().values():  # each kind's page of a layer: one contiguous run
         assert layout.page_stride_bytes == layout.page_bytes

@@ -1,9 +1,11 @@
 """A DeepSeek-V4 request's state cut into pages and rebuilt (``model/v4/pages.py``): the rebuilt
 state at every page boundary is the state computing the prefix leaves, and going on from it
-gives the same logits. Computed a token a call (the same arithmetic for every row, whatever the
-boundary), the two are equal bit for bit; computed in chunks of 7 that straddle the boundaries
-(a row's products then come from matrices of other shapes), to float32 rounding. With a sliding
-window shorter than a page and longer than one (its rows then come from two pages)."""
+gives the same logits. The running request's entries are made in its pages, the state computed
+again keeps them in tensors of its own: the two agree. Computed a token a call (the same
+arithmetic for every row, whatever the boundary), the two are equal bit for bit; computed in
+chunks of 7 that straddle the boundaries (a row's products then come from matrices of other
+shapes), to float32 rounding. With a sliding window shorter than a page and longer than one
+(its rows then come from two pages)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.pages import keep_pages, restore, store_pages, v4_pool
+from tandem.model.v4.pages import bind_pages, keep_pages, restore, store_pages, v4_pool
 from tests.hf_v4_reference import tandem_v4, write_tiny_v4
 
 PAGE = 16
@@ -42,7 +44,10 @@ def _same(x: torch.Tensor, y: torch.Tensor, exact: bool) -> None:
 
 def _same_compressor(a: CompressorState, b: CompressorState, exact: bool) -> None:
     assert a.count == b.count
-    for name in ("entries", "overlap_kv", "overlap_gate"):
+    assert b.pages is None and (a.pages is not None or not a.count)  # in pages; in its own tensors
+    cpu = torch.device("cpu")
+    _same(a.so_far(0, torch.float32, cpu), b.so_far(0, torch.float32, cpu), exact)
+    for name in ("overlap_kv", "overlap_gate"):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
@@ -60,6 +65,7 @@ def test_a_state_rebuilt_from_pages_is_the_computed_one(tmp_path: Path, window: 
     keep_pages(layers, PAGE)
     pool = v4_pool(cfg, 16, PAGE, model.dtype)
     page_ids = tuple(range(15, 15 - len(TOKENS) // PAGE - 1, -1))  # any ids, not in order
+    bind_pages(cfg, layers, pool, page_ids)  # its entries and keys made in its pages
     pages: list[int] = []
     exact = chunk == 1
     for at in range(0, len(TOKENS), chunk):  # pages written as the prefill completes them
@@ -78,6 +84,7 @@ def test_a_state_rebuilt_from_pages_is_the_computed_one(tmp_path: Path, window: 
             _same_compressor(a.compressor, b.compressor, exact)
             _same_compressor(a.indexer, b.indexer, exact)
         rest = [*TOKENS[boundary:], 3, 5, 7][:20]
+        bind_pages(cfg, rebuilt, pool, (*pages[:k], 0, 1))  # going on in pages no prefix uses
         going_on = _run(model, copy.deepcopy(computed), rest, boundary, 5)
         _same(_run(model, rebuilt, rest, boundary, 5), going_on, exact)
 
