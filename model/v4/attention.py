@@ -171,7 +171,9 @@ class V4Attention(nn.Module):
         keys = torch.cat([past, kv])
         step.add_window(keys, past.shape[0])
         keep = cfg.sliding_window - 1
-        state.window = keys[max(keys.shape[0] - keep, 0) :] if keep else keys[:0]
+        window = keys[max(keys.shape[0] - keep, 0) :] if keep else keys[:0]
+        # a view keeps its whole base alive: past a step of more new tokens than the window, a copy
+        state.window = window.clone() if kv.shape[0] > keep else window
         if state.keep_pages:
             state.open_page = kv if state.open_page is None else torch.cat([state.open_page, kv])
         if self.compressor is not None:

@@ -136,7 +136,8 @@ class Compressor(nn.Module):
             assert state.buffer_gate is not None
             kv, gate = torch.cat([state.buffer_kv, kv]), torch.cat([state.buffer_gate, gate])
         usable = kv.shape[0] // self.rate * self.rate
-        state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
+        # copies: views would keep every new token's projections alive until the next call
+        state.buffer_kv, state.buffer_gate = kv[usable:].clone(), gate[usable:].clone()
         if usable:
             windows = usable // self.rate
             kv, gate = kv[:usable].view(windows, self.rate, -1), gate[:usable].view(windows, self.rate, -1)

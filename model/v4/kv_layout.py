@@ -8,7 +8,8 @@ per ``rate`` tokens) and, per page, the **overlap**: the page's last window's ``
 (gate and KV, for the compressor and the indexer) from which the next page's first entry is
 computed, float32 as the compressor computes them. While a request runs, each compressor holds
 its **open window**: the projections of the tokens of a window not complete yet (at most
-``rate - 1`` tokens, float32).
+``rate - 1`` tokens, float32), and on CSA layers the last complete window's ``Ca`` projections
+the next entry gates over.
 
 Pages are sized so that a page boundary is a compression boundary of every layer (the page
 size a multiple of every rate): a page's compressed entries, indexer keys and overlap belong to
@@ -121,6 +122,8 @@ def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int, prefix_caching: boo
         rate = cfg.compress_rate(i)
         width = 2 * hd + 2 * ihd if cfg.layer_types[i] == CSA else hd
         open_window += (rate - 1) * 2 * width * FLOAT32_BYTES
+        if cfg.layer_types[i] == CSA:  # and the last complete window's Ca (gate and KV), both
+            open_window += rate * 2 * (hd + ihd) * FLOAT32_BYTES
     kinds.append(KindBytes("open_window", len(compressed), 0.0, open_window))
     if prefix_caching:
         kinds.append(paged("page_window", "window"))

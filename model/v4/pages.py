@@ -92,8 +92,9 @@ def store_pages(
     window's overlap leave the state for the pool (the entries are there already:
     :func:`bind_pages`). The ids written."""
     size, hd = pool.page_size, cfg.head_dim
-    written = []
-    for boundary in range((start // size + 1) * size, end + 1, size):
+    written: list[int] = []
+    boundaries = range((start // size + 1) * size, end + 1, size)
+    for boundary in boundaries:
         page = page_ids[boundary // size - 1]
         for index, state in enumerate(layers):
             assert state.open_page is not None and state.open_page.shape[0] >= size
@@ -109,6 +110,10 @@ def store_pages(
                 overlap[:, at : at + width] = kv
                 overlap[:, at + width : at + 2 * width] = gate
         written.append(page)
+    if boundaries:  # the open page's rows alone, not the base the completed pages were cut from
+        for state in layers:
+            assert state.open_page is not None
+            state.open_page = state.open_page.clone()
     return written
 
 

@@ -6,6 +6,7 @@ reference is transformers under the lowest-index tie rule (``tests/hf_v4_referen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -19,6 +20,8 @@ from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.v4_runner import V4Runner
+from tandem.model.v4.compressor import PagedRows
+from tandem.model.v4.kv_layout import request_bytes, v4_kinds
 from tandem.wire.request_params import SamplingParams
 from tests.hf_v4_reference import hf_greedy, hf_v4, lowest_index_ties, write_tiny_v4
 
@@ -232,3 +235,51 @@ def test_a_running_requests_entries_live_in_its_pages_of_the_pool(
         assert torch.equal(in_pages, own.compressor.entries)
         checked += 1
     assert checked and pool.names == ["window", "compressed.4", "compressed.16", "indexer_keys", "overlap"]
+
+
+def _held_bytes(layers: list[Any]) -> int:
+    """The bytes a request's state keeps alive: every tensor's storage once (not the pool's)."""
+    storages: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, tuple):
+            for item in value:
+                visit(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, PagedRows):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name))
+
+    for state in layers:
+        visit(state)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("chunk", [300, 37])
+def test_a_running_request_holds_no_more_than_the_plan_counts_for_it(
+    sparse: tuple[Path, list[list[int]]], prefix_caching: bool, chunk: int
+) -> None:
+    """Beside its pages, a running request's state keeps what ``tandem plan memory`` counts per
+    request (its window, open windows and the last window's projections), after a prompt in one
+    chunk or many and decode steps: no step's tokens or projections stay alive in it."""
+    engine = ColocatedEngine.from_model_dir(
+        sparse[0], config=EngineConfig(page_size=16, enable_prefix_caching=prefix_caching)
+    )
+    runner = engine.runner
+    assert isinstance(runner, V4Runner)
+    prompt, pages = PROMPTS[4], tuple(range(20, 0, -1))
+    kinds = v4_kinds(runner.model.cfg, runner.model.dtype.itemsize, 16, prefix_caching)
+    for at in range(0, len(prompt), chunk):
+        part = tuple(prompt[at : at + chunk])
+        last = at + chunk >= len(prompt)
+        runner.run(SchedulerOutput((ScheduledChunk("r", part, at, pages, last, GREEDY, 0),), len(part), ()))
+        assert _held_bytes(runner.states["r"].layers) <= request_bytes(kinds), at
+    for position in range(len(prompt), len(prompt) + 3):
+        step = ScheduledChunk("r", (7,), position, pages, True, GREEDY, position - len(prompt) + 1)
+        runner.run(SchedulerOutput((step,), 1, ()))
+        assert _held_bytes(runner.states["r"].layers) <= request_bytes(kinds), position
