@@ -86,8 +86,10 @@ class ColocatedEngine:
                 config.kv_pool_bytes,
                 config.max_num_seqs,
                 prefix_caching=prefix_caching,
+                window_share=config.v4_window_share,
             )
-            self.pool = v4_pool(model.cfg, num_pages, page_size, model.dtype, model.device, prefix_caching)
+            share, device = config.v4_window_share, model.device
+            self.pool = v4_pool(model.cfg, num_pages, page_size, model.dtype, device, prefix_caching, share)
             self.runner = V4Runner(
                 model, lockstep, guides=guides, pool=self.pool, prefix_caching=prefix_caching
             )
@@ -109,6 +111,9 @@ class ColocatedEngine:
                 prefill_chunk_tokens=config.prefill_chunk_tokens,
             )
         )
+        if isinstance(self.runner, V4Runner) and prefix_caching:  # hits where the window is kept
+            self.scheduler.kv_cache.hit_pages = self.runner.hit_pages
+            self.scheduler.kv_cache.better_holder = self.runner.better_holder
         self.copier: TierCopier | None = None  # the host tier and the store, once attached
         self._ids = itertools.count()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.model.v4.kv_layout import WINDOW_SHARE
+
 if TYPE_CHECKING:
     from tandem.model.family import AnyConfig
 
@@ -21,6 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None
     prefill_chunk_tokens: int | None = None  # the most prompt tokens one request computes in a step
     enable_prefix_caching: bool = True
+    # DeepSeek-V4: the share of pages whose window KV and overlap the prefix cache keeps, in
+    # slots (``engine/window_slots.py``; a quarter)
+    v4_window_share: float = WINDOW_SHARE
 
     def context_len(self, cfg: AnyConfig) -> int:
         """Tokens a request may hold (prompt + output): the model's context, or less if set."""

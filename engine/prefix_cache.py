@@ -30,7 +30,7 @@ executed in order before the forward that reads them).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +107,13 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = evicted first
         self._events: list[KVEvent] = []
         self.tiers = tiers if enabled else None
+        # the most leading pages of a matched device run a hit may use (a model whose state at a
+        # boundary is restorable only where it kept what it needs: DeepSeek-V4's window slots)
+        self.hit_pages: Callable[[list[int]], int] | None = None
+        # whether a page just computed should hold a hash an older page holds (its state more
+        # useful to hits: V4's page with a window slot over one without); only an older page
+        # with at most one owner gives its hash up
+        self.better_holder: Callable[[int, int], bool] | None = None
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -164,7 +171,8 @@ class PrefixCache:
         Returns the page ids (now owned by the caller: ``free`` them) and the tokens each tier
         held. At least one token is always left to compute, so the caller has logits to sample
         from: at most ``(len(token_ids) - 1) // page_size`` pages match. Only pages cached under
-        the same ``cache_salt`` match (``chain_root``).
+        the same ``cache_salt`` match (``chain_root``). With ``hit_pages``, a device run is cut
+        to the pages it allows (and then not continued into the lower tiers).
         """
         self.num_queried_tokens += len(token_ids)
         if not self._enabled:
@@ -180,6 +188,10 @@ class PrefixCache:
                 break
             page_ids.append(page_id)
             parent = block
+        if self.hit_pages is not None and page_ids:
+            cut = self.hit_pages(page_ids)
+            if cut < len(page_ids):  # a hit that ends where the state is restorable, not past it
+                page_ids, num_blocks = page_ids[:cut], cut
         self._take(page_ids)
         found = PrefixMatch(page_ids, device_tokens=len(page_ids) * size)
         if self.tiers is not None and len(page_ids) < num_blocks:
@@ -329,12 +341,15 @@ class PrefixCache:
                 raise PageAccountingError(
                     f"page {page_id} holds hash {known:#x} but its tokens hash to {page_hash:#x}"
                 )
-            if known is None and page_hash not in self._hash_to_page:
+            holder = self._hash_to_page.get(page_hash)
+            if known is None and holder is None:
                 self._hash_to_page[page_hash] = page_id
                 if not run:
                     run_parent = parent
                 run.append(page_hash)
             else:
+                if known is None and holder is not None and self._takes_over(holder, page_id):
+                    self._hash_to_page[page_hash] = page_id  # the same hash cached: no event
                 self._flush_stored(run, run_parent)
             if known is None:
                 self._page_hash[page_id] = page_hash
@@ -343,6 +358,19 @@ class PrefixCache:
                     self.tiers.computed(page_id, ChainBlock(page_hash, parent, tokens))
             parent = page_hash
         self._flush_stored(run, run_parent)
+
+    def _takes_over(self, holder: int, page_id: int) -> bool:
+        """Whether ``page_id`` takes over the hash ``holder`` holds (``better_holder``); the
+        holder, uncached, is freed if no request holds it, else left to its one owner."""
+        if self.better_holder is None or self._allocator.refcount(holder) > 1:
+            return False
+        if not self.better_holder(holder, page_id):
+            return False
+        if holder in self._evictable:
+            del self._evictable[holder]
+            del self._page_hash[holder]
+            self._allocator.release([holder])
+        return True
 
     def share(self, page_ids: Sequence[int]) -> None:
         """One more owner for each of these used pages (a forked request shares its parent's)."""

@@ -14,7 +14,9 @@ With ``prefix_caching``, every page a request completes gets the rest of its sta
 page's window KV and its last window's overlap): a chunk that starts at a prefix-cache hit (a
 page boundary past 0 with no state of its own) gets its state rebuilt from its first pages,
 exactly the state computing them leaves. A page is restorable from its completion until it is
-filled again or its request rejects the drafts that completed it. A chunk that
+filled again or its request rejects the drafts that completed it; the window KV is kept for
+some pages only (``engine/window_slots.py``), so the prefix cache cuts a hit down to a boundary
+whose window is kept (``hit_pages``). A chunk that
 finds neither is refused, naming the request, rather than run on a wrong state. A step whose
 forward fails drops its requests' states (they moved part of the way). A request's state goes
 with it (``forget``)."""
@@ -28,9 +30,11 @@ import torch
 
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from tandem.engine.window_slots import WindowSlots
 from tandem.model.grammar import GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
+from tandem.model.v4.kv_layout import window_reach
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.pages import bind_pages, keep_pages, restore, snapshot, store_pages
 
@@ -61,9 +65,28 @@ class V4Runner(SamplingRunner):
         self.model = model
         self.pool = pool
         self.page_size = pool.page_size if pool is not None and prefix_caching else None
+        # the pages whose window KV and overlap the pool keeps, in its window slots
+        self.slots = WindowSlots(0)
+        if pool is not None and prefix_caching:
+            share = next(kind.share for kind in pool.kinds if kind.name == "window")
+            self.slots = WindowSlots(pool.tensors["window"].shape[1], every=max(round(1 / share), 1))
         self.states: dict[str, _Held] = {}
         self.written: set[int] = set()  # page ids holding the whole state of the tokens that filled them
         self.restores = 0  # states rebuilt from pages (prefix-cache hits)
+
+    def hit_pages(self, page_ids: list[int]) -> int:
+        """The most leading pages of ``page_ids`` (a prefix cache's matched run) a hit may use: a
+        run of written pages whose last pages' window KV is in the slots (``restore``)."""
+        size = self.page_size
+        if size is None:
+            return 0
+        return self.slots.restorable(page_ids, self.written, window_reach(self.model.cfg, size))
+
+    def better_holder(self, holder: int, page: int) -> bool:
+        """A page just computed holds its tokens' hash rather than an older page of the same
+        tokens when it has a window slot and the older one has none (a hit cut short there
+        computed it again: it is restorable, the older page no longer)."""
+        return self.slots.has(page) and not self.slots.has(holder)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
@@ -156,7 +179,9 @@ class V4Runner(SamplingRunner):
         size = self.pool.page_size
         for chunk, h, n in zip(chunks, held, counts, strict=True):
             bind_pages(self.model.cfg, h.layers, self.pool, chunk.page_ids)
-            self.written.difference_update(chunk.page_ids[h.position // size : -(-(h.position + n) // size)])
+            for page in chunk.page_ids[h.position // size : -(-(h.position + n) // size)]:
+                self.written.discard(page)
+                self.slots.release(page)
 
     def _roll_back(
         self,
@@ -188,6 +213,7 @@ class V4Runner(SamplingRunner):
             return
         for boundary in range((end // size + 1) * size, computed + 1, size):
             self.written.discard(chunk.page_ids[boundary // size - 1])
+            self.slots.release(chunk.page_ids[boundary // size - 1])
 
     def _state(self, chunk: ScheduledChunk) -> _Held:
         rid, start = chunk.request_id, chunk.start_position
@@ -217,14 +243,22 @@ class V4Runner(SamplingRunner):
         if pool is None or self.page_size is None or start % pool.page_size:
             return None
         pages = list(chunk.page_ids[: start // pool.page_size])
-        if not self.written.issuperset(pages):
+        if self.hit_pages(pages) < len(pages):
             return None
-        return restore(self.model.cfg, pool, pages)
+        tail = pages[max(len(pages) - window_reach(self.model.cfg, pool.page_size), 0) :]
+        return restore(self.model.cfg, pool, pages, [self.slots.get(page) for page in tail])
 
     def _keep_pages(self, held: _Held, end: int, page_ids: tuple[int, ...]) -> None:
         """The pages the step completed, into the pool at their ids (over what an earlier filling
         left)."""
-        if self.pool is not None and self.page_size is not None:
-            self.written.update(
-                store_pages(self.model.cfg, held.layers, held.position, end, self.pool, page_ids)
-            )
+        size = self.page_size
+        if self.pool is None or size is None:
+            return
+        reach = window_reach(self.model.cfg, size)
+        keep = self.slots.to_keep(page_ids, held.position // size, end // size, reach)
+
+        def slot(page: int) -> int | None:
+            return self.slots.take(page) if page in keep else None
+
+        done = store_pages(self.model.cfg, held.layers, held.position, end, self.pool, page_ids, slot)
+        self.written.update(done)

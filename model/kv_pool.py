@@ -1,5 +1,6 @@
 """The paged KV pool of one rank: one preallocated tensor per kind of state
-(``model/page_kinds.py``), every kind a page for every page id::
+(``model/page_kinds.py``), a page for every page id (a kind kept in slots: a slot for every slot
+id)::
 
     tensors[kind][layer, page, row, :]   (``layer`` counts the kind's layers)
 
@@ -49,7 +50,7 @@ class KVPool:
         self.kinds = kinds
         self.tensors = {
             kind.name: torch.zeros(
-                (len(kind.layers), num_pages, kind.rows, kind.dim),
+                (len(kind.layers), kind.slots(num_pages), kind.rows, kind.dim),
                 dtype=torch.float32 if kind.float32 else dtype,
                 device=device,
             )
@@ -76,8 +77,11 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Each ``(source, destination)`` page's state, every kind and layer, into the destination
-        (on the device's stream, ordered before the next forward)."""
+        """Each ``(source, destination)`` page's state, every kind kept whole and layer, into the
+        destination (on the device's stream, ordered before the next forward)."""
+        slotted = [kind.name for kind in self.kinds if kind.share < 1]
+        if copies and slotted:
+            raise ValueError(f"kinds {slotted} are kept in slots, not by page id: no page copy")
         if copies:
             for kv in self.tensors.values():
                 src = torch.tensor([s for s, _ in copies], device=kv.device)

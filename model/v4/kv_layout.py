@@ -4,9 +4,9 @@ Every layer keeps its **window** (the sliding window's K = V, ``head_dim`` numbe
 request needs only the pages its last ``sliding_window`` tokens lie on, the older ones are
 freed or kept as prefix-cache pages). CSA and HCA layers keep their **compressed** entries
 (``head_dim`` numbers per ``rate`` tokens); CSA layers the **indexer's keys** (``index_head_dim``
-per ``rate`` tokens) and, per page, the **overlap**: the page's last window's ``Ca`` projections
-(gate and KV, for the compressor and the indexer) from which the next page's first entry is
-computed, float32 as the compressor computes them. While a request runs, each compressor holds
+per ``rate`` tokens) and the **overlap** of a page: its last window's ``Ca`` projections (gate
+and KV, for the compressor and the indexer) from which the next page's first entry is computed,
+float32 as the compressor computes them. While a request runs, each compressor holds
 its **open window**: the projections of the tokens of a window not complete yet (at most
 ``rate - 1`` tokens, float32), and on CSA layers the last complete window's ``Ca`` projections
 the next entry gates over.
@@ -15,15 +15,21 @@ Pages are sized so that a page boundary is a compression boundary of every layer
 size a multiple of every rate): a page's compressed entries, indexer keys and overlap belong to
 it alone, so a prefix of whole pages restores exactly the state computing it would leave (the
 open windows are empty there). The compressed kinds grow with the request (``page_bytes``); the
-window and the open windows are bounded per request (``request_bytes``)."""
+window and the open windows are bounded per request (``request_bytes``). What only a prefix-cache
+hit reads (a page's window KV and overlap) is kept for a share of the pages (``window_share``,
+in slots: ``engine/window_slots.py``), so hits land on those pages' boundaries."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from tandem.model.page_kinds import FLOAT32_BYTES, PageKind
+from tandem.model.page_kinds import FLOAT32_BYTES, PageKind, pool_bytes
 from tandem.model.v4.config import CSA, V4Config
+
+# the share of pages whose window KV and overlap a prefix cache keeps (hits land on their
+# boundaries): on V4-Flash those are 44,032 + 3,360 B a token against 6,880 B for the entries
+WINDOW_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -43,21 +49,32 @@ def v4_page_size(cfg: V4Config, page_size: int) -> int:
 
 
 def pages_for_bytes(
-    cfg: V4Config, page_size: int, item_bytes: int, budget: int, max_seqs: int, prefix_caching: bool = False
+    cfg: V4Config,
+    page_size: int,
+    item_bytes: int,
+    budget: int,
+    max_seqs: int,
+    prefix_caching: bool = False,
+    window_share: float = WINDOW_SHARE,
 ) -> int:
     """Pages of ``page_size`` tokens (a multiple of every rate) that ``budget`` bytes hold beside
-    ``max_seqs`` running requests' windows and open windows; ``prefix_caching``: each page keeps
-    its tokens' window KV and its last window's overlap too (a prefix cache restores a hit's state
-    from its pages)."""
-    kinds = v4_kinds(cfg, item_bytes, page_size, prefix_caching)
+    ``max_seqs`` running requests' windows and open windows; ``prefix_caching``: with slots for
+    the window KV and overlap of ``window_share`` of the pages (what a prefix cache restores a
+    hit's state from). The pool of that many pages
+    (:func:`v4_page_kinds`) holds at most the rest of ``budget``."""
+    kinds = v4_kinds(cfg, item_bytes, page_size, prefix_caching, window_share)
     per_page = page_bytes(kinds, page_size)
     free = budget - max_seqs * request_bytes(kinds)
-    if free < per_page:
+    on_pages = v4_page_kinds(cfg, page_size, prefix_caching, window_share)
+    pages = free // per_page
+    while pages > 0 and pool_bytes(on_pages, pages, item_bytes) > free:  # slots round up
+        pages -= 1
+    if pages <= 0:
         raise ValueError(
             f"kv_pool_bytes {budget}: below {max_seqs} requests' windows and open windows "
             f"({max_seqs * request_bytes(kinds)} bytes) and one page"
         )
-    return free // per_page
+    return pages
 
 
 def check_page_size(cfg: V4Config, page_size: int) -> None:
@@ -72,17 +89,28 @@ def window_pages(cfg: V4Config, page_size: int) -> int:
     return math.ceil((cfg.sliding_window - 1) / page_size) + 1
 
 
-def v4_page_kinds(cfg: V4Config, page_size: int, prefix_caching: bool = True) -> list[PageKind]:
+def window_reach(cfg: V4Config, page_size: int) -> int:
+    """Pages before a boundary a hit there restores from beyond their entries: the last one's
+    overlap, the window KV of those the window reaches into."""
+    return max(math.ceil((cfg.sliding_window - 1) / page_size), 1)
+
+
+def v4_page_kinds(
+    cfg: V4Config, page_size: int, prefix_caching: bool = True, window_share: float = WINDOW_SHARE
+) -> list[PageKind]:
     """What a V4 page keeps, by kind (``model/page_kinds.py``): the ``compressed.R`` entries of
     the layers of rate ``R`` (``page_size / R`` a page) and CSA layers' ``indexer_keys``, which
     running requests attend to from their pages; with ``prefix_caching``, what only a hit reads:
     every layer's ``window`` KV of the page's tokens and CSA layers' ``overlap``, the page's last
     window's ``Ca`` projections, ``rate`` rows of ``[kv | gate | indexer kv | indexer gate]``
-    (float32, as the compressors compute them)."""
+    (float32, as the compressors compute them), both in slots for ``window_share`` of the pages
+    (``engine/window_slots.py``)."""
     check_page_size(cfg, page_size)
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
-    kinds = [PageKind("window", tuple(range(n)), page_size, hd)] if prefix_caching else []
+    if not 0 < window_share <= 1:
+        raise ValueError(f"window_share must be in (0, 1], got {window_share}")
+    kinds = [PageKind("window", tuple(range(n)), page_size, hd, share=window_share)] if prefix_caching else []
     for rate in sorted({cfg.compress_rate(i) for i in range(n)} - {0}):
         layers = tuple(i for i in range(n) if cfg.compress_rate(i) == rate)
         kinds.append(PageKind(f"compressed.{rate}", layers, page_size // rate, hd))
@@ -91,22 +119,29 @@ def v4_page_kinds(cfg: V4Config, page_size: int, prefix_caching: bool = True) ->
         r = cfg.compress_rate_csa
         kinds.append(PageKind("indexer_keys", csa, page_size // r, ihd))
         if prefix_caching:
-            kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True))
+            kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True, share=window_share))
     return kinds
 
 
-def v4_kinds(cfg: V4Config, item_bytes: int, page_size: int, prefix_caching: bool = False) -> list[KindBytes]:
+def v4_kinds(
+    cfg: V4Config,
+    item_bytes: int,
+    page_size: int,
+    prefix_caching: bool = False,
+    window_share: float = WINDOW_SHARE,
+) -> list[KindBytes]:
     """Each kind's bytes, in a model of ``item_bytes`` a number; ``prefix_caching``: with the
-    ``overlap`` and the ``page_window`` kinds, each page keeping its last window's overlap and its
-    tokens' window KV (what a prefix cache restores a hit's state from), beside the running
-    requests' own windows. The kinds on pages are :func:`v4_page_kinds`' (the pool's tensors)."""
+    ``overlap`` and the ``page_window`` kinds, ``window_share`` of the pages keeping their last
+    window's overlap and their tokens' window KV (what a prefix cache restores a hit's state
+    from), beside the running requests' own windows. The kinds on pages are
+    :func:`v4_page_kinds`' (the pool's tensors)."""
     n = cfg.num_hidden_layers
     hd, ihd = cfg.head_dim, cfg.index_head_dim
-    on_pages = {kind.name: kind for kind in v4_page_kinds(cfg, page_size, prefix_caching)}
+    on_pages = {kind.name: kind for kind in v4_page_kinds(cfg, page_size, prefix_caching, window_share)}
 
     def paged(name: str, *names: str) -> KindBytes:
         found = [on_pages[k] for k in names if k in on_pages]
-        per_token = sum(k.page_bytes(item_bytes) for k in found) / page_size
+        per_token = sum(k.page_bytes(item_bytes) * k.share for k in found) / page_size
         return KindBytes(name, sum(len(k.layers) for k in found), per_token, 0)
 
     compressed = [i for i in range(n) if cfg.compress_rate(i)]

@@ -3,7 +3,8 @@ rebuilt from pages: what a prefix-cache hit restores.
 
 A running request's compressed entries and indexer keys live in its pages from the start
 (:func:`bind_pages`: written as the compressors make them, read from there by attention); with
-prefix caching, each page it completes gets its window KV and overlap too (:func:`store_pages`).
+prefix caching, each page it completes leaves its window KV and overlap in a slot of the pool's,
+if it gets one (:func:`store_pages`; ``engine/window_slots.py``).
 
 A page of ``page_size`` tokens (a multiple of every compression rate, so that its boundaries are
 compression boundaries of every layer) keeps, per layer, in the pool's kinds
@@ -19,7 +20,7 @@ compares them tensor for tensor)."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -28,7 +29,7 @@ from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState, PagedRows
 from tandem.model.v4.config import CSA, V4Config
-from tandem.model.v4.kv_layout import v4_page_kinds
+from tandem.model.v4.kv_layout import WINDOW_SHARE, v4_page_kinds, window_reach
 
 
 def v4_pool(
@@ -38,10 +39,12 @@ def v4_pool(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     prefix_caching: bool = True,
+    window_share: float = WINDOW_SHARE,
 ) -> KVPool:
     """A rank's KV pool of V4's kinds (``page_size`` a multiple of every compression rate); with
-    ``prefix_caching``, the kinds only hits read too (window KV, overlap)."""
-    kinds = v4_page_kinds(cfg, page_size, prefix_caching)
+    ``prefix_caching``, the kinds only hits read too (window KV and overlap, in slots for
+    ``window_share`` of the pages)."""
+    kinds = v4_page_kinds(cfg, page_size, prefix_caching, window_share)
     return KVPool(None, num_pages, page_size, dtype, device, kinds=kinds)
 
 
@@ -84,31 +87,40 @@ def bind_pages(cfg: V4Config, layers: list[LayerState], pool: KVPool, page_ids: 
 
 
 def store_pages(
-    cfg: V4Config, layers: list[LayerState], start: int, end: int, pool: KVPool, page_ids: tuple[int, ...]
+    cfg: V4Config,
+    layers: list[LayerState],
+    start: int,
+    end: int,
+    pool: KVPool,
+    page_ids: tuple[int, ...],
+    window_slot: Callable[[int], int | None],
 ) -> list[int]:
     """Complete in ``pool`` the pages a request completed as its state moved from position
     ``start`` to ``end`` (the boundaries in ``(start, end]``), at their ids in ``page_ids`` (the
-    request's pages from its first token), for prefix-cache hits: their window KV and their last
-    window's overlap leave the state for the pool (the entries are there already:
-    :func:`bind_pages`). The ids written."""
+    request's pages from its first token), for prefix-cache hits: their window KV and last
+    window's overlap leave the state for the pool, in the slot ``window_slot(page)`` gives each
+    (``None``: none; the entries are in the pages already: :func:`bind_pages`). The ids of the
+    pages completed."""
     size, hd = pool.page_size, cfg.head_dim
     written: list[int] = []
     boundaries = range((start // size + 1) * size, end + 1, size)
     for boundary in boundaries:
         page = page_ids[boundary // size - 1]
+        slot = window_slot(page)
         for index, state in enumerate(layers):
             assert state.open_page is not None and state.open_page.shape[0] >= size
-            pool.kind("window", index)[page] = state.open_page[:size]
+            if slot is not None:
+                pool.kind("window", index)[slot] = state.open_page[:size]
             state.open_page = state.open_page[size:]
             if cfg.layer_types[index] != CSA:
                 continue
             assert state.compressor.pages is not None and state.indexer.pages is not None
-            overlap = pool.kind("overlap", index)[page]
             for at, compressor in ((0, state.compressor), (2 * hd, state.indexer)):
                 kv, gate = compressor.boundary_overlaps.pop(boundary)
-                width = kv.shape[1]
-                overlap[:, at : at + width] = kv
-                overlap[:, at + width : at + 2 * width] = gate
+                if slot is not None:
+                    overlap, width = pool.kind("overlap", index)[slot], kv.shape[1]
+                    overlap[:, at : at + width] = kv
+                    overlap[:, at + width : at + 2 * width] = gate
         written.append(page)
     if boundaries:  # the open page's rows alone, not the base the completed pages were cut from
         for state in layers:
@@ -117,17 +129,22 @@ def store_pages(
     return written
 
 
-def restore(cfg: V4Config, pool: KVPool, page_ids: list[int]) -> list[LayerState]:
+def restore(cfg: V4Config, pool: KVPool, page_ids: list[int], window_slots: list[int]) -> list[LayerState]:
     """The state after the pages ``page_ids`` (``len(page_ids)`` whole pages, their tokens
-    computed in order), ready to go on from there and to keep its next pages."""
+    computed in order), ready to go on from there and to keep its next pages; ``window_slots``:
+    the slots holding the window KV and overlap of the last :func:`window_reach` of them (fewer
+    when the prefix is shorter)."""
     if not page_ids:
         raise ValueError("a state is restored from one page or more")
     size, hd = pool.page_size, cfg.head_dim
     position = len(page_ids) * size
     keep = cfg.sliding_window - 1
     window = pool.tensors["window"]
-    ids = torch.tensor(page_ids, dtype=torch.int64, device=window.device)
-    tail = ids[-math.ceil(keep / size) :] if keep else ids[:0]
+    if len(window_slots) != min(window_reach(cfg, size), len(page_ids)):
+        raise ValueError(
+            f"{len(window_slots)} window slots for a window over the last {window_reach(cfg, size)} pages"
+        )
+    tail = torch.tensor(window_slots, dtype=torch.int64, device=window.device)
     layers = []
     for index in range(cfg.num_hidden_layers):
         state = LayerState()
@@ -137,7 +154,7 @@ def restore(cfg: V4Config, pool: KVPool, page_ids: list[int]) -> list[LayerState
         if rate:
             count = position // rate
             if cfg.layer_types[index] == CSA:
-                overlap = pool.kind("overlap", index)[ids[-1]]
+                overlap = pool.kind("overlap", index)[window_slots[-1]]
                 state.compressor = _restored(overlap[:, : 2 * hd], count)
                 state.indexer = _restored(overlap[:, 2 * hd :], count)
             else:

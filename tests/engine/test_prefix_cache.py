@@ -183,3 +183,67 @@ def test_check_integrity_finds_corruption() -> None:
     cache.cache_full_pages(list(range(8)), pages, 8)
     with pytest.raises(PageAccountingError, match="tokens hash to"):
         cache.cache_full_pages(list(range(1, 9)), pages, 8)
+
+
+def test_hit_pages_cuts_a_run_to_a_restorable_boundary_and_takes_no_page_past_it() -> None:
+    """With ``hit_pages`` (a model that can restore its state only at some boundaries), a match
+    ends at the boundary it allows: the pages past it get no reference and stay cached."""
+    cache = make_cache()
+    tokens = list(range(13))
+    pages = run_request(cache, tokens)
+    cache.free(pages)
+    seen: list[list[int]] = []
+
+    def only_the_first(run: list[int]) -> int:
+        seen.append(list(run))
+        return 1
+
+    cache.hit_pages = only_the_first
+    hit, num_cached = cache.match_prefix([*tokens[:12], 99])
+    assert (hit, num_cached) == (pages[:1], 4) and seen == [pages[:3]]
+    assert [cache.refcount(p) for p in pages[:3]] == [1, 0, 0]
+    assert all(cache.is_cached(p) for p in pages[:3])
+    assert cache.num_hit_tokens == 4
+    cache.free(hit)
+    cache.check_integrity()
+
+
+def test_a_better_holder_takes_over_a_hash_from_an_unshared_page_without_an_event() -> None:
+    """A page computed again (a hit cut short before it) takes over its tokens' hash when
+    ``better_holder`` says so: the older page, held by no request, goes back to the free list;
+    the cached hashes (and the router's view) do not change."""
+    cache = make_cache()
+    tokens = list(range(9))
+    old = run_request(cache, tokens)
+    cache.free(old)  # its two full pages cached, evictable
+    cache.take_events()
+    fresh = cache.allocate(3)
+    assert fresh is not None and not set(fresh) & set(old)
+    cache.better_holder = lambda holder, page: page == fresh[1]
+    cache.cache_full_pages(tokens, fresh, len(tokens))
+    assert cache.take_events() == []
+    assert cache.cached_hash(fresh[1]) is not None and cache.cached_hash(old[1]) is None
+    assert cache.cached_hash(old[0]) is not None and cache.cached_hash(fresh[0]) is None
+    assert cache.num_evictable_pages == 1  # old[1] went back to the free list
+    cache.check_integrity()
+    hit, _ = cache.match_prefix([*tokens, 99])
+    assert hit == [old[0], fresh[1]]
+    cache.free(fresh)
+    cache.free(hit)
+    cache.check_integrity()
+    assert cache.num_free_pages == cache.num_total_pages
+
+
+def test_a_page_two_requests_hold_keeps_its_hash() -> None:
+    cache = make_cache()
+    tokens = list(range(9))
+    old = run_request(cache, tokens)
+    shared, _ = cache.match_prefix([*tokens, 99])  # a second owner of old's two full pages
+    fresh = cache.allocate(3)
+    assert fresh is not None
+    cache.better_holder = lambda holder, page: True
+    cache.cache_full_pages(tokens, fresh, len(tokens))
+    assert cache.cached_hash(old[1]) is not None and cache.cached_hash(fresh[1]) is None
+    for owned in (old, shared, fresh):
+        cache.free(owned)
+    cache.check_integrity()

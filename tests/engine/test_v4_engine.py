@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -83,21 +84,30 @@ def test_a_sparse_indexer_gives_transformers_tokens_whatever_the_chunk(
     assert got == want
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(("prefix_caching", "window_share"), [(False, 1.0), (True, 1.0), (True, 0.125)])
 def test_preemption_and_recompute_give_the_same_tokens(
-    sparse: tuple[Path, list[list[int]]], prefix_caching: bool
+    sparse: tuple[Path, list[list[int]]], prefix_caching: bool, window_share: float
 ) -> None:
     """Too few pages for all five requests at once: the newest are preempted and recomputed,
     from their first token (a fresh state) or, with prefix caching, from the pages of theirs
-    still cached (a rebuilt state), and their tokens do not change."""
+    still cached (a rebuilt state, when every page keeps its window; with an eighth, from
+    those whose slots are left), and their tokens do not change."""
     model_dir, want = sparse
     got, engine, preempted = _generate(
-        model_dir, num_pages=30, prefill_chunk_tokens=32, enable_prefix_caching=prefix_caching
+        model_dir,
+        num_pages=30,
+        prefill_chunk_tokens=32,
+        enable_prefix_caching=prefix_caching,
+        v4_window_share=window_share,
     )
     assert got == want
     assert preempted, "the test must preempt"
     assert isinstance(engine.runner, V4Runner)
-    assert (engine.runner.restores > 0) == prefix_caching
+    if window_share == 1.0:
+        assert (engine.runner.restores > 0) == prefix_caching
+    assert engine.pool is not None and engine.runner.slots.capacity == (
+        math.ceil(30 * window_share) if prefix_caching else 0
+    )
 
 
 def test_a_chunk_without_its_state_is_refused_with_the_request_named(
@@ -135,7 +145,8 @@ def test_a_prefix_cache_hit_restores_the_exact_state(
     pages of that prefix (16, 48, 96 tokens: inside the first CSA and HCA windows' pages, and
     past several), its state rebuilt from them; its tokens are transformers' for its prompt."""
     model_dir, _ = sparse
-    engine = ColocatedEngine.from_model_dir(model_dir, config=EngineConfig(page_size=16))
+    # every page keeps its window and overlap, so every boundary is restorable
+    engine = ColocatedEngine.from_model_dir(model_dir, config=EngineConfig(page_size=16, v4_window_share=1.0))
     first = PROMPTS[4][:130]
     second = first[:shared] + PROMPTS[3][: 140 - shared]
     engine.generate([first], GREEDY)
@@ -283,3 +294,24 @@ def test_a_running_request_holds_no_more_than_the_plan_counts_for_it(
         step = ScheduledChunk("r", (7,), position, pages, True, GREEDY, position - len(prompt) + 1)
         runner.run(SchedulerOutput((step,), 1, ()))
         assert _held_bytes(runner.states["r"].layers) <= request_bytes(kinds), position
+
+
+def test_a_hit_lands_on_the_last_boundary_whose_window_is_kept(sparse: tuple[Path, list[list[int]]]) -> None:
+    """The pool keeps the window KV and overlap of some pages only (with a quarter: every 4th
+    page of a request and the last a step completes); a prefix shared up to a page without them
+    hits up to the last page before it that kept them, and the tokens are transformers' for the
+    prompt."""
+    model_dir, _ = sparse
+    config = EngineConfig(page_size=16, v4_window_share=0.25)
+    engine = ColocatedEngine.from_model_dir(model_dir, config=config)
+    runner, cache = engine.runner, engine.scheduler.kv_cache
+    assert isinstance(runner, V4Runner) and cache.hit_pages == runner.hit_pages
+    assert runner.slots.every == 4
+    first = PROMPTS[4][:130]
+    engine.generate([first], GREEDY)  # its prompt's pages 0-7 in one step: slots for 3 and 7
+    second = first[:120] + PROMPTS[3][:20]  # seven whole pages shared: 0-6
+    [out] = engine.generate([second], GREEDY)
+    assert out.cached_tokens == 4 * 16 and runner.restores == 1
+    hf = hf_v4(model_dir)
+    with lowest_index_ties():
+        assert out.token_ids == hf_greedy(hf, second, NEW_TOKENS)

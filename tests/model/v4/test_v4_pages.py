@@ -18,6 +18,7 @@ import torch
 
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState
+from tandem.model.v4.kv_layout import window_reach
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.pages import bind_pages, keep_pages, restore, store_pages, v4_pool
 from tests.hf_v4_reference import tandem_v4, write_tiny_v4
@@ -63,7 +64,7 @@ def test_a_state_rebuilt_from_pages_is_the_computed_one(tmp_path: Path, window: 
     model = tandem_v4(cfg, tensors)
     layers = model.new_state()
     keep_pages(layers, PAGE)
-    pool = v4_pool(cfg, 16, PAGE, model.dtype)
+    pool = v4_pool(cfg, 16, PAGE, model.dtype, window_share=1.0)  # the window's slot: the page id
     page_ids = tuple(range(15, 15 - len(TOKENS) // PAGE - 1, -1))  # any ids, not in order
     bind_pages(cfg, layers, pool, page_ids)  # its entries and keys made in its pages
     pages: list[int] = []
@@ -71,13 +72,13 @@ def test_a_state_rebuilt_from_pages_is_the_computed_one(tmp_path: Path, window: 
     for at in range(0, len(TOKENS), chunk):  # pages written as the prefill completes them
         part = TOKENS[at : at + chunk]
         model(torch.tensor(part), torch.arange(at, at + len(part)), [len(part)], [layers])
-        pages += store_pages(cfg, layers, at, at + len(part), pool, page_ids)
+        pages += store_pages(cfg, layers, at, at + len(part), pool, page_ids, lambda page: page)
     assert pages == list(page_ids[: len(TOKENS) // PAGE])
     computed = model.new_state()  # the prefix computed again, stopping at every boundary
     for k in range(1, len(pages) + 1):
         boundary = k * PAGE
         _run(model, computed, TOKENS[boundary - PAGE : boundary], boundary - PAGE, chunk)
-        rebuilt = restore(cfg, pool, pages[:k])
+        rebuilt = restore(cfg, pool, pages[:k], pages[max(k - window_reach(cfg, PAGE), 0) : k])
         for a, b in zip(rebuilt, computed, strict=True):
             assert a.window is not None and b.window is not None
             _same(a.window, b.window, exact)
