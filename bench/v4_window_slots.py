@@ -71,8 +71,7 @@ def replay(
     per_page = page_bytes(v4_kinds(cfg, 2, size, prefix_caching=True, window_share=share), size)
     num_pages = kv_bytes // per_page
     cache = PrefixCache(PageAllocator(num_pages), size)
-    capacity = math.ceil(share * num_pages)
-    slots, reach = WindowSlots(capacity, every=max(round(1 / share), 1)), window_reach(cfg, size)
+    slots, reach = WindowSlots.for_share(math.ceil(share * num_pages), share), window_reach(cfg, size)
     written: set[int] = set()
     full_runs: list[int] = []
 
@@ -81,7 +80,7 @@ def replay(
         return slots.restorable(run, written, reach)
 
     cache.hit_pages = hit_pages
-    cache.better_holder = lambda holder, page: slots.has(page) and not slots.has(holder)
+    cache.better_holder = slots.better_holder
     prompts = hits = cut = 0
     for record in records:
         tokens = prompt_tokens(record)

@@ -113,7 +113,7 @@ class ColocatedEngine:
         )
         if isinstance(self.runner, V4Runner) and prefix_caching:  # hits where the window is kept
             self.scheduler.kv_cache.hit_pages = self.runner.hit_pages
-            self.scheduler.kv_cache.better_holder = self.runner.better_holder
+            self.scheduler.kv_cache.better_holder = self.runner.slots.better_holder
         self.copier: TierCopier | None = None  # the host tier and the store, once attached
         self._ids = itertools.count()
 

@@ -69,7 +69,7 @@ class V4Runner(SamplingRunner):
         self.slots = WindowSlots(0)
         if pool is not None and prefix_caching:
             share = next(kind.share for kind in pool.kinds if kind.name == "window")
-            self.slots = WindowSlots(pool.tensors["window"].shape[1], every=max(round(1 / share), 1))
+            self.slots = WindowSlots.for_share(pool.tensors["window"].shape[1], share)
         self.states: dict[str, _Held] = {}
         self.written: set[int] = set()  # page ids holding the whole state of the tokens that filled them
         self.restores = 0  # states rebuilt from pages (prefix-cache hits)
@@ -81,12 +81,6 @@ class V4Runner(SamplingRunner):
         if size is None:
             return 0
         return self.slots.restorable(page_ids, self.written, window_reach(self.model.cfg, size))
-
-    def better_holder(self, holder: int, page: int) -> bool:
-        """A page just computed holds its tokens' hash rather than an older page of the same
-        tokens when it has a window slot and the older one has none (a hit cut short there
-        computed it again: it is restorable, the older page no longer)."""
-        return self.slots.has(page) and not self.slots.has(holder)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)

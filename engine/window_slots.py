@@ -27,6 +27,11 @@ class WindowSlots:
         self._slots: OrderedDict[int, int] = OrderedDict()  # page id -> slot, least recent first
         self._free = list(range(capacity - 1, -1, -1))
 
+    @classmethod
+    def for_share(cls, capacity: int, share: float) -> WindowSlots:
+        """``capacity`` slots for ``share`` of the pages: a slot every ``1 / share`` pages."""
+        return cls(capacity, every=max(round(1 / share), 1))
+
     def __len__(self) -> int:
         return len(self._slots)
 
@@ -67,6 +72,12 @@ class WindowSlots:
             if all(page in self._slots for page in page_ids[max(n - reach, 0) : n]):
                 return n
         return 0
+
+    def better_holder(self, holder: int, page: int) -> bool:
+        """``page``, just computed, should hold its tokens' hash rather than ``holder`` (an
+        older page of the same tokens): it has a slot and the older one none (a hit cut short
+        there computed it again: it is restorable, the older page no longer)."""
+        return page in self._slots and holder not in self._slots
 
     def release(self, page: int) -> None:
         """``page`` is filled again: its slot is free."""

@@ -42,9 +42,11 @@ class PagedRows:
     page_ids: tuple[int, ...]
 
     def _rows(self, first: int, count: int) -> torch.Tensor:
+        """The flat table rows of entries ``first .. first + count`` (computed on the host)."""
         per = self.table.shape[1]
-        flat = [self.page_ids[e // per] * per + e % per for e in range(first, first + count)]
-        return torch.tensor(flat, dtype=torch.int64).to(self.table.device)
+        entries = torch.arange(first, first + count)
+        pages = torch.tensor(self.page_ids[first // per : -(-(first + count) // per)], dtype=torch.int64)
+        return (pages[entries // per - first // per] * per + entries % per).to(self.table.device)
 
     def write(self, first: int, new: torch.Tensor) -> None:
         """Entries ``first ..`` (``new [n, dim]``) into their pages."""

@@ -47,3 +47,10 @@ def test_a_run_is_restorable_up_to_the_last_written_page_that_keeps_a_slot() -> 
     assert slots.restorable(run, written, reach=1) == 4  # 14 has no slot: up to 13
     assert slots.restorable(run, written - {12}, reach=1) == 2  # 12 not written: up to 11
     assert slots.restorable(run, written, reach=2) == 0  # no two neighbours both hold slots
+
+
+def test_a_page_with_a_slot_is_the_better_holder_of_its_tokens_hash() -> None:
+    slots = WindowSlots.for_share(2, 0.25)
+    assert slots.every == 4
+    slots.take(7)
+    assert slots.better_holder(3, 7) and not slots.better_holder(7, 3) and not slots.better_holder(3, 4)
