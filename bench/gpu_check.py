@@ -303,6 +303,7 @@ def _check_moe(c: _Checks) -> None:
           lambda: tri.moe_experts(x, w_ref, ids_ref, w13, w2, first, swiglu_limit=limit),
           flops=6 * pairs * s.hidden * s.moe_inter)  # fmt: skip
     c.rows.extend(check_fp8_experts(s, tri, device, x, w_ref, ids_ref))
+    c.rows.extend(check_fp4_experts(s, tri, device, c.dtype))
 
 
 def check_fp8_experts(
@@ -352,6 +353,46 @@ def check_fp8_experts(
         rows.append(
             Row(f"moe_experts_fp8_{mode}", shape, err, seconds, flops=flops, fp8=quant, target=target)
         )
+    return rows
+
+
+def check_fp4_experts(s: Shapes, tri: KernelBackend, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    """The same slice of experts in FP4 (DeepSeek-V4's routed experts: e2m1 bytes with an E8M0
+    scale a 32, dequantised per tile in registers), clipped as V4's are, against the torch
+    reference, at the MoE batch (held against the dense peak of the activations' dtype) and at
+    the decode batch (held against HBM: the FP4 bytes of the experts it reads, half a byte a
+    weight and a scale byte a 32, plus its rows in and out)."""
+    from tandem.model.kernels.fp4 import quantize_fp4
+    from tandem.model.kernels.moe import ExpertScales, fused_experts_torch
+
+    gen = torch.Generator().manual_seed(3)
+    w13, w2, s13, s2 = [], [], [], []
+    for _ in range(s.local_experts):  # gate and up quantised apart, as a checkpoint holds them
+        gate = quantize_fp4(torch.randn(s.moe_inter, s.hidden, generator=gen) * s.hidden**-0.5)
+        up = quantize_fp4(torch.randn(s.moe_inter, s.hidden, generator=gen) * s.hidden**-0.5)
+        down = quantize_fp4(torch.randn(s.hidden, s.moe_inter, generator=gen) * s.moe_inter**-0.5)
+        w13.append(torch.cat([gate[0], up[0]]))
+        s13.append(torch.cat([gate[1], up[1]]))
+        w2.append(down[0])
+        s2.append(down[1])
+    experts = (torch.stack(w13).to(device), torch.stack(w2).to(device))
+    scales = ExpertScales.fp4(torch.stack(s13).to(device), torch.stack(s2).to(device))
+    first, item = s.local_experts, torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for tokens in sorted({s.decode_batch, s.moe_tokens}):
+        x = torch.randn(tokens, s.hidden, generator=gen).to(device, dtype)
+        ids = torch.randint(0, s.experts, (tokens, s.top_k), generator=gen).to(device)
+        weights = torch.rand(tokens, s.top_k, generator=gen).to(device)
+        args = (x, weights, ids, *experts, first, scales, 0.5)
+        err = _rel_err(tri.moe_experts(*args), fused_experts_torch(*args))
+        seconds = _time(lambda args=args: tri.moe_experts(*args), device)  # type: ignore[misc]
+        local = (ids >= first) & (ids < first + s.local_experts)
+        pairs, used = int(local.sum()), int(ids[local].unique().numel())
+        weight_bytes = used * 3 * s.moe_inter * s.hidden * (1 / 2 + 1 / 32)
+        shape = f"T={tokens} pairs={pairs} E_local={s.local_experts} D={s.hidden} I={s.moe_inter} e2m1/32"
+        rows.append(Row("moe_experts_fp4", shape, err, seconds,
+                        bytes_moved=weight_bytes + 2 * tokens * s.hidden * item,
+                        flops=6 * pairs * s.hidden * s.moe_inter))  # fmt: skip
     return rows
 
 

@@ -98,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="write it in DeepSeek's FP8 format (V3's or V4's) with B x B block scales (releases use 128)",
     )
+    fp4 = model.add_parser(
+        "fp4-experts",
+        help="rewrite a DeepSeek-V4 checkpoint's routed experts in FP4, the format V4 ships them in",
+    )
+    fp4.add_argument("src", type=Path, metavar="SRC", help="a V4 checkpoint (unquantised or FP8)")
+    fp4.add_argument("dst", type=Path, metavar="DST", help="where the FP4 checkpoint goes (must not exist)")
+    fp4.add_argument(
+        "--twin",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write its dequantised twin here: SRC with the experts the FP4 values dequantised",
+    )
     demo = model.add_parser("train-demo", help="train the tiny model on English text (the default model)")
     demo.add_argument("dir", type=Path, help="where to write the checkpoint (the committed one: model/demo)")
     demo.add_argument("--corpus", type=Path, default=None, help="UTF-8 text (default: model/demo/corpus.txt)")
@@ -225,6 +238,16 @@ def _train_demo(args: argparse.Namespace) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model" and args.model_command == "train-demo":
         return _train_demo(args)
+    if args.command == "model" and args.model_command == "fp4-experts":
+        from tandem.model.v4.fp4_experts import write_fp4_experts
+
+        try:
+            write_fp4_experts(args.src, args.dst, args.twin)
+        except ValueError as exc:
+            flag, why = str(exc).split(": ", 1)
+            raise InvalidRequestError(flag, why) from None
+        emit(f"wrote {args.dst}" + (f" and its dequantised twin {args.twin}" if args.twin else ""))
+        return 0
     if args.command == "model":
         from tandem.model.make_tiny import make_tiny_checkpoint
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from tandem.model.kernels.fp4 import FP4_GROUP, dequantize_fp4
 from tandem.model.kernels.fp8 import (
     Fp8Mode,
     dequantize_fp8_block,
@@ -22,12 +24,21 @@ from tandem.model.kernels.fp8 import (
 class ExpertScales:
     """The block scales of FP8 experts (``kernels/fp8.py``): ``gate_up [E, 2 * ceil(I/bo),
     ceil(D/bi)]`` (gate's rows, then up's) and ``down [E, ceil(D/bo), ceil(I/bi)]``; ``mode``,
-    how activations meet them (``TANDEM_FP8_ACTIVATIONS`` when these scales are made)."""
+    how activations meet them (``TANDEM_FP8_ACTIVATIONS`` when these scales are made).
+
+    ``fmt`` ``fp4``: FP4 experts (``kernels/fp4.py``), the weights bytes ``[E, 2I, D/2]`` and
+    ``[E, D, I/2]``, the scales E8M0 bytes ``gate_up [E, 2I, D/32]`` and ``down [E, D, I/32]``
+    (``block`` ``(1, 32)``), always dequantised per tile into the activations' dtype."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
     mode: Fp8Mode = field(default_factory=fp8_mode)
+    fmt: Literal["fp8", "fp4"] = "fp8"
+
+    @staticmethod
+    def fp4(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertScales:
+        return ExpertScales(gate_up, down, (1, FP4_GROUP), "dequant", "fp4")
 
 
 def grouped_topk_torch(
@@ -73,9 +84,9 @@ def fused_experts_torch(
     scales: ExpertScales | None = None,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """With ``scales`` the experts are FP8: in ``dequant`` mode each used one is dequantised into
-    ``x``'s dtype; in ``quant`` mode see :func:`_quant_expert`. ``swiglu_limit``: see
-    :func:`clip_gate_up`."""
+    """With ``scales`` the experts are FP8 or FP4 (``scales.fmt``): in ``dequant`` mode each used
+    one is dequantised into ``x``'s dtype; in ``quant`` mode (FP8) see :func:`_quant_expert`.
+    ``swiglu_limit``: see :func:`clip_gate_up`."""
     if swiglu_limit is not None and scales is not None and scales.mode == "quant":
         raise ValueError("clipped experts (swiglu_limit) run in dequant mode, not quant")
     out = torch.zeros_like(x)
@@ -89,7 +100,10 @@ def fused_experts_torch(
             y = _quant_expert(x[token_idx], w_gate_up[expert], w_down[expert], scales, expert)
         else:
             w13, w2 = w_gate_up[expert], w_down[expert]
-            if scales is not None:
+            if scales is not None and scales.fmt == "fp4":
+                w13 = dequantize_fp4(w13, scales.gate_up[expert]).to(x.dtype)
+                w2 = dequantize_fp4(w2, scales.down[expert]).to(x.dtype)
+            elif scales is not None:
                 w13 = dequantize_gate_up(w13, scales.gate_up[expert], scales.block).to(x.dtype)
                 w2 = dequantize_fp8_block(w2, scales.down[expert], scales.block).to(x.dtype)
             gate, up = F.linear(x[token_idx], w13).split(two_inter // 2, dim=-1)

@@ -28,7 +28,8 @@ Accumulation is float32; ``h``, ``y`` and the output are in ``x``'s dtype. Routi
 float32. A token none of whose experts is local gets a zero row. FP8 experts (``ExpertScales``)
 take one of two modes: ``dequant``, each weight tile dequantised into ``x``'s dtype (these
 kernels), or ``quant``, FP8 activations and FP8 x FP8 dots (``moe_experts_fp8_triton``, whose
-``h`` is FP8 with group scales).
+``h`` is FP8 with group scales). FP4 experts (``ExpertScales.fmt`` ``fp4``) are dequantised per
+tile in registers (``moe_experts_fp4_triton``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from tandem.model.kernels.moe import ExpertScales
+from tandem.model.kernels.moe_experts_fp4_triton import launch_fp4_gate_up_down
 from tandem.model.kernels.moe_experts_fp8_triton import (
     QUANT_BLOCK_M,
     QUANT_NUM_WARPS,
@@ -54,7 +56,7 @@ class ExpertDtypeMismatch(TypeError):
     def __init__(self, x_dtype: torch.dtype, w_gate_up_dtype: torch.dtype, w_down_dtype: torch.dtype) -> None:
         super().__init__(
             f"x is {x_dtype} but w_gate_up is {w_gate_up_dtype} and w_down is {w_down_dtype}: "
-            "load the experts in the activation dtype, or as FP8 with their block scales"
+            "load the experts in the activation dtype, or as FP8 or FP4 bytes with their scales"
         )
 
 
@@ -426,7 +428,14 @@ def launch_fused_experts(
     assert y.shape == (num_tokens * top_k, hidden) and y.stride(-1) == 1
     assert out.shape == (num_tokens, hidden) and out.stride(-1) == 1
     weights = topk_weights.to(torch.float32).contiguous()
-    if scales is not None and scales.mode == "quant":
+    if scales is not None and scales.fmt == "fp4":
+        assert isinstance(h, torch.Tensor)
+        launch_fp4_gate_up_down(
+            x, weights, aligned.sorted_pair_ids, aligned.block_expert, w_gate_up, w_down,
+            scales.gate_up, scales.down, h, y, top_k, blocks.block_m,
+            (blocks.gate_up_block_n, blocks.down_block_n), blocks.num_warps, swiglu_limit,
+        )  # fmt: skip
+    elif scales is not None and scales.mode == "quant":
         assert isinstance(h, QuantizedRows)
         ids, block_expert = aligned.sorted_pair_ids, aligned.block_expert
         launch_quant_gate_up_down(
@@ -469,7 +478,8 @@ def fused_experts_triton(
     ``swiglu_limit`` the gate and up are clipped first (``moe.clip_gate_up``; dequant mode)."""
     if scales is None and not x.dtype == w_gate_up.dtype == w_down.dtype:
         raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
-    if scales is not None and not w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn:
+    stored = torch.uint8 if scales is not None and scales.fmt == "fp4" else torch.float8_e4m3fn
+    if scales is not None and not w_gate_up.dtype == w_down.dtype == stored:
         raise ExpertDtypeMismatch(x.dtype, w_gate_up.dtype, w_down.dtype)
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w_gate_up.shape
@@ -480,7 +490,7 @@ def fused_experts_triton(
         raise ValueError("clipped experts (swiglu_limit) run in dequant mode, not quant")
     if quant:
         blocks = replace(blocks, block_m=QUANT_BLOCK_M, num_warps=QUANT_NUM_WARPS)
-    elif scales is not None:  # a reduction step must not straddle two scale columns
+    elif scales is not None and scales.fmt == "fp8":  # a step must not straddle two scale columns
         bi = scales.block[1]
         blocks = replace(
             blocks,

@@ -6,8 +6,10 @@ prefix and its names of the top-level tensors are the same tensors). Every probl
 one line naming the directory: a missing tensor with its expected shape, one of no parameter,
 one of the wrong shape or dtype (``tid2eid`` integers; in an FP8 checkpoint its FP8 weights
 ``F8_E4M3`` and their block scales ``F32`` or ``F8_E8M0``, DeepSeek's power-of-two scales, read
-as float32; every other tensor floats). The MTP layer's tensors (``mtp.0.*``) are checked and
-read when it is asked for, and pass unread otherwise."""
+as float32; in one of ``expert_dtype`` ``fp4`` its routed experts ``I8`` pairs of e2m1 numbers and
+their ``F8_E8M0`` scales, read as the bytes they are; every other tensor floats). The MTP
+layer's tensors (``mtp.0.*``) are checked and read when it is asked for, and pass unread
+otherwise."""
 
 from __future__ import annotations
 
@@ -18,13 +20,22 @@ import torch
 from safetensors import safe_open
 
 from tandem.model.checkpoint import CheckpointError, TensorEntry, read_headers
+from tandem.model.kernels.fp4 import as_bytes
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.names import canonical_name, expected_v4_tensor_shapes, is_fp8_weight, parameter_for
+from tandem.model.v4.names import (
+    canonical_name,
+    expected_v4_tensor_shapes,
+    is_fp4_tensor,
+    is_fp8_weight,
+    parameter_for,
+)
 
 _FLOATS = ("F32", "BF16", "F16")
 _INTEGERS = ("I64", "I32")
 _FP8 = ("F8_E4M3",)
 _SCALES = ("F32", "F8_E8M0")
+_FP4 = ("I8", "U8")  # two e2m1 numbers a byte
+_FP4_SCALES = ("F8_E8M0", "U8")
 _LISTED = 10
 
 
@@ -35,11 +46,6 @@ def check_v4_model_dir(model_dir: Path | str, mtp: bool = False) -> V4Config:
 
     model_dir = Path(model_dir)
     cfg = V4Config.from_dir(model_dir)
-    if cfg.expert_dtype == "fp4":
-        raise CheckpointError(
-            model_dir,
-            "routed experts in FP4 (expert_dtype fp4) are not loaded yet: FP8 or unquantised experts are",
-        )
     Tokenizer.from_dir(model_dir)
     _problems(model_dir, read_headers(model_dir), cfg, mtp)
     return cfg
@@ -65,7 +71,10 @@ def iter_v4_checkpoint(
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
                 tensor = handle.get_tensor(name)
-                yield name, tensor.float() if tensor.dtype == torch.float8_e8m0fnu else tensor
+                if is_fp4_tensor(name, cfg):  # FP4 bytes and E8M0 scale bytes, kept as bytes
+                    yield name, as_bytes(tensor)
+                else:
+                    yield name, tensor.float() if tensor.dtype == torch.float8_e8m0fnu else tensor
 
 
 def _allowed_dtypes(canonical: str, cfg: V4Config) -> tuple[str, ...]:
@@ -73,6 +82,8 @@ def _allowed_dtypes(canonical: str, cfg: V4Config) -> tuple[str, ...]:
         return _INTEGERS
     if is_fp8_weight(canonical, cfg):
         return _FP8
+    if is_fp4_tensor(canonical, cfg):
+        return _FP4_SCALES if canonical.endswith(".scale") else _FP4
     scaled = canonical.startswith(("layers.", "mtp.")) and canonical.endswith(".scale")
     if cfg.quant_block_size is not None and scaled:
         return _SCALES

@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem.model.expert_dispatch import ExpertDispatcher, Routed
 from tandem.model.kernels.backend import KernelBackend
+from tandem.model.kernels.fp4 import fp4_shapes
 from tandem.model.kernels.fp8 import FP8_DTYPE, scale_shape
 from tandem.model.kernels.moe import ExpertScales
 from tandem.model.v4.config import V4Config
@@ -35,7 +36,8 @@ class V4MoE(nn.Module):
     ``w_down [E, D, I]``) and the shared expert (``w1``, ``w3`` gate and up, ``w2`` down). The
     routed experts run where an :class:`~tandem.model.expert_dispatch.ExpertDispatcher` puts
     them, clipped (``swiglu_limit``) by the kernel backend's ``moe_experts``. From an FP8
-    checkpoint every one of them stays FP8 with its block scales."""
+    checkpoint every one of them stays FP8 with its block scales; routed experts shipped FP4
+    (``expert_dtype`` ``fp4``) stay FP4, bytes and scale bytes (``kernels/fp4.py``)."""
 
     def __init__(
         self, cfg: V4Config, layer: int, dtype: torch.dtype, device: torch.device | str, experts: range
@@ -54,10 +56,19 @@ class V4MoE(nn.Module):
         else:
             self.gate_bias = param(cfg.n_routed_experts, dt=torch.float32)
         block = self.block = cfg.quant_block_size
+        self.fp4 = cfg.expert_dtype == "fp4"
         self.proj = Projections(block)
-        self.w_gate_up = param(e, 2 * inter, h, dt=FP8_DTYPE if block else dtype)
-        self.w_down = param(e, h, inter, dt=FP8_DTYPE if block else dtype)
-        if block:  # gate's scale rows then up's, as the stack holds them
+        if self.fp4:  # bytes, two weights each, and a scale byte per 32 (``kernels/fp4.py``)
+            (_, half_h), (_, groups_h) = fp4_shapes(2 * inter, h)
+            (_, half_i), (_, groups_i) = fp4_shapes(h, inter)
+            self.w_gate_up = param(e, 2 * inter, half_h, dt=torch.uint8)
+            self.w_down = param(e, h, half_i, dt=torch.uint8)
+            self.w_gate_up_scale = param(e, 2 * inter, groups_h, dt=torch.uint8)
+            self.w_down_scale = param(e, h, groups_i, dt=torch.uint8)
+        else:
+            self.w_gate_up = param(e, 2 * inter, h, dt=FP8_DTYPE if block else dtype)
+            self.w_down = param(e, h, inter, dt=FP8_DTYPE if block else dtype)
+        if block and not self.fp4:  # gate's scale rows then up's, as the stack holds them
             self.w_gate_up_scale = param(e, 2 * -(-inter // block[0]), -(-h // block[1]), dt=torch.float32)
             self.w_down_scale = param(e, *scale_shape(h, inter, block), dt=torch.float32)
         for name, out_dim, in_dim in (("w1", inter, h), ("w3", inter, h), ("w2", h, inter)):
@@ -77,8 +88,10 @@ class V4MoE(nn.Module):
 
     @property
     def expert_scales(self) -> ExpertScales | None:
-        """FP8 experts' block scales (dequantised per tile: clipped experts take no FP8
-        activations), or ``None``."""
+        """FP4 experts' scale bytes, FP8 experts' block scales (dequantised per tile: clipped
+        experts take no FP8 activations), or ``None``."""
+        if self.fp4:
+            return ExpertScales.fp4(self.w_gate_up_scale, self.w_down_scale)
         if self.block is None:
             return None
         return ExpertScales(self.w_gate_up_scale, self.w_down_scale, self.block, "dequant")

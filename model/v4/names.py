@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from tandem.model.kernels.fp4 import fp4_shapes
 from tandem.model.kernels.fp8 import scale_shape
 from tandem.model.v4.config import CSA, V4Config
 
@@ -107,7 +108,25 @@ def is_fp8_weight(name: str, cfg: V4Config) -> bool:
     if match is None:
         return False
     rest = match.group(match.lastindex or 0)
-    return rest in _FP8_LAYER_WEIGHTS or _EXPERT.match(rest) is not None
+    return rest in _FP8_LAYER_WEIGHTS or (_EXPERT.match(rest) is not None and cfg.expert_dtype != "fp4")
+
+
+def is_fp4_weight(name: str, cfg: V4Config) -> bool:
+    """Whether tensor ``name`` (DeepSeek's spelling) is a routed expert's weight a checkpoint of
+    ``expert_dtype`` ``fp4`` holds in FP4 (``kernels/fp4.py``), with its scale bytes in
+    ``<module>.scale``: the main layers' and the MTP layer's."""
+    if cfg.expert_dtype != "fp4":
+        return False
+    match = _MTP_NAME.match(name) or _LAYER_NAME.match(name)
+    return match is not None and _EXPERT.match(match.group(match.lastindex or 0)) is not None
+
+
+def is_fp4_tensor(name: str, cfg: V4Config) -> bool:
+    """An FP4 expert's bytes or its scale bytes (any spelling)."""
+    canonical = canonical_name(name)
+    return is_fp4_weight(
+        canonical.removesuffix(".scale") + ".weight" if canonical.endswith(".scale") else canonical, cfg
+    )
 
 
 def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None] | None:
@@ -116,7 +135,8 @@ def parameter_for(name: str, cfg: V4Config) -> tuple[str, int | None, str | None
     bare = canonical_name(name) if name.endswith(".weight_scale_inv") else name.removeprefix("model.")
     if bare.endswith(".scale") and bare.startswith(("layers.", "mtp.")):  # an FP8 weight's block scales
         weight = bare.removesuffix(".scale") + ".weight"
-        of = parameter_for(weight, cfg) if is_fp8_weight(weight, cfg) else None
+        scaled = is_fp8_weight(weight, cfg) or is_fp4_weight(weight, cfg)
+        of = parameter_for(weight, cfg) if scaled else None
         return None if of is None else (of[0] + "_scale", of[1], of[2])
     if bare in _TOP:
         return _TOP[bare], None, None
@@ -147,7 +167,8 @@ def expected_v4_tensor_shapes(cfg: V4Config, mtp: bool = False) -> dict[str, tup
     """Every tensor a V4 checkpoint holds, by DeepSeek's name, with its shape (with ``mtp``, the
     MTP layer's ``mtp.0.*`` too); ``tid2eid`` holds integers, every other tensor floats. An FP8
     checkpoint's FP8 weights (:func:`is_fp8_weight`) each have their block scales,
-    ``<module>.scale``."""
+    ``<module>.scale``; FP4 experts (:func:`is_fp4_weight`) are ``[out, in / 2]`` bytes with
+    ``[out, in / 32]`` scale bytes."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
     for i in range(cfg.num_hidden_layers):
@@ -167,6 +188,8 @@ def expected_v4_tensor_shapes(cfg: V4Config, mtp: bool = False) -> dict[str, tup
             for name, shape in shapes.items()
             if is_fp8_weight(name, cfg)
         }
+    for name in [n for n in shapes if is_fp4_weight(n, cfg)]:  # bytes and scale bytes
+        shapes[name], shapes[name.removesuffix(".weight") + ".scale"] = fp4_shapes(*shapes[name])
     return shapes
 
 

@@ -74,6 +74,7 @@ def test_gpu_check_runs_on_tiny_shapes(capsys: pytest.CaptureFixture[str]) -> No
         "moe_gate_route_two_steps",
         "moe_experts",
         "moe_experts_clipped",
+        "moe_experts_fp4",
         "v4_sparse_attention_decode",
         "v4_sparse_attention_prefill",
         "v4_indexer_topk_decode",

@@ -149,12 +149,12 @@ def test_a_missing_scale_and_a_weight_not_in_fp8_are_named(fp8_dir: Path, tmp_pa
     assert "tensor 'layers.1.attn.wkv.weight' has dtype F32, expected F8_E4M3" in message
 
 
-def test_fp4_experts_are_refused_by_name(fp8_dir: Path, tmp_path: Path) -> None:
+def test_a_config_that_says_fp4_over_fp8_experts_is_refused_by_name(fp8_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(fp8_dir, tmp_path / "fp4")
     config = json.loads((tmp_path / "fp4" / "config.json").read_text())
     config["quantization_config"]["expert_dtype"] = "fp4"
     (tmp_path / "fp4" / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        CheckpointError, match=r"fp4.*routed experts in FP4 \(expert_dtype fp4\) are not loaded yet"
+        CheckpointError, match=r"'layers.0.ffn.experts.0.w1.weight' has dtype F8_E4M3, expected I8"
     ):
         load_model(tmp_path / "fp4", torch.float32, "cpu")
