@@ -10,7 +10,6 @@ import torch
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import SchedulerOutput
 from tandem.engine.static_decode import StaticDecode
-from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.attention_metadata import AttentionMetadata
 from tandem.model.deepseek import DeepseekV3
 from tandem.model.grammar import GuidedRows
@@ -43,17 +42,6 @@ class ModelRunner(SamplingRunner):
         self.pool = pool
         self.static = static
         self.mtp_prefill = mtp_prefill
-
-    def kv_event(self) -> ReadyEvent:
-        """An event that completes once the KV queued so far is in the pool. On a GPU the kernels
-        run asynchronously: a CUDA event recorded on the compute stream, which a transfer polls
-        before it reads the pool (nothing here waits on the device). On a CPU the forward is
-        synchronous and the KV is there already."""
-        if self.model.device.type != "cuda":
-            return READY
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.model.device))
-        return event
 
     def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one;

@@ -17,6 +17,7 @@ import torch
 from tandem.engine.host_sync import no_host_sync
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.speculation import accept
+from tandem.kvtransfer.types import READY, ReadyEvent
 from tandem.model.expert_dispatch import ExpertDispatcher
 from tandem.model.grammar import GuidedRows
 from tandem.model.sampler import History, logprobs_of, sample
@@ -125,6 +126,17 @@ class SamplingRunner:
     def forget(self, request_id: str) -> None:
         """A request is over here (finished, aborted or moved): drop what is kept for it."""
         self.forget_guide(request_id)
+
+    def kv_event(self) -> ReadyEvent:
+        """An event that completes once the KV queued so far is in the pool. On a GPU the kernels
+        run asynchronously: a CUDA event recorded on the compute stream, which a transfer polls
+        before it reads the pool (nothing here waits on the device). On a CPU the forward is
+        synchronous and the KV is there already."""
+        if self.sampled_model.device.type != "cuda":
+            return READY
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.sampled_model.device))
+        return event
 
     def run(self, plan: SchedulerOutput) -> dict[str, int]:
         """Compute the planned chunks and sample a token for each chunk that asks for one."""

@@ -24,6 +24,7 @@ with it (``forget``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from tandem.model.v4.attention import LayerState
 from tandem.model.v4.kv_layout import window_reach
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.pages import bind_pages, keep_pages, restore, snapshot, store_pages
+from tandem.model.v4.state_slots import StateSlots
 
 
 @dataclass
@@ -54,12 +56,18 @@ class V4Runner(SamplingRunner):
         guard_syncs: bool | None = None,
         pool: KVPool | None = None,
         prefix_caching: bool = False,
+        state_slots: StateSlots | None = None,
     ) -> None:
         """``pool``: the rank's KV pool of V4's kinds (its pages a multiple of every compression
         rate; ``None``: each request's entries in tensors of its own, no prefix caching);
         ``prefix_caching``: completed pages keep all their state, for hits (the pool has the
-        kinds for it)."""
+        kinds for it); ``state_slots``: where a prefill rank packs a finishing request's bounded
+        state for its transfer, and where a decode rank receives it (``run``'s ``exports``,
+        ``adopt``)."""
         super().__init__(model, lockstep, guides, guard_syncs)
+        self.state_slots = state_slots
+        self._exports: dict[str, int] = {}  # this step's finishing requests -> their slots
+        self._on_layer: Callable[[int], None] | None = None
         if prefix_caching and (pool is None or "window" not in pool.names):
             raise ValueError("prefix caching for DeepSeek-V4 needs a pool with the window and overlap kinds")
         self.model = model
@@ -81,6 +89,39 @@ class V4Runner(SamplingRunner):
         if size is None:
             return 0
         return self.slots.restorable(page_ids, self.written, window_reach(self.model.cfg, size))
+
+    def run(
+        self,
+        plan: SchedulerOutput,
+        on_layer_kv: Callable[[int], None] | None = None,
+        exports: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
+        """The plan's chunks as one step, a token sampled for each chunk that asks for one.
+        ``exports``: requests whose last chunk this is, each with a slot of ``state_slots``: as
+        each layer runs, each one's state of that layer goes into its slot, and then
+        ``on_layer_kv(layer)`` runs (the layer's pages and slots are final for this step: a
+        transfer may send them)."""
+        if any(c.draft_token_ids for c in plan.chunks):
+            raise ValueError("a plan with drafts is verified, not run")
+        if exports and self.state_slots is None:
+            raise ValueError("exporting a request's state needs state slots")
+        self._exports, self._on_layer = dict(exports or {}), on_layer_kv
+        try:
+            return {rid: tokens[0] for rid, tokens in self.verify(plan).items()}
+        finally:
+            self._exports, self._on_layer = {}, None
+
+    def adopt(self, request_id: str, position: int, page_ids: tuple[int, ...], slot: int) -> None:
+        """Take on a request whose first ``position`` tokens another rank computed: its entries
+        are in its pages here (``page_ids``), the rest of its state in ``slot`` (written there by
+        a transfer of what ``run``'s ``exports`` packed). Its next chunk goes on from
+        ``position``."""
+        if self.state_slots is None or self.pool is None:
+            raise ValueError("adopting a request's state needs a pool and state slots")
+        slots = self.state_slots
+        layers = [slots.read(slot, index, position) for index in range(self.model.cfg.num_hidden_layers)]
+        bind_pages(self.model.cfg, layers, self.pool, page_ids)
+        self.states[request_id] = _Held(position, layers)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
@@ -153,9 +194,12 @@ class V4Runner(SamplingRunner):
         ]
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         self._bind(chunks, held, counts)
+        after_layer = self._after_layer(chunks, held, counts) if self._exports or self._on_layer else None
         try:
             with self._guarded():
-                hidden = self.model.forward(ids, pos, counts, [h.layers for h in held])
+                hidden = self.model.forward(
+                    ids, pos, counts, [h.layers for h in held], after_layer=after_layer
+                )
         except BaseException:
             for chunk in chunks:  # part-moved states: a later chunk is refused, not misrun
                 self.states.pop(chunk.request_id, None)
@@ -164,6 +208,27 @@ class V4Runner(SamplingRunner):
             self._keep_pages(h, h.position + n, chunk.page_ids)
             h.position += n
         return hidden
+
+    def _after_layer(
+        self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]
+    ) -> Callable[[int], None]:
+        """What runs after each layer: the exported requests' state of it into their slots,
+        then the step's ``on_layer_kv``."""
+        slots, on_layer = self.state_slots, self._on_layer
+        exported = [
+            (self._exports[c.request_id], h, h.position + n)
+            for c, h, n in zip(chunks, held, counts, strict=True)
+            if c.request_id in self._exports
+        ]
+
+        def after(layer: int) -> None:
+            for slot, h, end in exported:
+                assert slots is not None
+                slots.write(slot, layer, h.layers[layer], end)
+            if on_layer is not None:
+                on_layer(layer)
+
+        return after
 
     def _bind(self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]) -> None:
         """Each request's entries into its pages (as many as this step reaches); the pages it

@@ -14,7 +14,7 @@ Tensors load by DeepSeek's names (``embed.weight``, ``layers.N.attn.wq_a.weight`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -87,11 +87,14 @@ class DeepseekV4(nn.Module):
         query_lens: list[int],
         states: list[list[LayerState]],
         before_head: bool = False,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, D]`` after the final norm for the step's tokens, packed request
         after request (``query_lens`` each, at ``positions``, with ``states[r]`` the request's
         state, which moves on past these tokens). ``before_head``: the residual streams
-        ``[T, hc_mult, D]`` before the hyper-head instead (what the MTP layer takes)."""
+        ``[T, hc_mult, D]`` before the hyper-head instead (what the MTP layer takes).
+        ``after_layer(i)`` runs once layer ``i`` has run: the requests' states of that layer (and
+        their entries in the pool) are final for this step from then on."""
         x = F.embedding(input_ids, self.embed)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         step = Step(input_ids, positions, query_lens, self.ops, self.dispatcher)
@@ -99,6 +102,8 @@ class DeepseekV4(nn.Module):
             assert isinstance(layer, V4Layer)
             rope = self.rope["main" if layer.attn.rate == 0 else "compress"]
             streams = layer(streams, step, [s[layer.index] for s in states], rope)
+            if after_layer is not None:
+                after_layer(layer.index)
         return streams if before_head else self.head_hidden(streams)
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
