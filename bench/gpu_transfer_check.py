@@ -77,9 +77,14 @@ class _RecordingTransport(NixlTransport):
         self.pages: dict[str, tuple[list[int], list[int]]] = {}
 
     def begin_send(
-        self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
+        self,
+        request_id: str,
+        dest: KVDestination,
+        src_page_ids: Sequence[int],
+        timeout_s: float,
+        src_slot: int | None = None,
     ) -> None:
-        super().begin_send(request_id, dest, src_page_ids, timeout_s)
+        super().begin_send(request_id, dest, src_page_ids, timeout_s, src_slot)
         self.pages[request_id] = (list(src_page_ids), list(dest.page_ids))
 
 

@@ -32,16 +32,3 @@ def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRu
         else:
             runs.append(PageRun(src, dst, 1))
     return runs
-
-
-def prepared_indices(
-    runs: Sequence[PageRun], layers: Sequence[int], src_num_pages: int, dst_num_pages: int
-) -> tuple[list[int], list[int]]:
-    """Indices into per-page prepared lists (entry ``layer * num_pages + page`` on each side)."""
-    src: list[int] = []
-    dst: list[int] = []
-    for layer in layers:
-        for run in runs:
-            src.extend(layer * src_num_pages + run.src_page + i for i in range(run.pages))
-            dst.extend(layer * dst_num_pages + run.dst_page + i for i in range(run.pages))
-    return src, dst

@@ -8,12 +8,13 @@ import contextlib
 from typing import Any
 
 from tandem.kvtransfer.metadata import MetadataStore
-from tandem.kvtransfer.nixl_records import Peer, page_descs
-from tandem.kvtransfer.types import KVTransferError, PoolLayout, StalePeerError
+from tandem.kvtransfer.nixl_records import Peer
+from tandem.kvtransfer.regions import TransferLayout
+from tandem.kvtransfer.types import KVTransferError, StalePeerError
 
 
 class NixlPeers:
-    def __init__(self, agent: Any, store: MetadataStore, layout: PoolLayout) -> None:
+    def __init__(self, agent: Any, store: MetadataStore, layout: TransferLayout) -> None:
         self.agent, self._store, self._layout = agent, store, layout
         self._by_rank: dict[str, Peer] = {}
 
@@ -41,7 +42,7 @@ class NixlPeers:
                 self.agent.remove_remote_agent(cached.meta.agent_name)
                 del self._by_rank[rank]
             self.agent.add_remote_agent(meta.agent_metadata)
-            dlist = self.agent.prep_xfer_dlist(meta.agent_name, page_descs(meta.layout), meta.layout.mem_type)
+            dlist = self.agent.prep_xfer_dlist(meta.agent_name, meta.layout.descs(), meta.layout.mem_type)
         except Exception as exc:  # NIXL's own errors: the peer's agent cannot be reached
             raise KVTransferError(request_id, f"cannot reach {rank} ({type(exc).__name__}: {exc})") from exc
         self._by_rank[rank] = peer = Peer(meta, dlist)

@@ -21,7 +21,6 @@ from tandem.kvtransfer.types import (
     READY,
     KVNotification,
     KVTransferError,
-    PoolLayout,
     RankMetadata,
     ReadyEvent,
     SenderTimings,
@@ -51,7 +50,7 @@ class Layers:
 class Send:
     request_id: str
     peer: Peer
-    runs: list[PageRun]
+    runs: dict[str, list[PageRun]]  # each region's runs of entries (pages, or the slot)
     stats: TransferStats
     deadline: float
     posted: list[Any] = field(default_factory=list)  # transfer handles in flight or done
@@ -125,12 +124,3 @@ def parse_notification(request_id: str, msg: dict[str, Any]) -> KVNotification |
         )
     except (KeyError, TypeError, ValueError, binascii.Error):
         return None
-
-
-def page_descs(layout: PoolLayout) -> list[tuple[int, int, int]]:
-    """One (address, length, device) per (layer, page), layer-major: entry ``layer * pages + page``."""
-    return [
-        (layout.page_address(layer, page), layout.page_bytes, layout.device_id)
-        for layer in range(layout.num_layers)
-        for page in range(layout.num_pages)
-    ]

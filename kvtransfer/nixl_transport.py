@@ -59,12 +59,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.kvtransfer.descriptors import page_runs
+from tandem.kvtransfer.descriptors import PageRun, page_runs
 from tandem.kvtransfer.event_watcher import EventWatcher
 from tandem.kvtransfer.metadata import MetadataStore
 from tandem.kvtransfer.nixl_peers import NixlPeers
-from tandem.kvtransfer.nixl_records import Layers, Recv, Send, page_descs, parse_notification, seconds_until
+from tandem.kvtransfer.nixl_records import Layers, Recv, Send, parse_notification, seconds_until
 from tandem.kvtransfer.nixl_writes import NixlWrites
+from tandem.kvtransfer.regions import TransferLayout
 from tandem.kvtransfer.transport import (
     KVTransport,
     ReceivedKV,
@@ -122,10 +123,12 @@ class NixlTransport(KVTransport):
         self,
         rank: str,
         incarnation: int,
-        layout: PoolLayout,
+        layout: PoolLayout | TransferLayout,
         store: MetadataStore,
         abort_grace_s: float = 5.0,
     ) -> None:
+        if isinstance(layout, PoolLayout):
+            layout = layout.as_transfer()
         self.rank, self.incarnation, self.layout, self.store = rank, incarnation, layout, store
         self.abort_grace_s = abort_grace_s
         self.agent_name = f"{rank}#{incarnation}"
@@ -135,13 +138,8 @@ class NixlTransport(KVTransport):
             enable_prog_thread=progress_thread, backends=["UCX"], capture_telemetry=True, num_threads=threads
         )
         self._agent = agent = nixl_agent(self.agent_name, config)
-        total = (
-            layout.num_layers - 1
-        ) * layout.layer_stride_bytes + layout.num_pages * layout.page_stride_bytes
-        self._registration = agent.register_memory(
-            [(layout.base_address, total, layout.device_id, "")], layout.mem_type
-        )
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", page_descs(layout), layout.mem_type)
+        self._registration = agent.register_memory(layout.registrations(), layout.mem_type)
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", layout.descs(), layout.mem_type)
         self._writes = NixlWrites(agent, local, layout)
         self._peers = NixlPeers(agent, store, layout)
         self._sends: dict[str, Send] = {}
@@ -201,7 +199,12 @@ class NixlTransport(KVTransport):
 
     # -- sender --------------------------------------------------------------------------------
     def begin_send(
-        self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
+        self,
+        request_id: str,
+        dest: KVDestination,
+        src_page_ids: Sequence[int],
+        timeout_s: float,
+        src_slot: int | None = None,
     ) -> None:
         with self._lock:
             if request_id in self._sends:
@@ -214,8 +217,18 @@ class NixlTransport(KVTransport):
                 raise KVTransferError(
                     request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
                 )
+            if self.layout.has_slots and (src_slot is None or dest.state_slot is None):
+                raise KVTransferError(
+                    request_id, "this pool's transfers write a slot of state: none was given"
+                )
             peer = self._peers.get(dest.rank, dest.incarnation, request_id)
-            runs = page_runs(src_page_ids, dest.page_ids)
+            pages = page_runs(src_page_ids, dest.page_ids)
+            runs = {
+                r.name: [PageRun(src_slot, dest.state_slot, 1)]
+                if r.slots and src_slot is not None and dest.state_slot is not None
+                else pages
+                for r in self.layout.regions
+            }
             stats = TransferStats(request_id, dest.rank)
             self._sends[request_id] = Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 

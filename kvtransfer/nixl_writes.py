@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tandem.kvtransfer.descriptors import prepared_indices
 from tandem.kvtransfer.nixl_records import Send
-from tandem.kvtransfer.types import KVTransferError, PoolLayout
+from tandem.kvtransfer.regions import TransferLayout
+from tandem.kvtransfer.types import KVTransferError
 
 
 class NixlWrites:
-    def __init__(self, agent: Any, local_dlist: Any, layout: PoolLayout) -> None:
+    def __init__(self, agent: Any, local_dlist: Any, layout: TransferLayout) -> None:
         self.agent, self._local, self._layout = agent, local_dlist, layout
 
     def post_ready(self, send: Send) -> None:
@@ -28,8 +28,7 @@ class NixlWrites:
     def post(self, send: Send, layers: list[int]) -> None:
         """Post the writes of ``layers``; one NIXL refuses sets the send's error (nothing of it is
         in flight), and the transport reports it once the writes already posted are drained."""
-        peer_layout = send.peer.meta.layout
-        src, dst = prepared_indices(send.runs, layers, self._layout.num_pages, peer_layout.num_pages)
+        src, dst, nbytes = self._layout.indices(send.runs, layers, send.peer.meta.layout)
         try:
             handle = self.agent.make_prepped_xfer("WRITE", self._local, src, send.peer.dlist, dst)
             if send.stats.start_s == 0.0:
@@ -46,7 +45,7 @@ class NixlWrites:
             send.error = KVTransferError(send.request_id, f"NIXL write to {send.peer.meta.rank}: {detail}")
             return
         send.posted.append(handle)
-        send.stats.bytes += len(src) * self._layout.page_bytes  # one descriptor entry per page
+        send.stats.bytes += nbytes  # what the descriptor entries cover
         send.stats.layers_written += len(layers)
 
     def states(self, send: Send) -> list[str]:

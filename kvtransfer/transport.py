@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tandem.kvtransfer.metadata import MetadataStore
+from tandem.kvtransfer.regions import TransferLayout
 from tandem.kvtransfer.types import (
     READY,
     KVDestination,
@@ -76,14 +77,22 @@ class KVTransport(ABC):
     incarnation: int
 
     @abstractmethod
-    def __init__(self, rank: str, incarnation: int, layout: PoolLayout, store: MetadataStore) -> None:
-        """Register ``layout``'s pool once and publish this rank's metadata in ``store``."""
+    def __init__(
+        self, rank: str, incarnation: int, layout: PoolLayout | TransferLayout, store: MetadataStore
+    ) -> None:
+        """Register ``layout``'s regions once and publish this rank's metadata in ``store``."""
 
     @abstractmethod
     def begin_send(
-        self, request_id: str, dest: KVDestination, src_page_ids: Sequence[int], timeout_s: float
+        self,
+        request_id: str,
+        dest: KVDestination,
+        src_page_ids: Sequence[int],
+        timeout_s: float,
+        src_slot: int | None = None,
     ) -> None:
-        """Start a transfer of ``src_page_ids`` (in token order) into ``dest.page_ids``."""
+        """Start a transfer of ``src_page_ids`` (in token order) into ``dest.page_ids``, and of
+        slot ``src_slot`` into ``dest.state_slot`` where the layout has slots of state."""
 
     @abstractmethod
     def send_layer(self, request_id: str, layer: int, ready: ReadyEvent = READY) -> None:

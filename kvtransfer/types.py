@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
+from tandem.kvtransfer.regions import TransferLayout, one_region
+
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -36,6 +38,20 @@ class PoolLayout:
 
     def page_address(self, layer: int, page: int) -> int:
         return self.base_address + layer * self.layer_stride_bytes + page * self.page_stride_bytes
+
+    def as_transfer(self, name: str = "kv") -> TransferLayout:
+        """The pool as a transfer's one region (``kvtransfer/regions.py``)."""
+        region = one_region(
+            name,
+            self.base_address,
+            self.num_layers,
+            self.num_pages,
+            self.layer_stride_bytes,
+            self.page_stride_bytes,
+            self.page_bytes,
+            self.dtype,
+        )
+        return TransferLayout((region,), self.num_layers, self.page_size, self.mem_type, self.device_id)
 
     def compatible_with(self, other: PoolLayout) -> str | None:
         """Why a transfer between the two pools is impossible, or ``None``."""
@@ -84,16 +100,18 @@ class RankMetadata:
     incarnation: int
     agent_name: str
     agent_metadata: bytes
-    layout: PoolLayout
+    layout: TransferLayout
 
 
 @dataclass(frozen=True)
 class KVDestination:
-    """Pages a decode rank reserved for one request; travels with the prefill job."""
+    """Pages a decode rank reserved for one request; travels with the prefill job. ``state_slot``:
+    the slot of per-request state it reserved too, where the pool has one (DeepSeek-V4)."""
 
     rank: str
     incarnation: int
     page_ids: tuple[int, ...]
+    state_slot: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,11 @@ pool itself keeps no ownership state.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from tandem.kvtransfer.regions import Region, one_region
 from tandem.kvtransfer.types import PoolLayout
 from tandem.model.config import ModelConfig
 from tandem.model.page_kinds import PageKind, latent_kinds, pool_page_bytes
@@ -99,6 +102,27 @@ class KVPool:
     def layouts(self) -> dict[str, PoolLayout]:
         """Every kind's transfer layout, by name."""
         return {name: pool_layout(kv) for name, kv in self.tensors.items()}
+
+    def regions(self, names: list[str] | None = None) -> list[Region]:
+        """Transfer regions (``kvtransfer/regions.py``) of the kinds ``names`` (every kind by
+        default), each over its model layers; page ``p`` of a kind's ``i``-th layer is one entry."""
+        regions = []
+        for kind in self.kinds:
+            if names is not None and kind.name not in names:
+                continue
+            layout = pool_layout(self.tensors[kind.name])
+            region = one_region(
+                kind.name,
+                layout.base_address,
+                layout.num_layers,
+                layout.num_pages,
+                layout.layer_stride_bytes,
+                layout.page_stride_bytes,
+                layout.page_bytes,
+                layout.dtype,
+            )
+            regions.append(dataclasses.replace(region, layers=kind.layers))
+        return regions
 
     @staticmethod
     def pages_for_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

@@ -114,6 +114,7 @@ TORCH_FREE = (
     "tandem.kvtransfer.types",
     "tandem.kvtransfer.metadata",
     "tandem.kvtransfer.descriptors",
+    "tandem.kvtransfer.regions",
     "tandem.metrics.frontend",
     "tandem.metrics.rank",
     "tandem.metrics.controller",

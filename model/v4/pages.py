@@ -25,11 +25,13 @@ from dataclasses import replace
 
 import torch
 
+from tandem.kvtransfer.regions import TransferLayout
 from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState, PagedRows
 from tandem.model.v4.config import CSA, V4Config
 from tandem.model.v4.kv_layout import WINDOW_SHARE, v4_page_kinds, window_reach
+from tandem.model.v4.state_slots import StateSlots
 
 
 def v4_pool(
@@ -46,6 +48,19 @@ def v4_pool(
     ``window_share`` of the pages)."""
     kinds = v4_page_kinds(cfg, page_size, prefix_caching, window_share)
     return KVPool(None, num_pages, page_size, dtype, device, kinds=kinds)
+
+
+def transfer_layout(pool: KVPool, slots: StateSlots) -> TransferLayout:
+    """What a transfer of a V4 request writes (``kvtransfer/regions.py``): each layer's pages of
+    the kinds a running request reads (its compressed entries, its indexer keys; not the window
+    KV and overlap only prefix-cache hits read) and its slot of bounded state."""
+    reads = [
+        kind.name for kind in pool.kinds if kind.name.startswith("compressed.") or kind.name == "indexer_keys"
+    ]
+    regions = (*pool.regions(reads), slots.region())
+    device = slots.data.device
+    mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+    return TransferLayout(regions, slots.cfg.num_hidden_layers, pool.page_size, mem_type, device.index or 0)
 
 
 def snapshot(layers: list[LayerState]) -> list[LayerState]:

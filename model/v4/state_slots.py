@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kvtransfer.regions import Region
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState
 from tandem.model.v4.config import CSA, V4Config
@@ -98,6 +99,22 @@ class StateSlots:
     def spans(self) -> list[tuple[int, int]]:
         """Each layer's ``(offset, bytes)`` in a slot: what a transfer of that layer writes."""
         return [(f[0].offset, f[-1].offset + f[-1].nbytes - f[0].offset) for f in self.fields]
+
+    def region(self) -> Region:
+        """The slots as a transfer region (``kvtransfer/regions.py``): a layer of a slot is its
+        span."""
+        spans = self.spans()
+        return Region(
+            "state",
+            self.data.data_ptr(),
+            tuple(range(len(spans))),
+            self.num_slots,
+            self.slot_bytes,
+            tuple(offset for offset, _ in spans),
+            tuple(size for _, size in spans),
+            slots=True,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
 
     def _view(self, slot: int, field: StateField) -> torch.Tensor:
         raw = self.data[slot, field.offset : field.offset + field.nbytes]

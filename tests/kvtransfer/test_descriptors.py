@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.kvtransfer.descriptors import PageRun, page_runs, prepared_indices
+from tandem.kvtransfer.descriptors import PageRun, page_runs
+from tandem.kvtransfer.regions import Region, TransferLayout
 from tandem.kvtransfer.types import PoolLayout, decode_message, encode_message
 
 
@@ -17,9 +18,44 @@ def test_runs_coalesce_where_both_sides_are_contiguous() -> None:
 
 
 def test_prepared_indices_per_layer_and_side() -> None:
-    runs = [PageRun(7, 4, 2)]
-    src, dst = prepared_indices(runs, [0, 2], src_num_pages=10, dst_num_pages=6)
-    assert src == [7, 8, 27, 28] and dst == [4, 5, 16, 17]
+    runs = {"kv": [PageRun(7, 4, 2)]}
+    src_layout = PoolLayout(0, 3, 10, 16, 40, "bfloat16", 10 * 1280, 1280, 1280).as_transfer()
+    dst_layout = PoolLayout(0, 3, 6, 16, 40, "bfloat16", 6 * 1280, 1280, 1280).as_transfer()
+    src, dst, nbytes = src_layout.indices(runs, [0, 2], dst_layout)
+    assert src == [7, 8, 27, 28] and dst == [4, 5, 16, 17] and nbytes == 4 * 1280
+
+
+def _v4_like(base: int, pages: int, slots: int) -> TransferLayout:
+    """Two page kinds on some layers each, and a slot region whose layers differ in size."""
+    compressed = Region("compressed.4", base, (0, 3), pages, 64, (0, pages * 64), (64, 64))
+    keys = Region("indexer_keys", base + 10_000, (0, 3), pages, 32, (0, pages * 32), (32, 32))
+    state = Region(
+        "state", base + 20_000, (0, 1, 2, 3), slots, 1000, (0, 300, 800, 900), (300, 500, 100, 100), True
+    )
+    return TransferLayout((compressed, keys, state), 4, 16)
+
+
+def test_regions_write_each_layers_pages_of_each_kind_and_its_slot() -> None:
+    here, there = _v4_like(0, 5, 2), _v4_like(50_000, 8, 3)
+    assert here.compatible_with(there) is None
+    runs = {
+        "compressed.4": [PageRun(1, 6, 2)],
+        "indexer_keys": [PageRun(1, 6, 2)],
+        "state": [PageRun(1, 2, 1)],
+    }
+    # layer 1: only the slot's span of it; layer 3: both kinds' pages and the slot
+    assert here.indices(runs, [1], there) == ([20 + 1 * 2 + 1], [2 * 8 * 2 + 1 * 3 + 2], 500)
+    src, dst, nbytes = here.indices(runs, [3], there)
+    assert src == [5 + 1, 5 + 2, 10 + 5 + 1, 10 + 5 + 2, 20 + 3 * 2 + 1]
+    assert dst == [8 + 6, 8 + 7, 16 + 8 + 6, 16 + 8 + 7, 32 + 3 * 3 + 2]
+    assert nbytes == 2 * 64 + 2 * 32 + 100
+    descs = here.descs()
+    assert len(descs) == 2 * 5 + 2 * 5 + 4 * 2
+    assert descs[20 + 1 * 2 + 1] == (20_000 + 300 + 1000, 500, 0)  # the slot's layer 1 of slot 1
+    assert here.registrations()[2] == (20_000, 900 + 1000 + 100, 0, "")
+    other = TransferLayout(here.regions[:2], 4, 16)
+    assert "kinds differ" in (here.compatible_with(other) or "")
+    assert "layers and page size differ" in (here.compatible_with(TransferLayout(here.regions, 4, 32)) or "")
 
 
 def test_layout_addresses_and_compatibility() -> None:
