@@ -388,21 +388,23 @@ def _generate_disaggregated(
 ) -> int:
     from tandem.cli.generate import generate_on_cluster, summary_record
     from tandem.cli.serving import (
+        check_deployment_model,
         check_drafter_model,
-        refuse_v4_deployment,
+        fit_v4_deployment,
         with_prefill_chunk,
         with_speculative,
         with_tiers,
     )
     from tandem.cluster.topology import Topology
-    from tandem.model.checkpoint import check_model_dir
+    from tandem.model.family import read_config
     from tandem.model.tokenizer import Tokenizer
     from tandem.wire.request_params import check_prompt
 
     topology = Topology.preset(args.preset) if args.preset is not None else Topology.load(args.topology)
     topology = with_prefill_chunk(args, with_tiers(args, with_speculative(args, topology)))
-    refuse_v4_deployment(args.model)
-    cfg = check_model_dir(args.model)
+    topology = fit_v4_deployment(topology, args.model)
+    check_deployment_model(args.model)
+    cfg = read_config(args.model)
     check_drafter_model(topology, args.model)  # tensors included: no rank is the first to find a bad file
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = _encode(specs, tokenizer)

@@ -93,20 +93,58 @@ def with_speculative(args: argparse.Namespace, topology: Topology) -> Topology:
         raise InvalidRequestError("--speculative-tokens", str(exc)) from None
 
 
-def refuse_v4_deployment(model_dir: Path | None, flag: str = "--model") -> None:
-    """A deployment's ranks serve DeepSeek-V3 only: a V4 directory is refused here, naming what
-    runs it (torch-free: only its ``config.json`` is read)."""
+def fit_v4_deployment(topology: Topology, model_dir: Path | None) -> Topology:
+    """The topology for the directory's model: unchanged for DeepSeek-V3; for DeepSeek-V4 its
+    pools' pages a multiple of every compression rate (``model/v4/kv_layout.v4_page_size``: a
+    page boundary is every layer's compression boundary), and what its ranks do not do yet
+    refused by the flag that asks for it (torch-free: only ``config.json`` is read)."""
+    from tandem.model.family import read_config
+    from tandem.model.v4.config import V4Config
+    from tandem.model.v4.kv_layout import v4_page_size
+
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return topology  # nothing to tell apart here: the checks that follow name what is missing
+    cfg = read_config(model_dir)
+    if not isinstance(cfg, V4Config):
+        return topology
+    if topology.speculative.tokens and topology.colocated is None:
+        raise InvalidRequestError(
+            "--speculative-tokens",
+            f"{model_dir} is DeepSeek-V4, whose drafts on decode ranks are not built yet",
+        )
+    prefilling = topology.colocated or topology.prefill
+    if prefilling is not None and prefilling.host_cache_pages:
+        raise InvalidRequestError(
+            "--host-cache-pages", f"{model_dir} is DeepSeek-V4, whose kinds of state have no host tier yet"
+        )
+    if topology.store is not None:
+        raise InvalidRequestError(
+            "--kv-store", f"{model_dir} is DeepSeek-V4, whose kinds of state have no store yet"
+        )
+    update = {
+        name: pool.model_copy(update={"page_size": v4_page_size(cfg, pool.page_size)})
+        for name in ("prefill", "decode", "colocated")
+        if (pool := getattr(topology, name)) is not None
+    }
+    return topology.model_copy(update=update)
+
+
+def check_deployment_model(model_dir: Path | None) -> None:
+    """A deployment's model directory checked whole before anything starts (its tokenizer and
+    every tensor's name, shape and dtype), of either family."""
+    if model_dir is None:
+        return
     from tandem.model.family import read_config
     from tandem.model.v4.config import V4Config
 
-    if model_dir is None or not (model_dir / "config.json").is_file():
-        return  # nothing to tell apart here: the checks that follow name what is missing
     if isinstance(read_config(model_dir), V4Config):
-        raise InvalidRequestError(
-            flag,
-            f"{model_dir} is DeepSeek-V4, which runs on tandem generate (colocated, or --dep N); "
-            "a deployment's prefill and decode ranks do not serve it yet",
-        )
+        from tandem.model.v4.checkpoint import check_v4_model_dir
+
+        check_v4_model_dir(model_dir)
+    else:
+        from tandem.model.checkpoint import check_model_dir
+
+        check_model_dir(model_dir)
 
 
 def check_drafter_model(topology: Topology, model_dir: Path | None) -> None:
@@ -214,7 +252,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_topology(args: argparse.Namespace) -> Topology:
     """The topology of ``--preset``/``--topology`` with the flags that change it, and its model checked."""
     from tandem.cluster.topology import Topology
-    from tandem.model.checkpoint import check_model_dir
 
     if args.preset is not None and args.topology is not None:
         raise InvalidRequestError("--topology", "cannot be combined with --preset")
@@ -227,9 +264,9 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
         )
     if args.model is not None and not (args.model / "config.json").is_file():
         raise InvalidRequestError("--model", f"{args.model} holds no config.json")
-    refuse_v4_deployment(args.model)
-    if args.model is not None:  # tokenizer and tensors too: a rank must not be the first to find out
-        check_model_dir(args.model)
+    topology = fit_v4_deployment(topology, args.model)
+    # tokenizer and tensors too: a rank must not be the first to find out
+    check_deployment_model(args.model)
     check_drafter_model(topology, args.model)
     return topology
 

@@ -260,7 +260,7 @@ def misfit_line(plan: MemoryPlan, rank: RankMemory) -> str:
     )
 
 
-def sized_topology(topology: Topology, cfg: ModelConfig, dtype: str) -> Topology:
+def sized_topology(topology: Topology, cfg: ModelConfig | V4Config, dtype: str) -> Topology:
     """``topology`` with each pool's ``num_pages`` from the plan of ``topology.gpu_memory_gib``
     (``topology`` as it is when that is unset). :class:`MemoryPlanError` names the first rank
     that does not fit."""

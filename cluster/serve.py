@@ -40,8 +40,8 @@ from tandem.frontend.running import GenerateSpec
 from tandem.metrics.discovery import prometheus_config
 from tandem.metrics.http import MetricsSecurity
 from tandem.metrics.prometheus_process import PrometheusProcess
-from tandem.model.config import ModelConfig
 from tandem.model.dtype_names import AUTO, resolved_dtype
+from tandem.model.family import read_config
 from tandem.wire.request_params import InvalidRequestError, SamplingParams
 from tandem.wire.routing_view import CONTROLLER_NAME
 from tandem.wire.stream_summary import StreamSummary
@@ -160,7 +160,7 @@ class Server:
         topology = self.options.topology
         if topology.gpu_memory_gib is None:
             return topology
-        cfg = ModelConfig.from_dir(self.model_dir)
+        cfg = read_config(Path(self.model_dir))
         return sized_topology(topology, cfg, self.rank_dtype)
 
     @property

@@ -38,7 +38,7 @@ from tandem.wire.prefill_job import PrefillJob
 from tandem.wire.request_params import FinishReason
 
 if TYPE_CHECKING:
-    from tandem.model.config import ModelConfig
+    from tandem.model.family import AnyConfig
 
 # outputs a frontend has not had: the first one's index, their ids, when each was known (the rank's
 # monotonic clock), their logprobs, and the prompt's logprobs (with the first outputs only)
@@ -57,7 +57,7 @@ class Routing:
 
 
 def admitted(
-    items: Sequence[RankRequest], cfg: ModelConfig, page_size: int, num_pages: int, received: float
+    items: Sequence[RankRequest], cfg: AnyConfig, page_size: int, num_pages: int, received: float
 ) -> list[tuple[Request, Routing, float]]:
     """Requests built and checked against a decode rank's limits (``admission.request_of``), with
     where each came from, received at ``received``: one that could never run fails here."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tandem.decode.scheduler import DecodeScheduler
-from tandem.engine.runner import ModelRunner
+from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.tier_copier import TierCopier
 from tandem.kvtransfer.transport import KVTransport
 from tandem.kvtransfer.types import FailureCounts
@@ -20,12 +20,14 @@ class DecodeRank(Protocol):
     incarnation: int
     scheduler: DecodeScheduler
     transport: KVTransport
-    runner: ModelRunner
     writeback: TierCopier | None
     kv_bytes_received: int
     preemptions: int
     speculation: Speculation
     failure_counts: FailureCounts
+
+    @property
+    def runner(self) -> SamplingRunner: ...
 
     def step_times(self) -> tuple[float, float, float]: ...
 

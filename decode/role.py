@@ -31,8 +31,16 @@ class DecodeRole(PooledRole):
         from tandem.decode.worker import DecodeWorker
         from tandem.engine.drafters import make_drafter
 
-        cfg = ctx.v3.cfg
+        cfg = ctx.model_config
+        v4 = ctx.v4 is not None
+        spec = self.speculative
+        if v4 and (spec.enabled or self.store is not None):
+            raise ValueError(
+                f"decode rank {ctx.rank_id.name}: DeepSeek-V4's drafts and decode write-back are "
+                "not built for disaggregated ranks"
+            )
         pool = ctx.kv_pool(self.num_pages, self.page_size)
+        slots = ctx.state_slots(self.max_num_seqs)  # V4: the state of requests whose KV is coming
         config = DecodeSchedulerConfig(
             num_pages=self.num_pages,
             page_size=self.page_size,
@@ -41,7 +49,12 @@ class DecodeRole(PooledRole):
             kv_wait_timeout_s=self.kv_timeout_s,
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
-        spec = self.speculative
+        if v4:
+            return DecodeWorker(
+                ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.v4_runner(pool, slots),
+                ctx.transport(pool, slots), dispatcher, self.kv_timeout_s, model_config=cfg,
+                outbox=ctx.outbox, state_slots=slots.num_slots if slots is not None else 0,
+            )  # fmt: skip
         drafter = make_drafter(spec, model=ctx.v3, pool=pool) if spec.enabled else None
         return DecodeWorker(
             ctx.rank_id, ctx.incarnation, DecodeScheduler(config),

@@ -40,9 +40,11 @@ from tandem.engine.prefix_cache import prompt_chain
 from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
+from tandem.engine.slot_owners import SlotOwners
 from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
 from tandem.engine.transfer_worker import TransferWorker
+from tandem.engine.v4_runner import V4Runner
 from tandem.kvtransfer.transport import KVTransport, ReceivedKV, TransferFailure
 from tandem.kvtransfer.types import FailureCounts, KVTransferAborted, KVTransferError
 from tandem.wire.logprobs import TokenLogprobs, parse_all
@@ -62,7 +64,7 @@ from tandem.wire.request_params import FinishReason, InvalidRequestError
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
     from tandem.engine.tier_copier import TierCopier
-    from tandem.model.config import ModelConfig
+    from tandem.model.family import AnyConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +91,22 @@ class DecodeWorker(TransferWorker):
         rank_id: RankId,
         incarnation: int,
         scheduler: DecodeScheduler,
-        runner: ModelRunner,
+        runner: ModelRunner | V4Runner,
         transport: KVTransport,
         dispatcher: PrefillDispatcher,
         kv_timeout_s: float = 30.0,
-        model_config: ModelConfig | None = None,
+        model_config: AnyConfig | None = None,
         outbox: Outbox | None = None,
         speculative: SpeculativeConfig | None = None,
         drafter: Drafter | None = None,
         writeback: TierCopier | None = None,
+        state_slots: int = 0,
     ) -> None:
         """``speculative`` with ``num_tokens`` > 0: each step verifies ``drafter``'s drafts.
         ``writeback``: the shared store's writer over this rank's pool; finished requests' pages
-        go there."""
+        go there. ``state_slots``: slots of per-request state a prefill writes beside the pages
+        (DeepSeek-V4), each held from a job's dispatch until its receive is over; once the KV is
+        in, the runner takes the request on from its slot and pages (``V4Runner.adopt``)."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.speculative = speculative or SpeculativeConfig()
         if self.speculative.enabled and drafter is None:
@@ -118,6 +123,9 @@ class DecodeWorker(TransferWorker):
         self.outbox = outbox
         # transport key -> the record whose current transfer it names, while that one is awaited
         self._transfers: dict[str, DecodeRequest] = {}
+        self.slots = SlotOwners(state_slots) if state_slots else None
+        # transport key -> the pages and prompt tokens its KV fills (a runner that adopts)
+        self._adopt: dict[str, tuple[tuple[int, ...], int]] = {}
         self.streams = StreamPublisher(rank_id)
         self.kv_bytes_received = 0
         self.preemptions = 0
@@ -165,9 +173,12 @@ class DecodeWorker(TransferWorker):
         logprobs (a prefill computes them)."""
         if self.drafter is not None or request.sampling.prompt_logprobs is not None:
             return False
+        if self.slots is not None:  # a V4 request's state beside its pages: no fork of it is built
+            return False
         copies = self.scheduler.fork(request, parent_id)
         if copies is None:
             return False
+        assert self.runner.pool is not None
         self.runner.pool.copy_pages(copies)
         self.forks += 1
         return True
@@ -310,6 +321,11 @@ class DecodeWorker(TransferWorker):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        stray = self.slots.owners() - set(self._transfers) if self.slots is not None else set()
+        if stray or set(self._adopt) - set(self._transfers):
+            raise AssertionError(
+                f"decode rank {self.name}: state slots held by no awaited transfer: {sorted(stray)}"
+            )
 
     # -- tick's steps -----------------------------------------------------------------------------
     def _kv_arrived(self, got: ReceivedKV) -> None:
@@ -332,6 +348,7 @@ class DecodeWorker(TransferWorker):
             self._kv_failed(TransferFailure(n.request_id, "recv", KVTransferError(n.request_id, str(error))))
             return
         self.kv_bytes_received += n.kv_bytes
+        self._take_on(transfer.key, transfer.request_id)
         usable = time.monotonic()  # the KV is the request's: it decodes from the next step
         if not record.ended:
             attempt = record.kv_delivered(n, got.stats.end_s, usable)
@@ -345,9 +362,23 @@ class DecodeWorker(TransferWorker):
         if finished is not None:
             self._finish(finished)
 
+    def _take_on(self, key: str, request_id: str) -> None:
+        """A runner that keeps requests' state beside their pages takes the request on from the
+        slot and pages its transfer filled (when it still runs); the slot is free again."""
+        adopt, slot = self._adopt.pop(key, None), self.slots.get(key) if self.slots is not None else None
+        request = self.scheduler.get(request_id)
+        if adopt is not None and slot is not None and request is not None and not request.is_finished:
+            assert isinstance(self.runner, V4Runner)
+            self.runner.adopt(request_id, adopt[1], adopt[0], slot)
+        if self.slots is not None:
+            self.slots.release(key)
+
     def _kv_failed(self, failure: TransferFailure) -> None:
         if failure.role != "recv":
             return
+        if self.slots is not None:  # the receive is over: nothing more lands in its slot
+            self.slots.release(failure.request_id)
+        self._adopt.pop(failure.request_id, None)
         self.failure_counts.add("recv", failure.error)
         record = self._transfers.pop(failure.request_id, None)
         if record is None or record.transfer is None:
@@ -377,8 +408,18 @@ class DecodeWorker(TransferWorker):
         prefill_rank = self.dispatcher.choose(request, preferred)
         record.job_sent(transfer, prefill_rank, reservation.num_prompt_tokens, time.monotonic())
         self._transfers[transfer.key] = record
-        self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
         destination = reservation.destination(self.name, self.incarnation)
+        if self.slots is not None:
+            slot = self.slots.take(transfer.key)
+            if slot is None:  # every slot awaits a transfer: this attempt fails and is retried
+                error = KVTransferError(
+                    transfer.key, f"decode rank {self.name}: every state slot awaits a transfer"
+                )
+                self._kv_failed(TransferFailure(transfer.key, "recv", error))
+                return
+            destination = dataclasses.replace(destination, state_slot=slot)
+            self._adopt[transfer.key] = (reservation.page_ids, reservation.num_prompt_tokens)
+        self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
         job = record.prefill_job(destination, self.kv_timeout_s)
         self.dispatcher.send(prefill_rank, job)
 

@@ -14,6 +14,7 @@ from tandem.engine.outbox import Outbox
 from tandem.engine.runner import ModelRunner
 from tandem.engine.static_decode import StaticDecode, static_decode_enabled
 from tandem.engine.tier_copier import TierCopier, build_tiers, page_bytes, pool_block_layout
+from tandem.engine.v4_runner import V4Runner
 from tandem.kvtransfer.kv_store import StoreConfig, StoreError
 from tandem.kvtransfer.metadata import RayMetadataStore
 from tandem.kvtransfer.nixl_transport import NixlTransport
@@ -24,6 +25,9 @@ from tandem.model.grammar import GrammarCompiler, GuidedRows
 from tandem.model.kv_pool import KVPool
 from tandem.model.loader import AnyModel
 from tandem.model.tokenizer import TOKENIZER_FILE, Tokenizer
+from tandem.model.v4.model import DeepseekV4
+from tandem.model.v4.pages import transfer_layout, v4_pool
+from tandem.model.v4.state_slots import StateSlots
 from tandem.wire.messages import RankId
 
 log = logging.getLogger(__name__)
@@ -64,9 +68,32 @@ class RankContext:
             )
         return self.model
 
-    def kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+    @property
+    def v4(self) -> DeepseekV4 | None:
+        """The model when it is a DeepSeek-V4 (``None`` for V3)."""
+        return self.model if isinstance(self.model, DeepseekV4) else None
+
+    def kv_pool(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> KVPool:
+        """The rank's pool: V3's latent pages, or V4's kinds (``prefix_caching``: with the window
+        KV and overlap a hit restores from, for a share of the pages)."""
+        if self.v4 is not None:
+            return v4_pool(self.v4.cfg, num_pages, page_size, self.dtype, self.device, prefix_caching)
         model = self.v3
         return KVPool(model.cfg, num_pages, page_size, self.dtype, self.device, model.num_kv_layers)
+
+    def state_slots(self, slots: int) -> StateSlots | None:
+        """Slots of V4 requests' bounded state, for the transfers of ``slots`` requests at once
+        (``None`` for V3, whose requests are all in their pages)."""
+        if self.v4 is None:
+            return None
+        return StateSlots(self.v4.cfg, slots, self.dtype, self.device)
+
+    def v4_runner(self, pool: KVPool, slots: StateSlots | None, prefix_caching: bool = False) -> V4Runner:
+        """DeepSeek-V4's runner over ``pool`` in lockstep with the group, packing and taking
+        requests' bounded state in ``slots``."""
+        assert self.v4 is not None
+        guides = guided_rows(self.model_dir, self.model_config.vocab_size)
+        return V4Runner(self.v4, True, guides, pool=pool, prefix_caching=prefix_caching, state_slots=slots)
 
     def runner(
         self, pool: KVPool, max_batch: int | None = None, mtp_prefill: bool = False, keep_hidden: bool = False
@@ -120,6 +147,8 @@ class RankContext:
         )
         return build_tiers(pool, config)[1]
 
-    def transport(self, pool: KVPool) -> NixlTransport:
-        """This rank's NIXL agent over ``pool``, its metadata published in Ray's GCS."""
-        return NixlTransport(self.rank_id.name, self.incarnation, pool.layout, RayMetadataStore())
+    def transport(self, pool: KVPool, slots: StateSlots | None = None) -> NixlTransport:
+        """This rank's NIXL agent over ``pool`` (V4: the kinds a running request reads, and its
+        state ``slots``), its metadata published in Ray's GCS."""
+        layout = transfer_layout(pool, slots) if slots is not None else pool.layout
+        return NixlTransport(self.rank_id.name, self.incarnation, layout, RayMetadataStore())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -43,9 +43,17 @@ class ModelRunner(SamplingRunner):
         self.static = static
         self.mtp_prefill = mtp_prefill
 
-    def run(self, plan: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
+    def run(
+        self,
+        plan: SchedulerOutput,
+        on_layer_kv: Callable[[int], None] | None = None,
+        exports: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
         """Compute the planned chunks' KV and sample a token for each chunk that asks for one;
-        ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model)."""
+        ``on_layer_kv(layer)`` runs as each layer's KV lands in the pool (see the model). A V3
+        request's state is all in its pages: there are no ``exports`` (``V4Runner.run``)."""
+        if exports:
+            raise ValueError("DeepSeek-V3's requests have no state beside their pages to export")
         if any(c.draft_token_ids for c in plan.chunks):
             raise ValueError("a plan with drafts is verified (ModelRunner.verify), not run")
         return {rid: tokens[0] for rid, tokens in self.verify(plan, on_layer_kv).items()}

@@ -66,6 +66,7 @@ class V4Runner(SamplingRunner):
         ``adopt``)."""
         super().__init__(model, lockstep, guides, guard_syncs)
         self.state_slots = state_slots
+        self.mtp_prefill = False  # the MTP layer's state does not go with a transfer (not built)
         self._exports: dict[str, int] = {}  # this step's finishing requests -> their slots
         self._on_layer: Callable[[int], None] | None = None
         if prefix_caching and (pool is None or "window" not in pool.names):

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandem.frontend import grammar_checker
@@ -57,7 +58,7 @@ from tandem.frontend.status import StatusView, read_status
 from tandem.metrics.frontend import FrontendMetrics
 from tandem.metrics.http import MetricsSecurity
 from tandem.metrics.labels import FrontendLabels
-from tandem.model.config import ModelConfig
+from tandem.model.family import read_config
 from tandem.model.tokenizer import Tokenizer
 from tandem.router.router import NoRankAvailable, Router, RouterConfig
 from tandem.wire.block_chain import block_hashes
@@ -138,7 +139,7 @@ class FrontendCore:
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.model_config = read_config(Path(config.model_dir))  # either family
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.detokenizer_cache = PairCache(self.tokenizer)  # every stream's token pairs
         self._grammar: GuideChecker | None = None  # structured outputs' checks, made at the first

@@ -28,11 +28,21 @@ class PrefillRole(PooledRole):
 
     def build(self, ctx: RankContext) -> RankWorker:
         # here, on the rank: the worker's modules load torch, this one must not
+        from tandem.engine.runner import ModelRunner
+        from tandem.engine.v4_runner import V4Runner
         from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
         from tandem.prefill.worker import PrefillWorker
 
-        cfg = ctx.v3.cfg
-        pool = ctx.kv_pool(self.num_pages, self.page_size)
+        cfg = ctx.model_config
+        v4 = ctx.v4 is not None
+        if v4 and (self.mtp or self.host_cache_pages or self.store is not None):
+            raise ValueError(
+                f"prefill rank {ctx.rank_id.name}: DeepSeek-V4's MTP state, host tier and store "
+                "are not built for disaggregated ranks"
+            )
+        # V4: its own prefix hits restore exact state from the window slots of its pool
+        pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4)
+        slots = ctx.state_slots(2 * self.max_num_seqs)  # V4: finishing requests' state, sending
         copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
         scheduler = PrefillScheduler(
             PrefillSchedulerConfig(
@@ -46,16 +56,24 @@ class PrefillRole(PooledRole):
             ),
             copier.tiers if copier is not None else None,
         )
+        runner: ModelRunner | V4Runner
+        if v4:
+            runner = ctx.v4_runner(pool, slots, prefix_caching=True)
+            scheduler.kv_cache.hit_pages = runner.hit_pages  # hits where the window is kept
+            scheduler.kv_cache.better_holder = runner.slots.better_holder
+        else:
+            runner = ctx.runner(pool, mtp_prefill=self.mtp)
         return PrefillWorker(
             ctx.rank_id,
             ctx.incarnation,
             scheduler,
-            ctx.runner(pool, mtp_prefill=self.mtp),
-            ctx.transport(pool),
+            runner,
+            ctx.transport(pool, slots),
             self.layerwise,
             self.kv_timeout_s,
             model_config=cfg,
             outbox=ctx.outbox,
             copier=copier,
             max_jobs=self.max_jobs,
+            state_slots=slots.num_slots if slots is not None else 0,
         )

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.engine.kv_event_publisher import KVEventPublisher
 from tandem.engine.runner import ModelRunner
+from tandem.engine.slot_owners import SlotOwners
 from tandem.engine.transfer_worker import TransferWorker
+from tandem.engine.v4_runner import V4Runner
 from tandem.kvtransfer.transport import KVTransport, TransferFailure
 from tandem.kvtransfer.types import (
     READY,
@@ -61,7 +63,7 @@ from tandem.wire.request_params import InvalidRequestError
 if TYPE_CHECKING:
     from tandem.engine.outbox import Outbox
     from tandem.engine.tier_copier import TierCopier
-    from tandem.model.config import ModelConfig
+    from tandem.model.family import AnyConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +76,20 @@ class PrefillWorker(TransferWorker):
         rank_id: RankId,
         incarnation: int,
         scheduler: PrefillScheduler,
-        runner: ModelRunner,
+        runner: ModelRunner | V4Runner,
         transport: KVTransport,
         layerwise: bool = True,
         transfer_timeout_s: float = 30.0,
-        model_config: ModelConfig | None = None,
+        model_config: AnyConfig | None = None,
         outbox: Outbox | None = None,
         copier: TierCopier | None = None,
         max_jobs: int | None = None,
+        state_slots: int = 0,
     ) -> None:
         """``max_jobs``: the most jobs this rank holds at once (queued, computing or sending);
-        one more is refused. ``None``: no limit."""
+        one more is refused. ``None``: no limit. ``state_slots``: slots of per-request state the
+        runner packs a finishing request's into as each layer runs (DeepSeek-V4), each held by a
+        send until it is over; 0: the requests are all in their pages (V3)."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
         self.outbox = outbox
@@ -97,6 +102,7 @@ class PrefillWorker(TransferWorker):
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
         self.max_jobs = max_jobs
+        self.slots = SlotOwners(state_slots) if state_slots else None
         self.cancelled_jobs = 0  # jobs dropped uncomputed because their decode rank gave up
         self.refused_jobs = 0  # jobs answered with a refusal
         # refused jobs, newest last: the receive their decode rank then gives up is confirmed at once
@@ -206,6 +212,8 @@ class PrefillWorker(TransferWorker):
                 self._forget(request_id)  # a transferring one ends with its send's failure
 
     def _forget(self, request_id: str) -> None:
+        if self.slots is not None:
+            self.slots.release(request_id)
         self._jobs.pop(request_id, None)
         self._grammar_wait.pop(request_id, None)
         self._pickup_s.pop(request_id, None)
@@ -292,6 +300,9 @@ class PrefillWorker(TransferWorker):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        stray = self.slots.owners() - set(self._jobs) if self.slots is not None else set()
+        if stray:
+            raise AssertionError(f"prefill rank {self.name}: state slots held by no job: {sorted(stray)}")
 
     def close(self) -> None:
         if self.copier is not None:
@@ -327,6 +338,16 @@ class PrefillWorker(TransferWorker):
             self._forget(expired.request_id)
         self._queue_ready_grammars()
 
+    def _state_slot(self, request_id: str) -> int | None:
+        """The slot ``request_id``'s state goes out from (``None``: a V3 rank's requests are
+        all in their pages); an error, failing its send, when every slot is sending."""
+        if self.slots is None:
+            return None
+        slot = self.slots.take(request_id)
+        if slot is None:
+            raise KVTransferError(request_id, f"prefill rank {self.name}: every state slot is sending")
+        return slot
+
     def _failed(self, failure: TransferFailure) -> None:
         self.failures.append(failure)
         self.failure_counts.add("send", failure.error)
@@ -345,8 +366,9 @@ class PrefillWorker(TransferWorker):
                 continue
             job = self._jobs[chunk.request_id]
             try:
+                slot = self._state_slot(chunk.request_id)
                 self.transport.begin_send(
-                    chunk.request_id, job.destination, chunk.page_ids, self.transfer_timeout_s
+                    chunk.request_id, job.destination, chunk.page_ids, self.transfer_timeout_s, slot
                 )
                 finishing.append(chunk.request_id)
             except KVTransferError as error:  # e.g. the decode rank restarted: nowhere to write
@@ -371,7 +393,8 @@ class PrefillWorker(TransferWorker):
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         forward_start = time.monotonic()
-        sampled = self.runner.run(plan, layer_kv if finishing else None)
+        exports = {rid: slot for rid in finishing if (slot := self._state_slot(rid)) is not None}
+        sampled = self.runner.run(plan, layer_kv if finishing else None, exports)
         # once a chunk samples, its token is on the host and the device has run the whole forward
         # (a step of middle chunks only is the host's queueing time: the next step's waits cover it)
         forward_done = time.monotonic()

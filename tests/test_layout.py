@@ -115,6 +115,7 @@ TORCH_FREE = (
     "tandem.kvtransfer.metadata",
     "tandem.kvtransfer.descriptors",
     "tandem.kvtransfer.regions",
+    "tandem.engine.slot_owners",
     "tandem.metrics.frontend",
     "tandem.metrics.rank",
     "tandem.metrics.controller",

@@ -68,6 +68,11 @@ class DeepseekV4(nn.Module):
             cos, sin = rope_table(rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
             self.rope[name] = (cos.to(device), sin.to(device))
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers a transfer goes through, one by one (the MTP layer's state is not sent)."""
+        return self.cfg.num_hidden_layers
+
     def weight_bytes(self) -> int:
         """Bytes of weights resident on this copy's device."""
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -160,17 +160,23 @@ def test_a_prefix_cache_hit_restores_the_exact_state(
 
 
 @pytest.mark.parametrize(
-    "command",
-    [["serve", "--port", "0"], ["generate", "--prompt", "x", "--max-tokens", "2", "--preset", "local"]],
-)
-def test_a_deployment_refuses_v4_before_anything_starts(
-    sparse: tuple[Path, list[list[int]]], command: list[str], capsys: pytest.CaptureFixture[str]
+    ("flags", "named"),
+    [
+        (["generate", "--prompt", "x", "--max-tokens", "2", "--preset", "local", "--speculative-tokens", "2"],
+         "--speculative-tokens"),
+        (["serve", "--port", "0", "--host-cache-pages", "8"], "--host-cache-pages"),
+        (["generate", "--prompt", "x", "--max-tokens", "2", "--preset", "local", "--kv-store", "auto"],
+         "--kv-store"),
+    ],
+)  # fmt: skip
+def test_a_deployment_refuses_what_v4_ranks_do_not_do_before_anything_starts(
+    sparse: tuple[Path, list[list[int]]], flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A deployment's prefill and decode ranks serve V3 only: refused in one line naming what
-    runs V4, before any actor starts."""
-    assert main([*command, "--model", str(sparse[0])]) == 2
+    """Drafts on decode ranks, the host tier and the store are not built for V4 yet: each is
+    refused in one line naming its flag, before any actor starts."""
+    assert main([*flags, "--model", str(sparse[0])]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is DeepSeek-V4, which runs on tandem generate" in err
+    assert err.count("\n") == 1 and f"{named}: " in err and "is DeepSeek-V4" in err
 
 
 def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_state_back(

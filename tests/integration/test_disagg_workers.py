@@ -578,9 +578,11 @@ def test_layer_writes_leave_while_the_forward_runs_and_the_figures_end_at_the_de
     called_s: list[float] = []
     returned_s: list[float] = []
 
-    def timed_run(plan: Any, on_layer_kv: Callable[[int], None] | None = None) -> dict[str, int]:
+    def timed_run(
+        plan: Any, on_layer_kv: Callable[[int], None] | None = None, exports: Any = None
+    ) -> dict[str, int]:
         called_s.append(time.monotonic())
-        tokens = run(plan, on_layer_kv)
+        tokens = run(plan, on_layer_kv, exports)
         returned_s.append(time.monotonic())
         returned.set()
         return tokens
