@@ -30,7 +30,15 @@ from tandem.engine.admission import max_kv_pages
 from tandem.model.config import ModelConfig
 from tandem.model.rank_weights import dtype_bytes, rank_weight_bytes
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import KindBytes, page_bytes, request_bytes, v4_kinds, v4_page_size
+from tandem.model.v4.kv_layout import (
+    KindBytes,
+    page_bytes,
+    request_bytes,
+    slot_bytes,
+    transfer_slots,
+    v4_kinds,
+    v4_page_size,
+)
 from tandem.model.v4.rank_weights import v4_rank_weight_bytes
 from tandem.wire.messages import Role
 
@@ -230,6 +238,9 @@ class _PoolFigures:
             kinds = tuple(v4_kinds(cfg, dtype_bytes(dtype), size, prefix_caching=True))
             workspace = v4_workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
             state = request_bytes(list(kinds)) * spec.max_num_seqs
+            if pool.role is not Role.COLOCATED:  # and the state slots of its transfers in flight
+                slots = transfer_slots(pool.role is Role.PREFILL, spec.max_num_seqs)
+                state += slots * slot_bytes(cfg, dtype_bytes(dtype))
             return _PoolFigures(
                 cfg, pool, dtype, size, page_bytes(list(kinds), size), workspace, state, kinds
             )

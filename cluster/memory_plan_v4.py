@@ -3,6 +3,8 @@
 
     usable     = gpu_memory_gib x 2**30 x utilization
     state      = max_num_seqs x (a request's window pages + its compressors' open windows)
+                 + transfer slots x a slot's bytes (disaggregated ranks: the bounded state of
+                   the requests whose transfers are in flight, ``kv_layout.transfer_slots``)
     kv_pages   = floor((usable - weight_bytes - workspace_bytes - state) / kv_page_bytes)
 
 ``kv_page_bytes`` is one page of the kinds that grow with a request (compressed entries, the

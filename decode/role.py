@@ -30,6 +30,7 @@ class DecodeRole(PooledRole):
         from tandem.decode.types import DecodeSchedulerConfig
         from tandem.decode.worker import DecodeWorker
         from tandem.engine.drafters import make_drafter
+        from tandem.model.v4.kv_layout import transfer_slots
 
         cfg = ctx.model_config
         v4 = ctx.v4 is not None
@@ -40,7 +41,7 @@ class DecodeRole(PooledRole):
                 "not built for disaggregated ranks"
             )
         pool = ctx.kv_pool(self.num_pages, self.page_size)
-        slots = ctx.state_slots(self.max_num_seqs)  # V4: the state of requests whose KV is coming
+        slots = ctx.state_slots(transfer_slots(False, self.max_num_seqs))  # V4: of KV on its way
         config = DecodeSchedulerConfig(
             num_pages=self.num_pages,
             page_size=self.page_size,

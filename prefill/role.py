@@ -30,6 +30,7 @@ class PrefillRole(PooledRole):
         # here, on the rank: the worker's modules load torch, this one must not
         from tandem.engine.runner import ModelRunner
         from tandem.engine.v4_runner import V4Runner
+        from tandem.model.v4.kv_layout import transfer_slots
         from tandem.prefill.scheduler import PrefillScheduler, PrefillSchedulerConfig
         from tandem.prefill.worker import PrefillWorker
 
@@ -42,7 +43,7 @@ class PrefillRole(PooledRole):
             )
         # V4: its own prefix hits restore exact state from the window slots of its pool
         pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4)
-        slots = ctx.state_slots(2 * self.max_num_seqs)  # V4: finishing requests' state, sending
+        slots = ctx.state_slots(transfer_slots(True, self.max_num_seqs))  # V4: finishing requests'
         copier = ctx.tiers(pool, self.host_cache_pages, self.store, self.model_key, self.store_secret)
         scheduler = PrefillScheduler(
             PrefillSchedulerConfig(

@@ -174,3 +174,66 @@ def page_bytes(kinds: list[KindBytes], page_size: int) -> int:
 def request_bytes(kinds: list[KindBytes]) -> int:
     """What a running request holds beside its pages: its window and its open windows."""
     return sum(k.per_request for k in kinds)
+
+
+_ALIGN = 16  # every field of a state slot starts on 16 bytes, so its bytes view as its dtype
+
+
+@dataclass(frozen=True)
+class StateField:
+    """One field of a request's bounded state in a slot (``model/v4/state_slots.py``)."""
+
+    name: str
+    offset: int  # bytes into the slot
+    rows: int
+    width: int
+    item_bytes: int
+    float32: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * (FLOAT32_BYTES if self.float32 else self.item_bytes)
+
+    @property
+    def end(self) -> int:
+        """Where the next field starts."""
+        return self.offset + -(-self.nbytes // _ALIGN) * _ALIGN
+
+
+def state_fields(cfg: V4Config, item_bytes: int) -> list[list[StateField]]:
+    """Each layer's fields of a slot, layer after layer: its window's last ``sliding_window -
+    1`` tokens' KV (model dtype), and on compressed layers the compressor's open window (KV and
+    gate projections of at most ``rate - 1`` tokens) and on CSA layers its last window's ``Ca``
+    (``rate`` rows), the indexer's likewise (float32)."""
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    layers, offset = [], 0
+    for layer in range(cfg.num_hidden_layers):
+        shapes: list[tuple[str, int, int, bool]] = [("window", cfg.sliding_window - 1, hd, False)]
+        rate = cfg.compress_rate(layer)
+        if rate:
+            csa = cfg.layer_types[layer] == CSA
+            width = 2 * hd if csa else hd
+            shapes += [("kv", rate - 1, width, True), ("gate", rate - 1, width, True)]
+            if csa:
+                shapes += [("overlap_kv", rate, hd, True), ("overlap_gate", rate, hd, True)]
+                shapes += [("index_kv", rate - 1, 2 * ihd, True), ("index_gate", rate - 1, 2 * ihd, True)]
+                shapes += [("index_overlap_kv", rate, ihd, True), ("index_overlap_gate", rate, ihd, True)]
+        fields = []
+        for name, rows, width, f32 in shapes:
+            field = StateField(name, offset, rows, width, item_bytes, f32)
+            fields.append(field)
+            offset = field.end
+        layers.append(fields)
+    return layers
+
+
+def slot_bytes(cfg: V4Config, item_bytes: int) -> int:
+    """One request's state slot: every layer's fields, what its transfer writes beside its pages."""
+    return state_fields(cfg, item_bytes)[-1][-1].end
+
+
+def transfer_slots(prefill: bool, max_num_seqs: int) -> int:
+    """State slots a disaggregated rank keeps for the transfers in flight: a decode rank one per
+    request it may hold, a prefill rank two (a step's finishing requests may start sending while
+    the last step's still are)."""
+    return (2 if prefill else 1) * max_num_seqs

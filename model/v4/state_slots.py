@@ -21,61 +21,13 @@ its first steps complete the windows the prefill left open. The slots are one ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tandem.kvtransfer.regions import Region
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.compressor import CompressorState
 from tandem.model.v4.config import CSA, V4Config
-
-_ALIGN = 16  # every field starts on 16 bytes, so its bytes view as its dtype
-
-
-@dataclass(frozen=True)
-class StateField:
-    name: str
-    offset: int  # bytes into the slot
-    rows: int
-    width: int
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.width * torch.empty((), dtype=self.dtype).element_size()
-
-
-def layer_fields(cfg: V4Config, layer: int, dtype: torch.dtype, offset: int = 0) -> list[StateField]:
-    """Layer ``layer``'s fields from byte ``offset`` of a slot."""
-    hd, ihd, f32 = cfg.head_dim, cfg.index_head_dim, torch.float32
-    shapes: list[tuple[str, int, int, torch.dtype]] = [("window", cfg.sliding_window - 1, hd, dtype)]
-    rate = cfg.compress_rate(layer)
-    if rate:
-        csa = cfg.layer_types[layer] == CSA
-        shapes += [
-            ("kv", rate - 1, 2 * hd if csa else hd, f32),
-            ("gate", rate - 1, 2 * hd if csa else hd, f32),
-        ]
-        if csa:
-            shapes += [("overlap_kv", rate, hd, f32), ("overlap_gate", rate, hd, f32)]
-            shapes += [("index_kv", rate - 1, 2 * ihd, f32), ("index_gate", rate - 1, 2 * ihd, f32)]
-            shapes += [("index_overlap_kv", rate, ihd, f32), ("index_overlap_gate", rate, ihd, f32)]
-    fields = []
-    for name, rows, width, dt in shapes:
-        field = StateField(name, offset, rows, width, dt)
-        fields.append(field)
-        offset += -(-field.nbytes // _ALIGN) * _ALIGN
-    return fields
-
-
-def slot_bytes(cfg: V4Config, dtype: torch.dtype) -> int:
-    """One request's slot: every layer's fields."""
-    end = 0
-    for layer in range(cfg.num_hidden_layers):
-        last = layer_fields(cfg, layer, dtype, end)[-1]
-        end = last.offset + -(-last.nbytes // _ALIGN) * _ALIGN
-    return end
+from tandem.model.v4.kv_layout import StateField, slot_bytes, state_fields
 
 
 class StateSlots:
@@ -83,14 +35,10 @@ class StateSlots:
         self, cfg: V4Config, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
         self.cfg, self.dtype = cfg, dtype
-        self.fields: list[list[StateField]] = []
-        end = 0
-        for layer in range(cfg.num_hidden_layers):
-            fields = layer_fields(cfg, layer, dtype, end)
-            self.fields.append(fields)
-            end = fields[-1].offset + -(-fields[-1].nbytes // _ALIGN) * _ALIGN
-        self.slot_bytes = end
-        self.data = torch.zeros(slots, end, dtype=torch.uint8, device=device)
+        item = torch.empty((), dtype=dtype).element_size()
+        self.fields: list[list[StateField]] = state_fields(cfg, item)
+        self.slot_bytes = slot_bytes(cfg, item)
+        self.data = torch.zeros(slots, self.slot_bytes, dtype=torch.uint8, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -118,7 +66,7 @@ class StateSlots:
 
     def _view(self, slot: int, field: StateField) -> torch.Tensor:
         raw = self.data[slot, field.offset : field.offset + field.nbytes]
-        return raw.view(field.dtype).view(field.rows, field.width)
+        return raw.view(torch.float32 if field.float32 else self.dtype).view(field.rows, field.width)
 
     def write(self, slot: int, layer: int, state: LayerState, position: int) -> None:
         """Layer ``layer``'s state after ``position`` tokens into ``slot``."""

@@ -21,9 +21,10 @@ from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.v4_runner import V4Runner
 from tandem.model.kv_pool import KVPool
 from tandem.model.loader import load_model
+from tandem.model.v4.kv_layout import slot_bytes
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.pages import v4_pool
-from tandem.model.v4.state_slots import StateSlots, slot_bytes
+from tandem.model.v4.state_slots import StateSlots
 from tandem.wire.request_params import SamplingParams
 from tests.hf_v4_reference import write_tiny_v4
 
@@ -110,6 +111,6 @@ def test_a_slot_holds_the_bounded_state_the_plan_counts(model_dir: Path) -> None
     counted = {k.kind: k.per_request for k in v4_kinds(cfg, 4, PAGE)}
     window = cfg.num_hidden_layers * (cfg.sliding_window - 1) * cfg.head_dim * 4
     fields = sum(len(StateSlots(cfg, 1, torch.float32).fields[i]) for i in range(cfg.num_hidden_layers))
-    assert 0 <= slot_bytes(cfg, torch.float32) - window - counted["open_window"] < 16 * fields
+    assert 0 <= slot_bytes(cfg, 4) - window - counted["open_window"] < 16 * fields
     assert window <= counted["window"]
-    assert StateSlots(cfg, 3, torch.float32).data.shape == (3, slot_bytes(cfg, torch.float32))
+    assert StateSlots(cfg, 3, torch.float32).data.shape == (3, slot_bytes(cfg, 4))

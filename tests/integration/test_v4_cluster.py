@@ -24,8 +24,7 @@ from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import v4_page_kinds
-from tandem.model.v4.state_slots import slot_bytes
+from tandem.model.v4.kv_layout import slot_bytes, v4_page_kinds
 from tandem.wire.request_params import SamplingParams
 from tests.hf_v4_reference import write_tiny_v4
 
@@ -86,7 +85,7 @@ def test_the_local_preset_gives_the_colocated_tokens_and_its_prefix_hits(served:
     per_page = sum(len(k.layers) * k.rows * k.dim * 8 for k in kinds)  # float64
     for d, (prompt, _) in zip(done, requests, strict=True):
         pages = -(-len(prompt) // PAGE)
-        assert d.bill.kv_bytes == pages * per_page + slot_bytes(cfg, torch.float64), (len(prompt), d.bill)
+        assert d.bill.kv_bytes == pages * per_page + slot_bytes(cfg, 8), (len(prompt), d.bill)
     warm = {d.prefill_rank for d in done[:8]}
     repeated = [d.bill for d in done[8:] if d.prefill_rank in warm]
     assert repeated and all(b.cached_tokens >= 2 * PAGE for b in repeated)
