@@ -19,12 +19,12 @@ import pytest
 import ray
 import torch
 
+from tandem.bench.v4_transfer_bytes import transfer_bytes
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import slot_bytes, v4_page_kinds
 from tandem.wire.request_params import SamplingParams
 from tests.hf_v4_reference import write_tiny_v4
 
@@ -81,11 +81,8 @@ def test_the_local_preset_gives_the_colocated_tokens_and_its_prefix_hits(served:
     assert [d.error for d in done] == [None] * len(requests)
     assert [d.token_ids for d in done] == _expected(served.model_dir, requests)
     cfg = V4Config.from_dir(served.model_dir)
-    kinds = [k for k in v4_page_kinds(cfg, PAGE, prefix_caching=False)]
-    per_page = sum(len(k.layers) * k.rows * k.dim * 8 for k in kinds)  # float64
-    for d, (prompt, _) in zip(done, requests, strict=True):
-        pages = -(-len(prompt) // PAGE)
-        assert d.bill.kv_bytes == pages * per_page + slot_bytes(cfg, 8), (len(prompt), d.bill)
+    for d, (prompt, _) in zip(done, requests, strict=True):  # the layout's bytes, float64
+        assert d.bill.kv_bytes == transfer_bytes(cfg, len(prompt), PAGE, 8), (len(prompt), d.bill)
     warm = {d.prefill_rank for d in done[:8]}
     repeated = [d.bill for d in done[8:] if d.prefill_rank in warm]
     assert repeated and all(b.cached_tokens >= 2 * PAGE for b in repeated)
