@@ -128,3 +128,30 @@ def test_a_rank_killed_in_a_dep2_decode_group_loses_no_stream(model_dir: Path) -
         _all_free(server)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["dep16-dep2", "9xdep2-1xdep16"])
+def test_the_reference_topologies_give_the_colocated_tokens(model_dir: Path, preset: str) -> None:
+    """The topologies V4 is served on: a DEP16 prefill group writing into DEP2 decode ranks, and
+    nine DEP2 prefill groups writing into a DEP16 decode group (each rank of which holds less
+    than one of the tiny model's eight experts' worth of work)."""
+    t = Topology.preset(preset)
+    prefill = PoolSpec(groups=t.prefill.groups, dep=t.prefill.dep, page_size=PAGE, num_pages=60)
+    decode = PoolSpec(groups=t.decode.groups, dep=t.decode.dep, page_size=PAGE, num_pages=60)
+    server = _serve(model_dir, prefill, decode)
+    rng = random.Random(5)
+    requests = [
+        (
+            [rng.randrange(3, 256) for _ in range(rng.randrange(5, 70))],
+            SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i),
+        )
+        for i in range(4)
+    ]
+    try:
+        done = server.generate([p for p, _ in requests], [s for _, s in requests])
+        assert [d.error for d in done] == [None] * len(requests)
+        assert [d.token_ids for d in done] == _expected(model_dir, requests)
+        _all_free(server)
+    finally:
+        server.stop()
