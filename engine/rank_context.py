@@ -60,11 +60,11 @@ class RankContext:
 
     @property
     def v3(self) -> DeepseekV3:
-        """The model, for the roles that serve DeepSeek-V3 alone: disaggregated prefill and decode."""
+        """The model, for what serves DeepSeek-V3 alone (its runner with static decode, its
+        drafters)."""
         if not isinstance(self.model, DeepseekV3):
             raise ValueError(
-                f"rank {self.rank_id.name}: DeepSeek-V4 runs on colocated ranks "
-                "(disaggregated prefill and decode for V4 are not built)"
+                f"rank {self.rank_id.name}: this part serves DeepSeek-V3 only, and the model is V4"
             )
         return self.model
 
