@@ -107,10 +107,10 @@ def fit_v4_deployment(topology: Topology, model_dir: Path | None) -> Topology:
     cfg = read_config(model_dir)
     if not isinstance(cfg, V4Config):
         return topology
-    if topology.speculative.tokens and topology.colocated is None:
+    if topology.speculative.tokens:  # a deployment's ranks step in lockstep with their group
         raise InvalidRequestError(
             "--speculative-tokens",
-            f"{model_dir} is DeepSeek-V4, whose drafts on decode ranks are not built yet",
+            f"{model_dir} is DeepSeek-V4, whose drafts on a deployment's ranks are not built yet",
         )
     prefilling = topology.colocated or topology.prefill
     if prefilling is not None and prefilling.host_cache_pages:
