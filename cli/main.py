@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tandem.cli.errors import CliError
 from tandem.client.output import command_output, emit
@@ -74,10 +74,8 @@ def _guide(args: argparse.Namespace) -> Guide | None:
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated DeepSeek-V3 serving on Ray")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_model_commands(sub: Any) -> None:
+    """``tandem model``'s subcommands: make-tiny, fp4-experts, train-demo."""
     model = sub.add_parser("model", help="model utilities").add_subparsers(
         dest="model_command", required=True
     )
@@ -130,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train only the MTP layer of the checkpoint already in DIR (its model's weights kept)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated DeepSeek-V3 serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_model_commands(sub)
 
     gen = sub.add_parser("generate", help="generate with the colocated engine")
     gen.add_argument(

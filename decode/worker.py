@@ -34,13 +34,13 @@ from tandem.decode.decode_request import DecodeRequest, Routing, admitted
 from tandem.decode.guide_wait import grammars_held
 from tandem.decode.rank_stats import decode_rank_stats
 from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.slot_handoff import SlotHandoff
 from tandem.decode.types import AbortAction, DecodeFinished, KVNotificationError, Reservation
 from tandem.engine.drafter import Drafter
 from tandem.engine.prefix_cache import prompt_chain
 from tandem.engine.rank_loop import RankDraining
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
-from tandem.engine.slot_owners import SlotOwners
 from tandem.engine.speculation import SpeculativeConfig
 from tandem.engine.stream_publisher import StreamPublisher
 from tandem.engine.transfer_worker import TransferWorker
@@ -104,9 +104,7 @@ class DecodeWorker(TransferWorker):
     ) -> None:
         """``speculative`` with ``num_tokens`` > 0: each step verifies ``drafter``'s drafts.
         ``writeback``: the shared store's writer over this rank's pool; finished requests' pages
-        go there. ``state_slots``: slots of per-request state a prefill writes beside the pages
-        (DeepSeek-V4), each held from a job's dispatch until its receive is over; once the KV is
-        in, the runner takes the request on from its slot and pages (``V4Runner.adopt``)."""
+        go there. ``state_slots``: V4's state slots (``decode/slot_handoff.py``)."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.speculative = speculative or SpeculativeConfig()
         if self.speculative.enabled and drafter is None:
@@ -123,9 +121,7 @@ class DecodeWorker(TransferWorker):
         self.outbox = outbox
         # transport key -> the record whose current transfer it names, while that one is awaited
         self._transfers: dict[str, DecodeRequest] = {}
-        self.slots = SlotOwners(state_slots) if state_slots else None
-        # transport key -> the pages and prompt tokens its KV fills (a runner that adopts)
-        self._adopt: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.slots = SlotHandoff(state_slots) if state_slots else None
         self.streams = StreamPublisher(rank_id)
         self.kv_bytes_received = 0
         self.preemptions = 0
@@ -171,10 +167,8 @@ class DecodeWorker(TransferWorker):
         last cached on this rank's device and no transfer. Not with a drafter (an MTP draft
         needs the prompt's last hidden state, which only a prefill gives) nor for prompt
         logprobs (a prefill computes them)."""
-        if self.drafter is not None or request.sampling.prompt_logprobs is not None:
-            return False
-        if self.slots is not None:  # a V4 request's state beside its pages: no fork of it is built
-            return False
+        if self.drafter is not None or self.slots is not None or request.sampling.prompt_logprobs is not None:
+            return False  # (nor of a V4 request: its state beside its pages is not copied)
         copies = self.scheduler.fork(request, parent_id)
         if copies is None:
             return False
@@ -268,7 +262,7 @@ class DecodeWorker(TransferWorker):
                 needs = self.drafter.needs_hidden
                 hidden = self.runner.hidden_rows(request.request_id, given) if needs else None
                 self.drafter.observe(request.request_id, request.output_token_ids[-given:], hidden)
-            self._stream(record, now_unix_s)
+            stream_delta(self.streams, record, now_unix_s)
         for done in finished:
             self._finish(done)
         self._update_s += time.perf_counter() - t1
@@ -321,10 +315,10 @@ class DecodeWorker(TransferWorker):
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        stray = self.slots.owners() - set(self._transfers) if self.slots is not None else set()
-        if stray or set(self._adopt) - set(self._transfers):
+        stray = self.slots.stray(set(self._transfers)) if self.slots is not None else set()
+        if stray:
             raise AssertionError(
-                f"decode rank {self.name}: state slots held by no awaited transfer: {sorted(stray)}"
+                f"decode rank {self.name}: state slots of no awaited transfer: {sorted(stray)}"
             )
 
     # -- tick's steps -----------------------------------------------------------------------------
@@ -348,7 +342,11 @@ class DecodeWorker(TransferWorker):
             self._kv_failed(TransferFailure(n.request_id, "recv", KVTransferError(n.request_id, str(error))))
             return
         self.kv_bytes_received += n.kv_bytes
-        self._take_on(transfer.key, transfer.request_id)
+        taken = self.slots.arrived(transfer.key) if self.slots is not None else None
+        request = self.scheduler.get(transfer.request_id)
+        if taken is not None and request is not None and not request.is_finished:
+            assert isinstance(self.runner, V4Runner)  # takes the request on from its slot and pages
+            self.runner.adopt(transfer.request_id, taken[0], taken[1], taken[2])
         usable = time.monotonic()  # the KV is the request's: it decodes from the next step
         if not record.ended:
             attempt = record.kv_delivered(n, got.stats.end_s, usable)
@@ -358,27 +356,15 @@ class DecodeWorker(TransferWorker):
         if self.drafter is not None and request is not None and not request.is_finished:
             self.drafter.start(transfer.request_id, n.draft_state)
         if request is not None and not record.ended:
-            self._stream(record, time.time())
+            stream_delta(self.streams, record, time.time())
         if finished is not None:
             self._finish(finished)
-
-    def _take_on(self, key: str, request_id: str) -> None:
-        """A runner that keeps requests' state beside their pages takes the request on from the
-        slot and pages its transfer filled (when it still runs); the slot is free again."""
-        adopt, slot = self._adopt.pop(key, None), self.slots.get(key) if self.slots is not None else None
-        request = self.scheduler.get(request_id)
-        if adopt is not None and slot is not None and request is not None and not request.is_finished:
-            assert isinstance(self.runner, V4Runner)
-            self.runner.adopt(request_id, adopt[1], adopt[0], slot)
-        if self.slots is not None:
-            self.slots.release(key)
 
     def _kv_failed(self, failure: TransferFailure) -> None:
         if failure.role != "recv":
             return
         if self.slots is not None:  # the receive is over: nothing more lands in its slot
-            self.slots.release(failure.request_id)
-        self._adopt.pop(failure.request_id, None)
+            self.slots.over(failure.request_id)
         self.failure_counts.add("recv", failure.error)
         record = self._transfers.pop(failure.request_id, None)
         if record is None or record.transfer is None:
@@ -410,15 +396,12 @@ class DecodeWorker(TransferWorker):
         self._transfers[transfer.key] = record
         destination = reservation.destination(self.name, self.incarnation)
         if self.slots is not None:
-            slot = self.slots.take(transfer.key)
-            if slot is None:  # every slot awaits a transfer: this attempt fails and is retried
-                error = KVTransferError(
-                    transfer.key, f"decode rank {self.name}: every state slot awaits a transfer"
-                )
+            reserved = self.slots.reserve(transfer.key, destination, reservation.num_prompt_tokens)
+            if reserved is None:  # every slot awaits a transfer: this attempt fails and is retried
+                error = KVTransferError(transfer.key, f"decode rank {self.name}: every state slot is awaited")
                 self._kv_failed(TransferFailure(transfer.key, "recv", error))
                 return
-            destination = dataclasses.replace(destination, state_slot=slot)
-            self._adopt[transfer.key] = (reservation.page_ids, reservation.num_prompt_tokens)
+            destination = reserved
         self.transport.expect(transfer.key, prefill_rank.name, reservation.page_ids, self.kv_timeout_s)
         job = record.prefill_job(destination, self.kv_timeout_s)
         self.dispatcher.send(prefill_rank, job)
@@ -446,34 +429,33 @@ class DecodeWorker(TransferWorker):
         if record.transfer is not None:
             self._transfers.pop(record.transfer.key, None)
         if not record.ended:
-            self._stream(record, time.time())
+            stream_delta(self.streams, record, time.time())
             self._report(record, record.result(request, self.rank_id, finished.finish_reason, finished.error))
-        self._write_back(finished)
-
-    def _write_back(self, finished: DecodeFinished) -> None:
-        """A finished request's full pages (prompt and output) to the shared store, so the next
-        turn of its conversation finds its whole prefix wherever it is routed. The bytes are
-        read now, before any later step can reuse the pages; the writes go on in the
-        background."""
-        copier = self.writeback
-        if copier is None or finished.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            return
-        size = self.scheduler.config.page_size
-        request = finished.request
-        chain = prompt_chain(request.all_token_ids[: finished.num_computed_tokens], size, request.cache_salt)
-        for page_id, link in zip(finished.page_ids, chain, strict=False):
-            copier.tiers.computed(page_id, link)
-        copier.run(copier.tiers.take_ops())
+        write_back(self.writeback, self.scheduler.config.page_size, finished)
 
     def _report(self, record: DecodeRequest, result: RequestResult) -> None:
         self.streams.result(record.routing.frontend, result)
 
-    def _stream(self, record: DecodeRequest, now_unix_s: float) -> None:
-        """Its outputs its frontend has not had, onto this loop's push."""
-        delta, frontend = record.new_tokens(), record.routing.frontend
-        if delta is not None and frontend is not None:
-            start, ids, at, logprobs, prompt = delta
-            self.streams.tokens(frontend, record.request_id, start, ids, at, now_unix_s, logprobs, prompt)
+
+def stream_delta(streams: StreamPublisher, record: DecodeRequest, now_unix_s: float) -> None:
+    """Its outputs its frontend has not had, onto this loop's push."""
+    delta, frontend = record.new_tokens(), record.routing.frontend
+    if delta is not None and frontend is not None:
+        start, ids, at, logprobs, prompt = delta
+        streams.tokens(frontend, record.request_id, start, ids, at, now_unix_s, logprobs, prompt)
+
+
+def write_back(copier: TierCopier | None, page_size: int, finished: DecodeFinished) -> None:
+    """A finished request's full pages (prompt and output) to the shared store, so the next turn
+    of its conversation finds its whole prefix wherever it is routed. The bytes are read now,
+    before any later step can reuse the pages; the writes go on in the background."""
+    if copier is None or finished.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        return
+    request = finished.request
+    chain = prompt_chain(request.all_token_ids[: finished.num_computed_tokens], page_size, request.cache_salt)
+    for page_id, link in zip(finished.page_ids, chain, strict=False):
+        copier.tiers.computed(page_id, link)
+    copier.run(copier.tiers.take_ops())
 
 
 def _notified_logprobs(

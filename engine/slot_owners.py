@@ -5,6 +5,8 @@ can land in it until then). Torch-free."""
 
 from __future__ import annotations
 
+from tandem.kvtransfer.types import KVTransferError
+
 
 class SlotOwners:
     def __init__(self, count: int) -> None:
@@ -18,6 +20,14 @@ class SlotOwners:
         if not self._free:
             return None
         slot = self._held[owner] = self._free.pop()
+        return slot
+
+    def sending(self, owner: str, rank: str) -> int:
+        """``owner``'s slot for its send; a ``KVTransferError`` failing the send when every
+        slot of ``rank`` is sending."""
+        slot = self.take(owner)
+        if slot is None:
+            raise KVTransferError(owner, f"prefill rank {rank}: every state slot is sending")
         return slot
 
     def get(self, owner: str) -> int | None:

@@ -59,7 +59,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.kvtransfer.descriptors import PageRun, page_runs
 from tandem.kvtransfer.event_watcher import EventWatcher
 from tandem.kvtransfer.metadata import MetadataStore
 from tandem.kvtransfer.nixl_peers import NixlPeers
@@ -213,22 +212,11 @@ class NixlTransport(KVTransport):
                 who = f"decode rank {self._cancelled[request_id][0]}"
                 self.confirm_cancelled(request_id)
                 raise KVTransferAborted(request_id, who)
-            if len(src_page_ids) != len(dest.page_ids):
-                raise KVTransferError(
-                    request_id, f"{len(src_page_ids)} source pages for {len(dest.page_ids)} reserved"
-                )
-            if self.layout.has_slots and (src_slot is None or dest.state_slot is None):
-                raise KVTransferError(
-                    request_id, "this pool's transfers write a slot of state: none was given"
-                )
+            try:  # as many source pages as reserved, and a slot where the layout has slots
+                runs = self.layout.runs(src_page_ids, dest.page_ids, src_slot, dest.state_slot)
+            except ValueError as error:
+                raise KVTransferError(request_id, str(error)) from None
             peer = self._peers.get(dest.rank, dest.incarnation, request_id)
-            pages = page_runs(src_page_ids, dest.page_ids)
-            runs = {
-                r.name: [PageRun(src_slot, dest.state_slot, 1)]
-                if r.slots and src_slot is not None and dest.state_slot is not None
-                else pages
-                for r in self.layout.regions
-            }
             stats = TransferStats(request_id, dest.rank)
             self._sends[request_id] = Send(request_id, peer, runs, stats, time.monotonic() + timeout_s)
 

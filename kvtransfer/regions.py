@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.kvtransfer.descriptors import PageRun
+from tandem.kvtransfer.descriptors import PageRun, page_runs
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,17 @@ class TransferLayout:
     def registrations(self) -> list[tuple[int, int, int, str]]:
         """The memory to register: each region from its base to its extent."""
         return [(region.base_address, region.extent, self.device_id, "") for region in self.regions]
+
+    def runs(
+        self, src_pages: Sequence[int], dst_pages: Sequence[int], src_slot: int | None, dst_slot: int | None
+    ) -> dict[str, list[PageRun]]:
+        """Each region's runs of entries a request's transfer writes: its pages in a page
+        region, its slot in a slot region (``ValueError`` when a slot is not given for one)."""
+        if self.has_slots and (src_slot is None or dst_slot is None):
+            raise ValueError("this pool's transfers write a slot of state: none was given")
+        pages = page_runs(src_pages, dst_pages)
+        slot = [PageRun(src_slot, dst_slot, 1)] if src_slot is not None and dst_slot is not None else []
+        return {region.name: slot if region.slots else pages for region in self.regions}
 
     def indices(
         self, runs: Mapping[str, Sequence[PageRun]], layers: Sequence[int], peer: TransferLayout

@@ -87,9 +87,7 @@ class PrefillWorker(TransferWorker):
         state_slots: int = 0,
     ) -> None:
         """``max_jobs``: the most jobs this rank holds at once (queued, computing or sending);
-        one more is refused. ``None``: no limit. ``state_slots``: slots of per-request state the
-        runner packs a finishing request's into as each layer runs (DeepSeek-V4), each held by a
-        send until it is over; 0: the requests are all in their pages (V3)."""
+        one more is refused. ``None``: no limit. ``state_slots``: V4's, held by a send until it is over."""
         self.rank_id, self.incarnation, self.name = rank_id, incarnation, rank_id.name
         self.model_config = model_config
         self.outbox = outbox
@@ -338,16 +336,6 @@ class PrefillWorker(TransferWorker):
             self._forget(expired.request_id)
         self._queue_ready_grammars()
 
-    def _state_slot(self, request_id: str) -> int | None:
-        """The slot ``request_id``'s state goes out from (``None``: a V3 rank's requests are
-        all in their pages); an error, failing its send, when every slot is sending."""
-        if self.slots is None:
-            return None
-        slot = self.slots.take(request_id)
-        if slot is None:
-            raise KVTransferError(request_id, f"prefill rank {self.name}: every state slot is sending")
-        return slot
-
     def _failed(self, failure: TransferFailure) -> None:
         self.failures.append(failure)
         self.failure_counts.add("send", failure.error)
@@ -366,7 +354,7 @@ class PrefillWorker(TransferWorker):
                 continue
             job = self._jobs[chunk.request_id]
             try:
-                slot = self._state_slot(chunk.request_id)
+                slot = self.slots.sending(chunk.request_id, self.name) if self.slots is not None else None
                 self.transport.begin_send(
                     chunk.request_id, job.destination, chunk.page_ids, self.transfer_timeout_s, slot
                 )
@@ -393,7 +381,7 @@ class PrefillWorker(TransferWorker):
         if self.metrics is not None:
             self.metrics.batch_tokens.observe(plan.num_batched_tokens)
         forward_start = time.monotonic()
-        exports = {rid: slot for rid in finishing if (slot := self._state_slot(rid)) is not None}
+        exports = {rid: slot for rid in finishing if self.slots and (slot := self.slots.get(rid)) is not None}
         sampled = self.runner.run(plan, layer_kv if finishing else None, exports)
         # once a chunk samples, its token is on the host and the device has run the whole forward
         # (a step of middle chunks only is the host's queueing time: the next step's waits cover it)

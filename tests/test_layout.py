@@ -116,6 +116,7 @@ TORCH_FREE = (
     "tandem.kvtransfer.descriptors",
     "tandem.kvtransfer.regions",
     "tandem.engine.slot_owners",
+    "tandem.decode.slot_handoff",
     "tandem.metrics.frontend",
     "tandem.metrics.rank",
     "tandem.metrics.controller",
