@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_served_arguments(parser)
 
 
-def run_tiers_command(args: argparse.Namespace) -> int:
+def run_tiers_command(args: argparse.Namespace, fit: Callable[[Topology], Topology] = lambda t: t) -> int:
+    """``fit``: the topology for ``--model`` (a DeepSeek-V4's pages, ``tandem serve``'s fitting)."""
     try:
-        topology = Topology.preset(args.preset)
+        topology = fit(Topology.preset(args.preset))
     except TopologyError as error:
         raise InvalidRequestError("--preset", str(error)) from None
     plan = plan_from_args(args)

@@ -11,6 +11,12 @@ the compressors' open windows and overlaps), in bfloat16.
 The tiny models' figures are what ``tests/integration/test_v4_cluster.py`` sees in each bill
 (its bytes equal this layout's, to the byte); the published configs' are what a transfer of
 theirs would move. ``python -m tandem.bench.v4_transfer_bytes [--lengths 1024,8192,...] [--json]``
+
+A second table: what a cached token moves when it is loaded from the host tier or the store
+(``engine/tier_copier.py``): V3's latent; V4's entries, and on the share of pages that keep it
+(``--window-share``, the pools' default) the page's boundary state, its window KV and overlap. The
+router and each rank price a load by these bytes against recomputing: the store rate at which a
+load breaks even with a prefill rate scales with them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from tandem.model.config import ModelConfig
 from tandem.model.family import read_config
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import slot_bytes, v4_page_kinds, v4_page_size
+from tandem.model.v4.kv_layout import WINDOW_SHARE, slot_bytes, v4_page_kinds, v4_page_size
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = 2
@@ -50,6 +56,25 @@ def transfer_bytes(
         per_page = sum(k.page_bytes(item_bytes) for k in kinds)
         return math.ceil(tokens / size) * per_page + slot_bytes(cfg, item_bytes)
     return math.ceil(tokens / page_size) * cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * item_bytes
+
+
+def tier_bytes_per_token(
+    cfg: ModelConfig | V4Config,
+    page_size: int = V3_PAGE,
+    window_share: float = WINDOW_SHARE,
+    item_bytes: int = BF16,
+) -> tuple[float, float]:
+    """What loading one cached token moves from the host tier or the store: a page's entries
+    per token, and with the boundary state of ``window_share`` of the pages (the average a
+    rank prices loads by, ``KVTiers.page_price_bytes``). V3's two are its latent's."""
+    if not isinstance(cfg, V4Config):
+        per = float(cfg.num_hidden_layers * cfg.kv_cache_dim * item_bytes)
+        return per, per
+    size = v4_page_size(cfg, page_size)
+    kinds = v4_page_kinds(cfg, size, prefix_caching=True, window_share=window_share)
+    entries = sum(k.page_bytes(item_bytes) for k in kinds if not k.in_slots)
+    boundary = sum(k.page_bytes(item_bytes) for k in kinds if k.in_slots)
+    return entries / size, (entries + window_share * boundary) / size
 
 
 def _tiny(arch: str) -> ModelConfig | V4Config:
@@ -83,8 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lengths", default="1024,8192,131072,1048576", help="prompt lengths, comma-separated"
     )
+    parser.add_argument(
+        "--window-share", type=float, default=WINDOW_SHARE, help="pages keeping their window KV (0-1]"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not 0 < args.window_share <= 1:
+        parser.error(f"--window-share: in (0, 1], got {args.window_share}")
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
@@ -93,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lengths: each at least 1")
     table = rows(lengths)
     if args.json:
-        print(json.dumps({"rows": [asdict(r) for r in table]}, indent=2))
+        tiers = {
+            name: tier_bytes_per_token(
+                read_config(ROOT / f"deploy/models/{name}"), window_share=args.window_share
+            )
+            for name in ("deepseek-v3", "deepseek-v4-flash")
+        }
+        print(json.dumps({"rows": [asdict(r) for r in table], "tier_bytes_per_token": tiers}, indent=2))
         return 0
     by = {(r.model, r.prompt_tokens): r for r in table}
     print("| model | prompt tokens | bytes moved | per prompt token | V4 / V3 |")
@@ -103,6 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         base = by.get((pair, r.prompt_tokens)) if pair else None
         ratio = f"{r.bytes / base.bytes:.3f}" if base else ""
         print(f"| {r.model} | {r.prompt_tokens:,} | {r.bytes:,} | {r.per_token:,.1f} B | {ratio} |")
+    print()
+    print(
+        "| model | a cached token's entries "
+        f"| with the boundary state of {args.window_share:g} of pages | / V3 |"
+    )
+    print("|---|---|---|---|")
+    v3 = tier_bytes_per_token(read_config(ROOT / "deploy/models/deepseek-v3"))[1]
+    for name in ("DeepSeek-V3", "DeepSeek-V4-Flash"):
+        cfg = read_config(ROOT / f"deploy/models/{name.lower()}")
+        entries, priced = tier_bytes_per_token(cfg, window_share=args.window_share)
+        print(f"| {name} | {entries:,.0f} B | {priced:,.0f} B | {priced / v3:.3f} |")
     return 0
 
 

@@ -355,8 +355,9 @@ def _tiers_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_tiers(args: argparse.Namespace) -> int:
     from tandem.bench.tier_bench import run_tiers_command
+    from tandem.cli.serving import fit_v4_deployment
 
-    return run_tiers_command(args)
+    return run_tiers_command(args, lambda topology: fit_v4_deployment(topology, args.model))
 
 
 @dataclass(frozen=True)

@@ -112,15 +112,6 @@ def fit_v4_deployment(topology: Topology, model_dir: Path | None) -> Topology:
             "--speculative-tokens",
             f"{model_dir} is DeepSeek-V4, whose drafts on a deployment's ranks are not built yet",
         )
-    prefilling = topology.colocated or topology.prefill
-    if prefilling is not None and prefilling.host_cache_pages:
-        raise InvalidRequestError(
-            "--host-cache-pages", f"{model_dir} is DeepSeek-V4, whose kinds of state have no host tier yet"
-        )
-    if topology.store is not None:
-        raise InvalidRequestError(
-            "--kv-store", f"{model_dir} is DeepSeek-V4, whose kinds of state have no store yet"
-        )
     update = {
         name: pool.model_copy(update={"page_size": v4_page_size(cfg, pool.page_size)})
         for name in ("prefill", "decode", "colocated")

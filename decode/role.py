@@ -35,10 +35,9 @@ class DecodeRole(PooledRole):
         cfg = ctx.model_config
         v4 = ctx.v4 is not None
         spec = self.speculative
-        if v4 and (spec.enabled or self.store is not None):
+        if v4 and spec.enabled:
             raise ValueError(
-                f"decode rank {ctx.rank_id.name}: DeepSeek-V4's drafts and decode write-back are "
-                "not built for disaggregated ranks"
+                f"decode rank {ctx.rank_id.name}: DeepSeek-V4's drafts are not built for disaggregated ranks"
             )
         pool = ctx.kv_pool(self.num_pages, self.page_size)
         slots = ctx.state_slots(transfer_slots(False, self.max_num_seqs))  # V4: of KV on its way
@@ -50,7 +49,7 @@ class DecodeRole(PooledRole):
             kv_wait_timeout_s=self.kv_timeout_s,
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
-        if v4:
+        if v4:  # no write-back: a V4 decode rank keeps no window KV to go with its pages
             return DecodeWorker(
                 ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.v4_runner(pool, slots),
                 ctx.transport(pool, slots), dispatcher, self.kv_timeout_s, model_config=cfg,

@@ -122,6 +122,8 @@ class ColocatedEngine:
         then executes the copies they decide (``run_tier_ops``)."""
         self.copier = copier
         self.scheduler.kv_cache.tiers = copier.tiers
+        if isinstance(self.runner, V4Runner):  # a V4 page's window KV and overlap go with it
+            copier.tiers.boundary = self.runner
 
     def run_tier_ops(self) -> None:
         """The copies the last ``schedule`` (loads, before the forward) or ``update`` (writes of

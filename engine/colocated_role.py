@@ -29,16 +29,10 @@ class ColocatedRole(RoleSpec):
         from tandem.engine.colocated import ColocatedEngine
         from tandem.engine.colocated_worker import ColocatedWorker
         from tandem.engine.rank_context import guided_rows
-        from tandem.engine.v4_runner import V4Runner
 
         guides = guided_rows(ctx.model_dir, ctx.model_config.vocab_size)
         engine = ColocatedEngine(ctx.model, self.engine, lockstep=True, guides=guides)
-        if isinstance(engine.runner, V4Runner):  # DeepSeek-V4: its kinds of state have no tiers yet
-            if self.host_cache_pages or self.store is not None:
-                raise ValueError(
-                    f"rank {ctx.rank_id.name}: KV tiers (host cache, store) for DeepSeek-V4 are not built"
-                )
-        elif engine.pool is not None:
+        if engine.pool is not None:  # V4's kinds too: a page's window KV and overlap go with it
             copier = ctx.tiers(
                 engine.pool, self.host_cache_pages, self.store, self.model_key, self.store_secret
             )

@@ -16,7 +16,8 @@ holds, or find a guessed prompt's key.
 
 A block read back is used only if every check holds, in this order: the magic, the tag (before
 anything of the header is parsed), the model and layout this rank expects, the tokens: the
-digest of the request's own tokens (and their parent) equals the block's, the payload's length.
+digest of the request's own tokens (and their parent) equals the block's, the payload's length
+(a DeepSeek-V4 page's, one of two: its entries alone, or with its boundary state too).
 Anything else is ``BlockRejected`` with the reason: a miss, counted, never garbage KV. The
 payload is the page's KV, layer-major, as the rank's pool lays it out. This module is torch-free.
 """
@@ -42,19 +43,26 @@ class BlockRejected(ValueError):
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """What a page's bytes mean: the pool's layers, tokens a page, values a token and dtype."""
+    """What a page's bytes mean: the pool's layers, tokens a page, values a token and dtype; a
+    pool of several kinds of state (DeepSeek-V4) names them in ``kinds`` (each kind's name,
+    layers, rows and numbers a row, and dtype, in payload order), its ``token_dim`` 0."""
 
     num_layers: int
     page_size: int
     token_dim: int
     dtype: str
+    kinds: str = ""
 
     def as_list(self) -> list[object]:
-        return [self.num_layers, self.page_size, self.token_dim, self.dtype]
+        head: list[object] = [self.num_layers, self.page_size, self.token_dim, self.dtype]
+        return [*head, self.kinds] if self.kinds else head
 
     @property
     def shape(self) -> str:
-        return f"{self.num_layers}x{self.page_size}x{self.token_dim}-{self.dtype}"
+        shape = f"{self.num_layers}x{self.page_size}x{self.token_dim}-{self.dtype}"
+        if self.kinds:  # the kinds' digest: a key names the layout whole, and stays short
+            shape += "-" + hashlib.sha256(self.kinds.encode()).hexdigest()[:12]
+        return shape
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -108,11 +116,19 @@ def encode_block(secret: bytes, block: StoredBlock, model: str, layout: BlockLay
 
 
 def decode_block(
-    raw: bytes, *, secret: bytes, block: StoredBlock, model: str, layout: BlockLayout, payload_bytes: int
+    raw: bytes,
+    *,
+    secret: bytes,
+    block: StoredBlock,
+    model: str,
+    layout: BlockLayout,
+    payload_bytes: int | tuple[int, ...],
 ) -> bytes:
     """The payload of ``raw``, read under ``block.key``, if it holds the block's tokens (child of
-    its parent) of ``model`` in ``layout`` with ``payload_bytes`` of KV, written by a holder of
+    its parent) of ``model`` in ``layout`` with ``payload_bytes`` of KV (or any of several
+    lengths: a V4 page's, with or without its boundary state), written by a holder of
     ``secret``; ``BlockRejected`` naming the failed check otherwise."""
+    sizes = (payload_bytes,) if isinstance(payload_bytes, int) else payload_bytes
     key, parent, tokens = block.key, block.parent, block.tokens
     if not raw.startswith(MAGIC):
         raise BlockRejected("not a KV block of this format (bad magic)")
@@ -139,6 +155,7 @@ def decode_block(
     if not isinstance(digest, str) or not hmac.compare_digest(digest, tokens_digest(secret, parent, tokens)):
         raise BlockRejected("its tokens (or their parent) differ from the request's")
     payload = body[start + head_len :]
-    if header.get("payload_bytes") != payload_bytes or len(payload) != payload_bytes:
-        raise BlockRejected(f"{len(payload)} payload bytes, expected {payload_bytes}")
+    if header.get("payload_bytes") != len(payload) or len(payload) not in sizes:
+        expected = " or ".join(str(size) for size in sizes)
+        raise BlockRejected(f"{len(payload)} payload bytes, expected {expected}")
     return payload

@@ -22,12 +22,20 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ReadChecks:
     """What a block read back must hold to be used: a tag of the deployment's ``secret``, the
-    ``model`` and ``layout`` this rank expects, a page of ``page_bytes``."""
+    ``model`` and ``layout`` this rank expects, a page of ``page_bytes`` (with ``boundary_bytes``:
+    or of both, a DeepSeek-V4 page with its boundary state)."""
 
     secret: bytes = field(repr=False)
     model: str
     layout: BlockLayout
     page_bytes: int
+    boundary_bytes: int = 0
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        if not self.boundary_bytes:
+            return (self.page_bytes,)
+        return (self.page_bytes, self.page_bytes + self.boundary_bytes)
 
 
 class StoreWriter:
@@ -244,7 +252,7 @@ class StoreReader:
                         block=StoredBlock(key, block.parent, block.tokens),
                         model=c.model,
                         layout=c.layout,
-                        payload_bytes=c.page_bytes,
+                        payload_bytes=c.sizes,
                     )
                 except BlockRejected as error:
                     log.warning("KV store block %s rejected: %s", key, error)

@@ -39,13 +39,14 @@ is backed off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from tandem.engine.kv_block_codec import (
     BlockLayout,
@@ -68,7 +69,9 @@ OpKind = Literal["save", "load", "fill", "write"]
 class TierOp:
     """One copy: ``save`` device page -> host ``slot``; ``load`` host ``slot`` -> device page;
     ``fill`` a checked store ``payload`` -> device page; ``write`` device page -> the store, as
-    ``block`` (child of ``parent``, holding ``tokens``)."""
+    ``block`` (child of ``parent``, holding ``tokens``). ``window_slot``: the device slot of
+    the page's boundary state (DeepSeek-V4's window KV and overlap, kept apart from its pages),
+    read by a save or write, written by a load or fill; -1, none (the block goes without it)."""
 
     kind: OpKind
     page_id: int
@@ -77,6 +80,27 @@ class TierOp:
     parent: int | None = None
     tokens: tuple[int, ...] = ()
     payload: bytes = b""
+    window_slot: int = -1
+
+
+class BoundarySlots(Protocol):
+    """Where a model keeps a page's boundary state apart from its pages (what a hit ending at
+    the page restores beyond its entries: DeepSeek-V4's window slots, ``V4Runner``)."""
+
+    def slot_of(self, page_id: int) -> int | None:
+        """The slot holding ``page_id``'s boundary state, ``None`` when it has none."""
+        ...
+
+    def take(self, page_id: int, boundary: bool) -> int | None:
+        """``page_id`` is being loaded whole (its entries, and its boundary state if
+        ``boundary``): the slot to copy that into (``None``: none; the page goes without)."""
+        ...
+
+
+def _slot_of(boundary: BoundarySlots | None, page_id: int) -> int:
+    """The slot of ``page_id``'s boundary state, -1 when it has none (or the model keeps none)."""
+    slot = boundary.slot_of(page_id) if boundary is not None else None
+    return -1 if slot is None else slot
 
 
 class HostTier:
@@ -166,7 +190,9 @@ class TierPrices:
 @dataclass(frozen=True)
 class TierConfig:
     """A rank's lower tiers: ``host_pages`` slots (0: none), the store client (``None``: none),
-    the model's name in store keys, and the pool's layout (``page_bytes`` a page, all layers).
+    the model's name in store keys, and the pool's layout (``page_bytes`` a page, all layers;
+    ``boundary_bytes``, a page's boundary state, which a share ``boundary_share`` of the pages
+    carry: DeepSeek-V4).
     ``secret`` authenticates the store's blocks and keys them (``engine/kv_block_codec.py``):
     the deployment's, the same on every rank; empty, a random one of this process's own (its
     blocks are then readable by nobody else)."""
@@ -177,6 +203,8 @@ class TierConfig:
     layout: BlockLayout
     page_bytes: int
     store_retry_s: float = 5.0
+    boundary_bytes: int = 0
+    boundary_share: float = 0.0
     store_timeout_s: float = 2.0  # the longest a request waits for the store's answer
     # what the answer takes to reach the loop besides the store's own time (thread wake-ups, the
     # interpreter's switch interval while the loop thread computes, a busy host's scheduling):
@@ -196,6 +224,10 @@ class KVTiers:
         self.prices = config.prices
         self.secret = config.secret or os.urandom(32)
         self.host = HostTier(config.host_pages) if config.host_pages > 0 else None
+        self.boundary: BoundarySlots | None = None  # a model's boundary state apart from its pages
+        self._host_boundary: set[int] = set()  # host blocks whose slot holds their boundary state
+        # what loading a page moves on average: its entries, and its boundary state on a share
+        self.page_price_bytes = round(config.page_bytes + config.boundary_share * config.boundary_bytes)
         self.store = config.store
         self.writer = (
             StoreWriter(config.store, retry_s=config.store_retry_s) if config.store is not None else None
@@ -207,7 +239,9 @@ class KVTiers:
         self.page_size = config.layout.page_size
         self.reader = None
         if config.store is not None:
-            checks = ReadChecks(self.secret, config.model, config.layout, config.page_bytes)
+            checks = ReadChecks(
+                self.secret, config.model, config.layout, config.page_bytes, config.boundary_bytes
+            )
             self.reader = StoreReader(
                 config.store, checks, self._worth_loading, lambda: self.store_down_until
             )
@@ -231,8 +265,12 @@ class KVTiers:
         if placed is None:  # every slot holds a block being loaded: this one is not kept
             return
         slot, dropped = placed
-        self._ops.append(TierOp("save", page_id, slot=slot, block=block))
+        window = _slot_of(self.boundary, page_id)
+        self._ops.append(TierOp("save", page_id, slot=slot, block=block, window_slot=window))
+        if window >= 0:
+            self._host_boundary.add(block)
         if dropped is not None:
+            self._host_boundary.discard(dropped)
             self._events.append(BlockRemoved((dropped,), "host"))
         self._events.append(BlockStored((block,), None, self.page_size, "host"))
 
@@ -242,9 +280,9 @@ class KVTiers:
         if self.writer is None or chain.block in self._in_store:
             return
         self._remember_in_store(chain.block)
-        self._ops.append(
-            TierOp("write", page_id, block=chain.block, parent=chain.parent, tokens=chain.tokens)
-        )
+        window = _slot_of(self.boundary, page_id)
+        op = TierOp("write", page_id, block=chain.block, parent=chain.parent, tokens=chain.tokens)
+        self._ops.append(dataclasses.replace(op, window_slot=window))
 
     def prefetch(self, chain: Sequence[ChainBlock], on_device: Sequence[bool]) -> StoreFetch | None:
         """``None`` when ``lookup`` of ``chain`` may run now: the store answered for the run past
@@ -259,7 +297,7 @@ class KVTiers:
         if fetch is None:
             wanted = len(chain) - index
             if not self._store_up() or not self.prices.worth_loading(
-                "store", wanted, self.config.page_bytes, self.page_size
+                "store", wanted, self.page_price_bytes, self.page_size
             ):
                 return None  # down, or slower than computing even if it held every block
             return self._ask(key, tuple(chain[index:]))
@@ -278,7 +316,7 @@ class KVTiers:
         store holds and that is worth loading; store blocks only as ``prefetch`` fetched and
         checked them (this never calls the store)."""
         match = LowerMatch()
-        page, size = self.config.page_bytes, self.page_size
+        page, size = self.page_price_bytes, self.page_size
         load_host = self.host is not None and self.prices.worth_loading("host", 1, page, size)
         for index, (block, device) in enumerate(zip(chain, on_device, strict=True)):
             if device:
@@ -306,12 +344,18 @@ class KVTiers:
             self.host.pinned.clear()
 
     def loaded(self, kind: str, page_id: int, block: int, slot: int = -1, payload: bytes = b"") -> None:
-        """Record the copy of one block's KV into ``page_id`` (a host ``slot`` or a payload)."""
+        """Record the copy of one block's KV into ``page_id`` (a host ``slot`` or a payload), and
+        of its boundary state where it carries one, into the slot the model gives the page."""
+        carries = block in self._host_boundary if kind == "host" else len(payload) > self.config.page_bytes
+        window = -1
+        if self.boundary is not None:
+            taken = self.boundary.take(page_id, carries)
+            window = -1 if taken is None or not carries else taken
         if kind == "host":
-            self._ops.append(TierOp("load", page_id, slot=slot, block=block))
+            self._ops.append(TierOp("load", page_id, slot=slot, block=block, window_slot=window))
         else:
             self._remember_in_store(block)
-            self._ops.append(TierOp("fill", page_id, block=block, payload=payload))
+            self._ops.append(TierOp("fill", page_id, block=block, payload=payload, window_slot=window))
 
     def still_in_host(self, block: int, slot: int) -> bool:
         """Whether ``block`` still has ``slot`` (an eviction since the lookup may have taken it)."""
@@ -339,6 +383,7 @@ class KVTiers:
     def clear_host(self) -> None:
         if self.host is not None:
             self.host.clear()
+        self._host_boundary.clear()
 
     # -- figures --------------------------------------------------------------------------------
 
@@ -372,7 +417,7 @@ class KVTiers:
             prefill_tokens_per_s=self.prices.prefill_tokens_per_s
             if self.prices.measured.get("prefill")
             else 0.0,
-            kv_bytes_per_token=self.config.page_bytes // self.page_size,
+            kv_bytes_per_token=self.page_price_bytes // self.page_size,
         )
 
     def key(self, block: int) -> str:
@@ -413,7 +458,7 @@ class KVTiers:
         """Where the store's part of ``chain`` begins (``lookup``'s walk): ``None`` when the run
         ends before it (a host block not worth loading) or when the store has no part."""
         load_host = self.host is not None and self.prices.worth_loading(
-            "host", 1, self.config.page_bytes, self.page_size
+            "host", 1, self.page_price_bytes, self.page_size
         )
         for index, (block, device) in enumerate(zip(chain, on_device, strict=True)):
             if device:
@@ -427,7 +472,7 @@ class KVTiers:
 
     def _worth_loading(self, num_pages: int) -> bool:
         """Loading ``num_pages`` blocks from the store is priced faster than computing them."""
-        return self.prices.worth_loading("store", num_pages, self.config.page_bytes, self.page_size)
+        return self.prices.worth_loading("store", num_pages, self.page_price_bytes, self.page_size)
 
     def _store_up(self) -> bool:
         busy = self.reader.busy_since if self.reader is not None else 0.0

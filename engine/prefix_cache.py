@@ -24,7 +24,8 @@ With ``tiers`` (``engine/kv_tiers.py``) the cache has lower tiers: an evicted pa
 to the rank's host tier, every computed block to the shared store, and a lookup continues past
 the device's run into them: each block found there gets a fresh device page, registered under
 its hash at once (so the next lookup shares it), whose KV the rank copies in (the ``TierOp``s,
-executed in order before the forward that reads them).
+executed in order before the forward that reads them). With ``hit_pages`` the run so loaded is
+cut too, to where the state is restorable (a V4 block carries its boundary state or not).
 """
 
 from __future__ import annotations
@@ -238,16 +239,16 @@ class PrefixCache:
         fresh = self.allocate(min(need, self.num_free_pages)) or []
         host = dict((b.block, slot) for b, slot in lower.host)
         store = dict((b.block, payload) for b, payload in lower.store)
-        counts = {"device": len(page_ids), "host": 0, "store": 0}
         taken, later, used = list(page_ids), iter(device_later), 0
+        held = ["device"] * len(page_ids)  # the tier of each page taken
         run: list[int] = []
         run_parent = chain[0].parent if chain else None
         for link, kind in zip(chain, lower.order, strict=False):
             if kind == "device":
                 self._flush_stored(run, run_parent)
                 taken.append(next(later))
+                held.append("device")
                 run_parent = link.block
-                counts["device"] += 1
                 continue
             if used == len(fresh) or (
                 kind == "host" and not tiers.still_in_host(link.block, host[link.block])
@@ -265,12 +266,18 @@ class PrefixCache:
                 run_parent = link.parent
             run.append(link.block)
             taken.append(page_id)
-            counts[kind] += 1
+            held.append(kind)
         self._flush_stored(run, run_parent)
         tiers.end_lookup()
         self.free(fresh[used:])
         self.free(list(later))  # device pages past the point where the run broke
-        return PrefixMatch(taken, counts["device"] * size, counts["host"] * size, counts["store"] * size)
+        if self.hit_pages is not None and len(taken) > len(page_ids):
+            # the loads recorded the pages' boundary state: a hit ends where it is restorable (the
+            # pages past that stay cached, their loads done, for the hits that end there)
+            cut = self.hit_pages(taken)
+            self.free(taken[cut:])
+            taken, held = taken[:cut], held[:cut]
+        return PrefixMatch(taken, *(held.count(tier) * size for tier in ("device", "host", "store")))
 
     def undo_match(self, page_ids: Sequence[int], num_queried_tokens: int) -> None:
         """Give back a ``match_prefix`` result whose request could not be admitted after all,

@@ -13,7 +13,14 @@ from tandem.engine.kv_tiers import TierConfig
 from tandem.engine.outbox import Outbox
 from tandem.engine.runner import ModelRunner
 from tandem.engine.static_decode import StaticDecode, static_decode_enabled
-from tandem.engine.tier_copier import TierCopier, build_tiers, page_bytes, pool_block_layout
+from tandem.engine.tier_copier import (
+    TierCopier,
+    boundary_bytes,
+    boundary_share,
+    build_tiers,
+    page_bytes,
+    pool_block_layout,
+)
 from tandem.engine.v4_runner import V4Runner
 from tandem.kvtransfer.kv_store import StoreConfig, StoreError
 from tandem.kvtransfer.metadata import RayMetadataStore
@@ -144,6 +151,8 @@ class RankContext:
             layout=pool_block_layout(pool),
             page_bytes=page_bytes(pool),
             secret=secret,
+            boundary_bytes=boundary_bytes(pool),
+            boundary_share=boundary_share(pool),
         )
         return build_tiers(pool, config)[1]
 

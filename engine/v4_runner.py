@@ -91,6 +91,21 @@ class V4Runner(SamplingRunner):
             return 0
         return self.slots.restorable(page_ids, self.written, window_reach(self.model.cfg, size))
 
+    def slot_of(self, page_id: int) -> int | None:
+        """The window slot holding ``page_id``'s boundary state (its window KV and overlap), if
+        the page is whole: what the host tier and the store keep of it (``KVTiers.boundary``)."""
+        return self.slots.peek(page_id) if page_id in self.written else None
+
+    def take(self, page_id: int, boundary: bool) -> int | None:
+        """``page_id`` is loaded whole from the host tier or the store, its boundary state too
+        if ``boundary``: a window slot for that (the page's own if it has one), or none (an old
+        slot of the page's is given back: what it held was another page's)."""
+        self.written.add(page_id)
+        if boundary:
+            return self.slots.take(page_id)
+        self.slots.release(page_id)
+        return None
+
     def run(
         self,
         plan: SchedulerOutput,

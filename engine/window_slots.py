@@ -38,6 +38,10 @@ class WindowSlots:
     def has(self, page: int) -> bool:
         return page in self._slots
 
+    def peek(self, page: int) -> int | None:
+        """``page``'s slot (``None``: none), its recency left as it is."""
+        return self._slots.get(page)
+
     def get(self, page: int) -> int:
         """``page``'s slot, now the most recently used."""
         self._slots.move_to_end(page)

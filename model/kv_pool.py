@@ -82,7 +82,7 @@ class KVPool:
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Each ``(source, destination)`` page's state, every kind kept whole and layer, into the
         destination (on the device's stream, ordered before the next forward)."""
-        slotted = [kind.name for kind in self.kinds if kind.share < 1]
+        slotted = [kind.name for kind in self.kinds if kind.in_slots]
         if copies and slotted:
             raise ValueError(f"kinds {slotted} are kept in slots, not by page id: no page copy")
         if copies:

@@ -6,7 +6,8 @@ layer of one kind is a contiguous run of bytes (what KV transfer and the tiers m
 kept whole (``share`` 1) has a page for every page id: a page id names the same tokens' state in
 every such kind. A kind kept for some pages only (``share`` below 1: DeepSeek-V4's window KV,
 which only a prefix-cache hit's last pages need) has ``ceil(share * pages)`` slots, which its
-user hands to pages (``engine/window_slots.py``).
+user hands to pages (``engine/window_slots.py``); such a kind is ``in_slots`` at any share, even
+1 (a slot for every page, but not the page's id).
 
 DeepSeek-V3 keeps one kind, its latent (``latent_kinds``); DeepSeek-V4 several
 (``model/v4/kv_layout.v4_page_kinds``)."""
@@ -27,6 +28,7 @@ class PageKind:
     dim: int  # numbers a row
     float32: bool = False  # float32 whatever the model's dtype (a compressor's projections)
     share: float = 1.0  # slots a page: 1, a page for every page id; below, slots handed out
+    in_slots: bool = False  # kept in slots its user hands to pages, not by page id (any share)
 
     def page_bytes(self, item_bytes: int) -> int:
         """One page of every layer that keeps it, in a model of ``item_bytes`` a number."""

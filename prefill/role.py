@@ -36,10 +36,10 @@ class PrefillRole(PooledRole):
 
         cfg = ctx.model_config
         v4 = ctx.v4 is not None
-        if v4 and (self.mtp or self.host_cache_pages or self.store is not None):
+        if v4 and self.mtp:
             raise ValueError(
-                f"prefill rank {ctx.rank_id.name}: DeepSeek-V4's MTP state, host tier and store "
-                "are not built for disaggregated ranks"
+                f"prefill rank {ctx.rank_id.name}: DeepSeek-V4's MTP state is not built for "
+                "disaggregated ranks"
             )
         # V4: its own prefix hits restore exact state from the window slots of its pool
         pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4)
@@ -62,6 +62,8 @@ class PrefillRole(PooledRole):
             runner = ctx.v4_runner(pool, slots, prefix_caching=True)
             scheduler.kv_cache.hit_pages = runner.hit_pages  # hits where the window is kept
             scheduler.kv_cache.better_holder = runner.slots.better_holder
+            if copier is not None:  # a page's window KV and overlap go with it to the tiers
+                copier.tiers.boundary = runner
         else:
             runner = ctx.runner(pool, mtp_prefill=self.mtp)
         return PrefillWorker(

@@ -110,7 +110,11 @@ def v4_page_kinds(
     hd, ihd = cfg.head_dim, cfg.index_head_dim
     if not 0 < window_share <= 1:
         raise ValueError(f"window_share must be in (0, 1], got {window_share}")
-    kinds = [PageKind("window", tuple(range(n)), page_size, hd, share=window_share)] if prefix_caching else []
+    kinds = (
+        [PageKind("window", tuple(range(n)), page_size, hd, share=window_share, in_slots=True)]
+        if prefix_caching
+        else []
+    )
     for rate in sorted({cfg.compress_rate(i) for i in range(n)} - {0}):
         layers = tuple(i for i in range(n) if cfg.compress_rate(i) == rate)
         kinds.append(PageKind(f"compressed.{rate}", layers, page_size // rate, hd))
@@ -119,7 +123,9 @@ def v4_page_kinds(
         r = cfg.compress_rate_csa
         kinds.append(PageKind("indexer_keys", csa, page_size // r, ihd))
         if prefix_caching:
-            kinds.append(PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True, share=window_share))
+            kinds.append(
+                PageKind("overlap", csa, r, 2 * (hd + ihd), float32=True, share=window_share, in_slots=True)
+            )
     return kinds
 
 
