@@ -39,7 +39,9 @@ class DecodeRole(PooledRole):
             raise ValueError(
                 f"decode rank {ctx.rank_id.name}: DeepSeek-V4's drafts are not built for disaggregated ranks"
             )
-        pool = ctx.kv_pool(self.num_pages, self.page_size)
+        # V4 with a store: completed pages keep their window KV and overlap in window slots, so a
+        # finished request's pages are written back with what a next turn's hit ends on
+        pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4 and self.store is not None)
         slots = ctx.state_slots(transfer_slots(False, self.max_num_seqs))  # V4: of KV on its way
         config = DecodeSchedulerConfig(
             num_pages=self.num_pages,
@@ -49,11 +51,16 @@ class DecodeRole(PooledRole):
             kv_wait_timeout_s=self.kv_timeout_s,
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
-        if v4:  # no write-back: a V4 decode rank keeps no window KV to go with its pages
+        writeback = ctx.tiers(pool, 0, self.store, self.model_key, self.store_secret)
+        if v4:
+            runner = ctx.v4_runner(pool, slots, prefix_caching=writeback is not None)
+            if writeback is not None:
+                writeback.tiers.boundary = runner
             return DecodeWorker(
-                ctx.rank_id, ctx.incarnation, DecodeScheduler(config), ctx.v4_runner(pool, slots),
+                ctx.rank_id, ctx.incarnation, DecodeScheduler(config), runner,
                 ctx.transport(pool, slots), dispatcher, self.kv_timeout_s, model_config=cfg,
                 outbox=ctx.outbox, state_slots=slots.num_slots if slots is not None else 0,
+                writeback=writeback,
             )  # fmt: skip
         drafter = make_drafter(spec, model=ctx.v3, pool=pool) if spec.enabled else None
         return DecodeWorker(
@@ -61,5 +68,5 @@ class DecodeRole(PooledRole):
             ctx.runner(pool, self.max_num_seqs * (1 + spec.num_tokens), keep_hidden=self.uses_mtp),
             ctx.transport(pool), dispatcher, self.kv_timeout_s, model_config=cfg, outbox=ctx.outbox,
             speculative=spec, drafter=drafter,
-            writeback=ctx.tiers(pool, 0, self.store, self.model_key, self.store_secret),
+            writeback=writeback,
         )  # fmt: skip

@@ -37,7 +37,7 @@ from tandem.model.kv_pool import KVPool
 from tandem.model.v4.attention import LayerState
 from tandem.model.v4.kv_layout import window_reach
 from tandem.model.v4.model import DeepseekV4
-from tandem.model.v4.pages import bind_pages, keep_pages, restore, snapshot, store_pages
+from tandem.model.v4.pages import bind_pages, keep_pages, open_rows, restore, snapshot, store_pages
 from tandem.model.v4.state_slots import StateSlots
 
 
@@ -137,6 +137,13 @@ class V4Runner(SamplingRunner):
         slots = self.state_slots
         layers = [slots.read(slot, index, position) for index in range(self.model.cfg.num_hidden_layers)]
         bind_pages(self.model.cfg, layers, self.pool, page_ids)
+        if self.page_size is not None:  # the pages it completes here keep their window KV too
+            for page in page_ids:  # filled by the transfer: what they kept of an earlier use is gone
+                self.written.discard(page)
+                self.slots.release(page)
+            keep_pages(layers, self.page_size)
+            for state in layers:
+                state.open_page = open_rows(state, position % self.page_size)
         self.states[request_id] = _Held(position, layers)
 
     def forget(self, request_id: str) -> None:

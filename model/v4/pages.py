@@ -83,6 +83,20 @@ def keep_pages(layers: list[LayerState], page_size: int) -> None:
         state.compressor.page_size = state.indexer.page_size = page_size
 
 
+def open_rows(state: LayerState, rows: int) -> torch.Tensor | None:
+    """The window KV of a state's open page (its last ``rows`` tokens) from its window, which
+    keeps the last ``sliding_window - 1``: a request taken on mid-page (a transfer's slot) goes
+    on keeping its pages. Rows older than the window are zeros: a hit never reads them (it
+    restores the last ``sliding_window - 1`` rows before a later boundary, all kept)."""
+    if not rows:
+        return None
+    assert state.window is not None
+    have = state.window[-rows:]
+    if have.shape[0] == rows:
+        return have.clone()
+    return torch.cat([have.new_zeros(rows - have.shape[0], have.shape[1]), have])
+
+
 def bind_pages(cfg: V4Config, layers: list[LayerState], pool: KVPool, page_ids: tuple[int, ...]) -> None:
     """Put a request's compressed entries and indexer keys in its pages of ``pool`` (``page_ids``:
     its pages from its first token, as many as its tokens so far and this step's need): they are

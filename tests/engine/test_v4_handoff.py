@@ -50,16 +50,19 @@ def _copy_layer(src: KVPool, dst: KVPool, layer: int, src_pages: list[int], dst_
             dst.kind(name, layer)[torch.tensor(dst_pages)] = src.kind(name, layer)[torch.tensor(src_pages)]
 
 
-def _handoff(model: DeepseekV4, prompt: list[int], sampling: SamplingParams, chunk: int) -> list[int]:
+def _handoff(
+    model: DeepseekV4, prompt: list[int], sampling: SamplingParams, chunk: int, keep: bool = False
+) -> list[int]:
     """The prompt on a prefill runner in chunks of ``chunk``, each layer of its last chunk
-    copied to a decode runner as it completes, then decoded there."""
+    copied to a decode runner as it completes, then decoded there; ``keep``: the decode runner
+    keeps the pages it completes whole (a decode rank that writes back to a store), each page
+    it completes then holds a window slot."""
     pages = -(-(len(prompt) + NEW_TOKENS) // PAGE)
-    prefill_pool, decode_pool = (
-        v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=False) for _ in range(2)
-    )
+    prefill_pool = v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=False)
+    decode_pool = v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=keep)
     prefill_slots, decode_slots = StateSlots(model.cfg, 2, model.dtype), StateSlots(model.cfg, 3, model.dtype)
     prefill = V4Runner(model, pool=prefill_pool, state_slots=prefill_slots)
-    decode = V4Runner(model, pool=decode_pool, state_slots=decode_slots)
+    decode = V4Runner(model, pool=decode_pool, state_slots=decode_slots, prefix_caching=keep)
     src = list(range(pages))
     dst = list(range(39, 39 - pages, -1))  # other ids, in another order
     copied: list[int] = []
@@ -87,6 +90,8 @@ def _handoff(model: DeepseekV4, prompt: list[int], sampling: SamplingParams, chu
         position = len(prompt) + index - 1
         step = ScheduledChunk("r", (out[-1],), position, tuple(dst), True, sampling, index)
         out.append(decode.run(SchedulerOutput((step,), 1, ()))["r"])
+    completed = dst[len(prompt) // PAGE : (len(prompt) + NEW_TOKENS - 1) // PAGE]
+    assert [decode.slot_of(page) is not None for page in completed] == [keep] * len(completed)
     return out
 
 
@@ -99,6 +104,18 @@ def test_a_request_handed_over_layer_by_layer_gives_the_colocated_tokens(model_d
     want_seeded = [o.token_ids for o in engine.generate(prompts[-3:], SEEDED)]
     assert [_handoff(model, p, GREEDY, chunk) for p in prompts] == want
     assert [_handoff(model, p, SEEDED, chunk) for p in prompts[-3:]] == want_seeded
+
+
+def test_a_decode_runner_keeping_its_pages_gives_the_same_tokens(model_dir: Path) -> None:
+    """Taken on mid-page (its open page's rows from the slot's window), a request's state goes on
+    keeping pages as it decodes: the tokens do not change, and every page it completes holds
+    its window KV and overlap for the write-back."""
+    model = load_model(model_dir, torch.float32, "cpu")
+    prompts = [[random.Random(n).randrange(256) for _ in range(n)] for n in (7, 27, 125)]
+    want = [
+        o.token_ids for o in ColocatedEngine(model, EngineConfig(page_size=PAGE)).generate(prompts, GREEDY)
+    ]
+    assert [_handoff(model, p, GREEDY, 1000, keep=True) for p in prompts] == want
 
 
 def test_a_slot_holds_the_bounded_state_the_plan_counts(model_dir: Path) -> None:

@@ -9,22 +9,29 @@ those of the prompt's pages of each kind and one slot."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import openai
 import pytest
 import ray
 import torch
 
 from tandem.bench.v4_transfer_bytes import transfer_bytes
+from tandem.client.grpc_client import ClientOptions, generate_all, request_message
+from tandem.client.prompts import PromptSpec
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.model.v4.config import V4Config
+from tandem.protos import tandem_pb2, tandem_pb2_grpc
 from tandem.wire.request_params import SamplingParams
 from tests.hf_v4_reference import write_tiny_v4
 
@@ -104,3 +111,67 @@ def test_the_openai_api_gives_the_colocated_tokens(served: Served) -> None:
     )
     got = whole.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert got == _expected(served.model_dir, [(prompt, SamplingParams(max_tokens=10, ignore_eos=True))])[0]
+
+
+async def _first_chunks(stub: Any, message: Any, n: int, **kwargs: Any) -> Any:
+    call = stub.Generate(message, **kwargs)
+    seen = 0
+    async for response in call:
+        seen += response.HasField("chunk")
+        if seen >= n:
+            return call
+    raise AssertionError("the stream ended early")
+
+
+def _settled(server: Server, timeout_s: float = 30.0) -> None:
+    """Every page and state slot free again, nothing in flight (``check_integrity`` finds a
+    slot held with no transfer under way)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(server.controller.stats.remote())
+        free = all(
+            s.free_pages == s.total_pages
+            and (s.sends_in_flight, s.receives_in_flight) == (0, 0)
+            and not s.running
+            for s in stats
+        )
+        if free:
+            ray.get(server.controller.check_integrity.remote())
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+def test_a_cancelled_an_aborted_and_an_overdue_v4_stream_each_free_everything(served: Served) -> None:
+    """Over gRPC, three long V4 streams end early: the client cancels one, the Abort RPC ends
+    another (its summary says so), a deadline the third; each time every page and state slot is
+    free again, and the next request gets the colocated engine's tokens."""
+    server = served.server
+    address = f"127.0.0.1:{server.port}"
+    long = PromptSpec(None, list(range(3, 40)), SamplingParams(max_tokens=1500, ignore_eos=True))
+
+    async def cancel_and_abort() -> tandem_pb2.Summary:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = tandem_pb2_grpc.TandemStub(channel)
+            call = await _first_chunks(stub, request_message(long, "v4-cancel"), 3)
+            call.cancel()
+            call = await _first_chunks(stub, request_message(long, "v4-abort"), 2)
+            reply = await stub.Abort(tandem_pb2.AbortRequest(request_id="v4-abort"))
+            assert reply.found
+            async for response in call:
+                if response.HasField("summary"):
+                    return response.summary
+            raise AssertionError("no summary")
+
+    summary = asyncio.run(cancel_and_abort())
+    assert summary.finish_reason == "abort" and 2 <= summary.bill.output_tokens < 1500
+    _settled(server)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        asyncio.run(generate_all(ClientOptions(address, timeout_s=1.0), [long], 1))
+    assert error.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    _settled(server)
+    after = PromptSpec(None, list(range(5, 60)), SamplingParams(max_tokens=8, ignore_eos=True))
+    (outcome,) = asyncio.run(generate_all(ClientOptions(address, timeout_s=120), [after], 1))
+    want = _expected(served.model_dir, [(list(range(5, 60)), after.sampling)])[0]
+    assert outcome.record()["token_ids"] == want
+    _settled(server)

@@ -1,9 +1,11 @@
 """DeepSeek-V4 on the disaggregated cluster when things go wrong: a decode pool too small for its
 requests preempts them (each recomputed through a new prefill, its state taken on again from
-the slot that transfer filled), and a rank killed in a DEP2 decode group mid-stream loses no
-stream of its own or of its peer (each resumes on the rebuilt group from the tokens already
-streamed). Every stream ends with the tokens of an undisturbed colocated run, and every page
-and state slot is free at the end (``check_integrity``)."""
+the slot that transfer filled), a rank killed in a DEP2 decode group mid-stream loses no stream
+of its own or of its peer (each resumes on the rebuilt group from the tokens already streamed),
+and a prefill rank killed with requests in flight to it leaves no reserved page or state slot
+behind (each is prefilled again on the rank left). Every stream ends with the tokens of an
+undisturbed colocated run, and every page and state slot is free at the end
+(``check_integrity``)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ import pytest
 import ray
 import torch
 
+from tandem.cluster.pools import Cluster
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.wire.messages import RankId
+from tandem.wire.messages import RankId, RankRequest, RequestResult
 from tandem.wire.request_params import SamplingParams
 from tandem.wire.stream_summary import StreamSummary
 from tests.hf_v4_reference import write_tiny_v4
@@ -155,3 +158,48 @@ def test_the_reference_topologies_give_the_colocated_tokens(model_dir: Path, pre
         _all_free(server)
     finally:
         server.stop()
+
+
+def test_a_prefill_rank_killed_mid_flight_leaves_no_v4_slot_and_its_requests_complete_elsewhere(
+    model_dir: Path,
+) -> None:
+    """Six V4 requests sent to one of two prefill ranks, killed as they arrive: the decode rank's
+    receives from it fail once the controller fences it, each frees the pages and the state slot
+    it reserved, and the request is prefilled again on the rank left, with the colocated
+    engine's tokens."""
+    t = Topology.preset("local").model_copy(
+        update={
+            "prefill": PoolSpec(groups=2, dep=1, page_size=PAGE, num_pages=120),
+            "decode": PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=120),
+        }
+    )
+    cluster = Cluster(t, str(model_dir), "float64")
+    cluster.start()
+    cluster.check_integrity()  # the decode rank has the membership and its connections
+    decode = cluster.decode[0]
+    victim = RankId("prefill0", 0)
+    rng = random.Random(5)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = [([rng.randrange(3, 256) for _ in range(rng.randrange(120, 180))], greedy) for _ in range(6)]
+    try:
+        for i, (prompt, sampling) in enumerate(requests):
+            decode.submit(0, [RankRequest(f"k{i}", tuple(prompt), sampling, prefill_rank=victim)])
+        ray.kill(cluster.prefill[0].actors[victim])
+        start = time.monotonic()
+        done: dict[str, RequestResult] = {}
+        while len(done) < len(requests) and time.monotonic() - start < 60:
+            cluster.watch()
+            done |= {r.request_id: r for r in decode.poll(wait_s=0.2)}
+        assert len(done) == len(requests), sorted(done)
+        results = [done[f"k{i}"] for i in range(len(requests))]
+        assert all(r.error is None for r in results), [r.error for r in results]
+        assert [list(r.token_ids) for r in results] == _expected(model_dir, requests)
+        lost = [r for r in results if len(r.bill.attempts) > 1]
+        assert lost, "no request was in flight on the killed rank"
+        assert all(r.prefill_rank == RankId("prefill1", 0) for r in lost)
+        assert cluster.heal() == ["prefill0"]
+        cluster.check_integrity()  # a state slot held with no transfer under way fails it
+        for s in cluster.stats():
+            assert s.free_pages == s.total_pages and (s.sends_in_flight, s.receives_in_flight) == (0, 0), s
+    finally:
+        cluster.stop()

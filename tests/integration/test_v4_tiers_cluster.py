@@ -3,11 +3,14 @@ device pools, a host tier per prefill rank and the deployment's own Mooncake sto
 is a page's entries of each kind (compressed entries, indexer keys) and, on the pages that keep
 it, the window KV and overlap a hit restores from; the tokens equal the colocated engine's
 (itself checked against transformers), prefixes come back from the lower tiers, each of the two
-prefill ranks reading what the other computed, and every page is free at the end."""
+prefill ranks reading what the other computed, and every page is free at the end. A decode rank
+writes a finished request's pages back with their boundary state, so a next turn's hit runs
+through the answer too."""
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -77,5 +80,48 @@ def test_every_tier_with_v4_state_gives_the_colocated_engines_tokens(model_dir: 
         assert all(t.store_load_bytes > 0 for t in prefill) or sum(t.host_load_bytes for t in prefill) > 0
         # a loaded token moves its entries and, on a share of the pages, their window KV
         assert all(t.kv_bytes_per_token > 0 for t in prefill)
+    finally:
+        server.stop()
+
+
+def test_a_second_turn_hits_the_pages_the_decode_rank_wrote_back(model_dir: Path) -> None:
+    """A first turn whose answer completes two pages on the decode rank: they are written back to
+    the store with their window KV and overlap (the decode rank keeps window slots when the
+    deployment has a store), and the next turn's hit runs through them to the last one, with
+    the colocated engine's tokens."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 256) for _ in range(5 * PAGE + 3)]
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = ColocatedEngine.from_model_dir(
+        model_dir, torch.float64, EngineConfig(page_size=PAGE, num_pages=512)
+    )
+    (first,) = engine.generate([prompt], [sampling])
+    turn = prompt + first.token_ids + [rng.randrange(3, 256) for _ in range(3)]  # 126 tokens
+    (want,) = engine.generate([turn], [sampling])
+
+    prefill = PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=64)
+    decode = PoolSpec(groups=1, dep=1, page_size=PAGE, num_pages=64)
+    topology = Topology.preset("local").model_copy(
+        update={"prefill": prefill, "decode": decode, "store": StoreSpec(segment_mb=32)}
+    )
+    server = Server(ServeOptions(topology, model_dir, port=0, dtype="float64"))
+    server.start()
+    try:
+        (done,) = server.generate([prompt], [sampling])
+        assert done.token_ids == first.token_ids
+        deadline = time.monotonic() + 30  # the decode rank's writer thread stores its 7 full pages
+        while True:
+            stats = ray.get(server.controller.stats.remote())
+            written = sum(s.tiers.store_writes for s in stats if s.role is Role.DECODE)
+            if written >= 7:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.1)
+        (second,) = server.generate([turn], [sampling])
+        assert second.token_ids == want.token_ids
+        by_tier = second.bill.cached_tokens_by_tier
+        # the prompt's 5 pages on the prefill rank's device, the answer's 2 from the write-back
+        assert (by_tier.device, by_tier.store) == (5 * PAGE, 2 * PAGE), by_tier
+        ray.get(server.controller.check_integrity.remote())
     finally:
         server.stop()
