@@ -28,8 +28,9 @@ from tandem.wire.messages import RankId
 
 log = logging.getLogger(__name__)
 
-# routes and submits a running request again, resumed from tokens (``FrontendCore._send``)
-Resend = Callable[[Running, tuple[int, ...]], Any]
+# routes and submits a running request again, resumed from tokens (``FrontendCore._send``):
+# the request's record and the submit's future
+Resend = Callable[[Running, tuple[int, ...]], tuple[Running, Any]]
 
 
 class Migration:
@@ -100,7 +101,7 @@ class Migration:
         self.router.set_ranks(left if view.colocated else self.router.prefill_ranks, left)
         old_id = running.rank_request_id
         try:
-            submit = self.resend(running, tokens)
+            _, submit = self.resend(running, tokens)
         except NoRankAvailable:
             return False
         self.router.finished(old_id)
