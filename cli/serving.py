@@ -107,10 +107,11 @@ def fit_v4_deployment(topology: Topology, model_dir: Path | None) -> Topology:
     cfg = read_config(model_dir)
     if not isinstance(cfg, V4Config):
         return topology
-    if topology.speculative.tokens:  # a deployment's ranks step in lockstep with their group
+    if topology.speculative.tokens and topology.speculative.drafter == "mtp":
         raise InvalidRequestError(
-            "--speculative-tokens",
-            f"{model_dir} is DeepSeek-V4, whose drafts on a deployment's ranks are not built yet",
+            "--drafter",
+            f"{model_dir} is DeepSeek-V4, whose MTP drafts on a deployment's ranks are not built yet "
+            "(its MTP layer's state does not cross from prefill to decode); --drafter ngram is",
         )
     update = {
         name: pool.model_copy(update={"page_size": v4_page_size(cfg, pool.page_size)})

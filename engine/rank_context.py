@@ -95,12 +95,22 @@ class RankContext:
             return None
         return StateSlots(self.v4.cfg, slots, self.dtype, self.device)
 
-    def v4_runner(self, pool: KVPool, slots: StateSlots | None, prefix_caching: bool = False) -> V4Runner:
+    def v4_runner(
+        self, pool: KVPool, slots: StateSlots | None, prefix_caching: bool = False, speculative: bool = False
+    ) -> V4Runner:
         """DeepSeek-V4's runner over ``pool`` in lockstep with the group, packing and taking
-        requests' bounded state in ``slots``."""
+        requests' bounded state in ``slots``; ``speculative``: its steps verify drafts."""
         assert self.v4 is not None
         guides = guided_rows(self.model_dir, self.model_config.vocab_size)
-        return V4Runner(self.v4, True, guides, pool=pool, prefix_caching=prefix_caching, state_slots=slots)
+        return V4Runner(
+            self.v4,
+            True,
+            guides,
+            pool=pool,
+            prefix_caching=prefix_caching,
+            state_slots=slots,
+            speculative=speculative,
+        )
 
     def runner(
         self, pool: KVPool, max_batch: int | None = None, mtp_prefill: bool = False, keep_hidden: bool = False

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.dep import any_rank_has_work
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.window_slots import WindowSlots
@@ -57,14 +58,17 @@ class V4Runner(SamplingRunner):
         pool: KVPool | None = None,
         prefix_caching: bool = False,
         state_slots: StateSlots | None = None,
+        speculative: bool = False,
     ) -> None:
         """``pool``: the rank's KV pool of V4's kinds (its pages a multiple of every compression
         rate; ``None``: each request's entries in tensors of its own, no prefix caching);
         ``prefix_caching``: completed pages keep all their state, for hits (the pool has the
         kinds for it); ``state_slots``: where a prefill rank packs a finishing request's bounded
         state for its transfer, and where a decode rank receives it (``run``'s ``exports``,
-        ``adopt``)."""
+        ``adopt``); ``speculative``: its steps verify drafts (in a DEP group every step then
+        agrees whether any rank computes rejected drafts' accepted tokens again: ``verify``)."""
         super().__init__(model, lockstep, guides, guard_syncs)
+        self.speculative = speculative
         self.state_slots = state_slots
         self.mtp_prefill = False  # the MTP layer's state does not go with a transfer (not built)
         self._exports: dict[str, int] = {}  # this step's finishing requests -> their slots
@@ -159,12 +163,15 @@ class V4Runner(SamplingRunner):
         draft is rejected, the state goes back to that and the accepted tokens are computed
         again (the same state as computing them alone: a request's state does not depend on how
         its tokens are split into steps), and the pages the rejected tokens completed are
-        dropped. In a DEP group drafts are refused: that second forward would be one the other
-        ranks of the group do not make."""
-        if self.lockstep and any(c.draft_token_ids for c in plan.chunks):
+        dropped. In a DEP group that second forward's MoE layers exchange rows with the other
+        ranks: a ``speculative`` runner's every step (drafts or not, so that every rank of the
+        group asks) agrees with the group whether any rank computes again, and then every rank
+        runs that forward, on an empty batch where it has nothing to compute; a runner not
+        ``speculative`` refuses drafts in a DEP group."""
+        if self.lockstep and not self.speculative and any(c.draft_token_ids for c in plan.chunks):
             raise ValueError(
-                "DeepSeek-V4 drafts in a DEP group are not built: a rejected draft's recompute is a "
-                "forward the group's other ranks do not make"
+                "DeepSeek-V4 drafts in a DEP group need a speculative runner: a rejected draft's "
+                "recompute is a forward the whole group makes"
             )
         if not plan.chunks and not self.lockstep:
             return {}
@@ -197,7 +204,7 @@ class V4Runner(SamplingRunner):
             return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
 
         sampled = self._sample(plan, forward, start)
-        if before:
+        if before or (self.lockstep and self.speculative):
             self._roll_back(plan, held, before, sampled)
         return sampled
 
@@ -285,8 +292,18 @@ class V4Runner(SamplingRunner):
             h.position, h.layers = before[chunk.request_id]
             self._drop_pages(chunk, h.position + keep, h.position + len(chunk.token_ids))
             again.append((chunk, h, keep))
-        if again:
+        if self._group_agrees(bool(again)):
             self._advance([c for c, _, _ in again], [h for _, h, _ in again], [n for _, _, n in again])
+
+    def _group_agrees(self, again: bool) -> bool:
+        """Whether this step computes accepted tokens again: on one rank, if it has any; in a DEP
+        group of a ``speculative`` runner, if any rank of the group has (one collective)."""
+        if not (self.lockstep and self.speculative):
+            return again
+        if not torch.distributed.is_initialized():  # a group of one, outside a deployment
+            return again
+        group = getattr(self.model.dispatcher, "group", None)  # None: the default group
+        return any_rank_has_work(again, group, self.model.device)
 
     def _drop_pages(self, chunk: ScheduledChunk, end: int, computed: int) -> None:
         """Forget the pages completed by the chunk's tokens past ``end`` (rejected drafts)."""

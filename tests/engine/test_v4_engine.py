@@ -162,13 +162,13 @@ def test_a_prefix_cache_hit_restores_the_exact_state(
 def test_a_deployment_refuses_what_v4_ranks_do_not_do_before_anything_starts(
     sparse: tuple[Path, list[list[int]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Drafts on a deployment's ranks are not built for V4 yet: refused in one line naming
-    their flag, before any actor starts."""
+    """MTP drafts on a deployment's decode ranks are not built for V4 yet (the MTP layer's state
+    does not cross): refused in one line naming the flag, before any actor starts."""
     flags = ["generate", "--prompt", "x", "--max-tokens", "2", "--preset", "local"]
-    flags += ["--speculative-tokens", "2"]
+    flags += ["--speculative-tokens", "2", "--drafter", "mtp"]
     assert main([*flags, "--model", str(sparse[0])]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--speculative-tokens: " in err and "is DeepSeek-V4" in err
+    assert err.count("\n") == 1 and "--drafter: " in err and "is DeepSeek-V4" in err
 
 
 def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_state_back(
@@ -211,12 +211,14 @@ def test_verified_drafts_give_plain_decodings_tokens_and_a_rejection_rolls_the_s
     assert out == target[: len(out)] and rejected_past_boundary
 
 
-def test_drafts_in_a_dep_group_are_refused(sparse: tuple[Path, list[list[int]]]) -> None:
+def test_drafts_in_a_dep_group_need_a_speculative_runner(sparse: tuple[Path, list[list[int]]]) -> None:
+    """A rejected draft's recompute is a forward the whole group makes, which only a runner built
+    ``speculative`` agrees on with its group every step: any other refuses drafts, by name."""
     engine = ColocatedEngine.from_model_dir(sparse[0], config=EngineConfig(page_size=16))
     assert isinstance(engine.runner, V4Runner)
     runner = V4Runner(engine.runner.model, lockstep=True)
     chunk = ScheduledChunk("r", (1, 2), 0, (0,), True, GREEDY, 0, draft_token_ids=(2,))
-    with pytest.raises(ValueError, match="DeepSeek-V4 drafts in a DEP group are not built"):
+    with pytest.raises(ValueError, match="DeepSeek-V4 drafts in a DEP group need a speculative runner"):
         runner.verify(SchedulerOutput((chunk,), 2, ()))
 
 
