@@ -24,8 +24,10 @@ With ``tiers`` (``engine/kv_tiers.py``) the cache has lower tiers: an evicted pa
 to the rank's host tier, every computed block to the shared store, and a lookup continues past
 the device's run into them: each block found there gets a fresh device page, registered under
 its hash at once (so the next lookup shares it), whose KV the rank copies in (the ``TierOp``s,
-executed in order before the forward that reads them). With ``hit_pages`` the run so loaded is
-cut too, to where the state is restorable (a V4 block carries its boundary state or not).
+executed in order before the forward that reads them). With ``hit_pages`` the whole run, device
+pages and loaded ones, is cut to where the state is restorable (a V4 block carries its boundary
+state or not), so a device run whose own end is not restorable may go on to a lower block that
+is.
 """
 
 from __future__ import annotations
@@ -172,8 +174,8 @@ class PrefixCache:
         Returns the page ids (now owned by the caller: ``free`` them) and the tokens each tier
         held. At least one token is always left to compute, so the caller has logits to sample
         from: at most ``(len(token_ids) - 1) // page_size`` pages match. Only pages cached under
-        the same ``cache_salt`` match (``chain_root``). With ``hit_pages``, a device run is cut
-        to the pages it allows (and then not continued into the lower tiers).
+        the same ``cache_salt`` match (``chain_root``). With ``hit_pages``, the run is cut to the
+        pages it allows: a device run at once, one that goes on into the lower tiers after them.
         """
         self.num_queried_tokens += len(token_ids)
         if not self._enabled:
@@ -189,13 +191,14 @@ class PrefixCache:
                 break
             page_ids.append(page_id)
             parent = block
-        if self.hit_pages is not None and page_ids:
+        lower = self.tiers is not None and len(page_ids) < num_blocks
+        if self.hit_pages is not None and page_ids and not lower:
             cut = self.hit_pages(page_ids)
             if cut < len(page_ids):  # a hit that ends where the state is restorable, not past it
                 page_ids, num_blocks = page_ids[:cut], cut
         self._take(page_ids)
         found = PrefixMatch(page_ids, device_tokens=len(page_ids) * size)
-        if self.tiers is not None and len(page_ids) < num_blocks:
+        if lower:  # the run goes on below; with ``hit_pages`` it is cut there, device pages too
             found = self._match_lower(token_ids, page_ids, parent, num_blocks)
         self.num_hit_tokens += found.num_tokens
         return found
@@ -271,9 +274,10 @@ class PrefixCache:
         tiers.end_lookup()
         self.free(fresh[used:])
         self.free(list(later))  # device pages past the point where the run broke
-        if self.hit_pages is not None and len(taken) > len(page_ids):
+        if self.hit_pages is not None:
             # the loads recorded the pages' boundary state: a hit ends where it is restorable (the
-            # pages past that stay cached, their loads done, for the hits that end there)
+            # pages past that stay cached, their loads done, for the hits that end there), which
+            # may be past a device run whose own end is not
             cut = self.hit_pages(taken)
             self.free(taken[cut:])
             taken, held = taken[:cut], held[:cut]

@@ -154,3 +154,32 @@ def test_with_a_share_of_pages_keeping_their_window_hits_land_where_it_came_back
     engine.scheduler.check_integrity()
     assert engine.copier is not None
     engine.copier.tiers.close()
+
+
+def test_a_device_run_whose_end_lost_its_window_goes_on_into_the_store(model_dir: Path) -> None:
+    """The device holds the first 5 pages of a prefix, the last of them without its window KV
+    (its slot taken back): the hit does not stop at the device's last restorable page, it goes
+    on through the store's next 3 pages, which carry theirs, and ends there."""
+    shared, _, again = _prompts()
+    want = _hf(model_dir, again)
+    store = DictStore()
+    writer = _engine(model_dir, num_pages=24, store=store)
+    writer.generate([[*shared, 1]], GREEDY)
+    assert writer.copier is not None and writer.copier.tiers.writer is not None
+    writer.copier.tiers.writer.flush()
+
+    reader = _engine(model_dir, num_pages=24, store=store)
+    reader.generate([shared[: 5 * PAGE]], SamplingParams(max_tokens=1))  # its first 4 pages, then 1
+    kv_cache, runner = reader.scheduler.kv_cache, reader.runner
+    assert isinstance(runner, V4Runner)
+    fifth = prompt_chain(shared, PAGE)[4].block
+    page = next(p for p in range(24) if kv_cache.cached_hash(p) == fifth)
+    runner.slots.release(page)  # its window KV taken back for another page
+    (out,) = reader.generate([again], GREEDY)
+    assert out.token_ids == want
+    assert out.cached_tokens == 8 * PAGE
+    assert reader.copier is not None and reader.copier.tiers.store_load_bytes > 0
+    reader.scheduler.check_integrity()
+    for e in (writer, reader):
+        assert e.copier is not None
+        e.copier.tiers.close()
