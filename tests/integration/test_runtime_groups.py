@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from tandem.cluster.serve import ServeOptions, Server
 from tandem.cluster.topology import PoolSpec, Topology
@@ -111,21 +112,26 @@ def test_a_decode_group_added_then_the_first_removed_under_load(server: Server, 
 
 def test_a_prefill_group_added_then_the_first_removed_under_load(server: Server, tiny_dir: Path) -> None:
     """While the new group starts, the controller answers (the start holds no lock), shows it
-    starting, and routes nothing to it; it cannot be removed until it serves."""
-    adding = server.controller.add_group.remote("prefill")
-    seen = set()
-    while not ray.wait([adding], timeout=0)[0]:
-        status = ray.get(server.controller.status.remote(), timeout=10)  # not behind the start
-        if "prefill1" in status and status["prefill1"].startswith("starting"):
-            seen.add("starting")
-            # the refusal first, the moment it is seen starting: the start may end any time after
-            with pytest.raises(ray.exceptions.RayTaskError, match="prefill1 is still starting"):
-                ray.get(server.controller.remove_group.remote("prefill1"), timeout=10)
-            view = ray.get(server.controller.routing_view.remote())
-            if ray.get(server.controller.status.remote())["prefill1"].startswith("starting"):
-                assert all(r.group_id != "prefill1" for r in view.prefill)  # starting when viewed
-        time.sleep(0.1)
-    assert seen == {"starting"}
+    starting, and routes nothing to it; it cannot be removed until it serves. The start is held
+    at its placement (a placement group takes every free CPU) until those are checked."""
+    held = placement_group([{"CPU": ray.available_resources()["CPU"]}])
+    ray.get(held.ready(), timeout=30)
+    try:
+        adding = server.controller.add_group.remote("prefill")
+        deadline = time.monotonic() + 30
+        while True:
+            status = ray.get(server.controller.status.remote(), timeout=10)  # not behind the start
+            if "prefill1" in status or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status["prefill1"].startswith("starting"), status
+        with pytest.raises(ray.exceptions.RayTaskError, match="prefill1 is still starting"):
+            ray.get(server.controller.remove_group.remote("prefill1"), timeout=10)
+        view = ray.get(server.controller.routing_view.remote())
+        assert all(r.group_id != "prefill1" for r in view.prefill)
+        assert not ray.wait([adding], timeout=0)[0]  # still held when all of it was checked
+    finally:
+        remove_placement_group(held)
     added = ray.get(adding)
     assert added == "prefill1" and _groups(server)["prefill1"] == ("ready", 2)
     # before any request reached it, its ranks and the decode ranks have connected their
