@@ -107,12 +107,6 @@ def fit_v4_deployment(topology: Topology, model_dir: Path | None) -> Topology:
     cfg = read_config(model_dir)
     if not isinstance(cfg, V4Config):
         return topology
-    if topology.speculative.tokens and topology.speculative.drafter == "mtp":
-        raise InvalidRequestError(
-            "--drafter",
-            f"{model_dir} is DeepSeek-V4, whose MTP drafts on a deployment's ranks are not built yet "
-            "(its MTP layer's state does not cross from prefill to decode); --drafter ngram is",
-        )
     update = {
         name: pool.model_copy(update={"page_size": v4_page_size(cfg, pool.page_size)})
         for name in ("prefill", "decode", "colocated")
@@ -144,6 +138,9 @@ def check_drafter_model(topology: Topology, model_dir: Path | None) -> None:
     anything starts: a checkpoint without one, or with a wrong tensor, is refused naming it."""
     from tandem.model.checkpoint import check_model_dir
     from tandem.model.errors import ModelFileError
+    from tandem.model.family import read_config
+    from tandem.model.v4.checkpoint import check_v4_model_dir
+    from tandem.model.v4.config import V4Config
 
     spec = topology.speculative
     if not spec.tokens or spec.drafter != "mtp":
@@ -153,7 +150,10 @@ def check_drafter_model(topology: Topology, model_dir: Path | None) -> None:
 
         model_dir = demo_model_dir()
     try:
-        check_model_dir(model_dir, mtp=True)
+        if isinstance(read_config(model_dir), V4Config):
+            check_v4_model_dir(model_dir, mtp=True)
+        else:
+            check_model_dir(model_dir, mtp=True)
     except ModelFileError as exc:
         raise InvalidRequestError("--drafter mtp", str(exc)) from None
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.cluster.memory_plan_v4 import check_v4_topology, v4_workspace_bytes
+from tandem.cluster.memory_plan_v4 import v4_mtp_state_bytes, v4_workspace_bytes
 from tandem.cluster.topology import PoolSpec, Topology, TopologyError
 from tandem.engine.admission import max_kv_pages
 from tandem.model.config import ModelConfig
@@ -233,14 +233,15 @@ class _PoolFigures:
     def of(cfg: ModelConfig | V4Config, pool: _Pool, dtype: str) -> _PoolFigures:
         spec = pool.spec
         if isinstance(cfg, V4Config):
-            check_v4_topology(pool.mtp)
+            item = dtype_bytes(dtype)
             size = v4_page_size(cfg, spec.page_size)
-            kinds = tuple(v4_kinds(cfg, dtype_bytes(dtype), size, prefix_caching=True))
+            kinds = tuple(v4_kinds(cfg, item, size, prefix_caching=True))
             workspace = v4_workspace_bytes(cfg, dtype, pool.rows, pool.logit_rows)
-            state = request_bytes(list(kinds)) * spec.max_num_seqs
+            per_request = request_bytes(list(kinds)) + (v4_mtp_state_bytes(cfg, item) if pool.mtp else 0)
+            state = per_request * spec.max_num_seqs
             if pool.role is not Role.COLOCATED:  # and the state slots of its transfers in flight
                 slots = transfer_slots(pool.role is Role.PREFILL, spec.max_num_seqs)
-                state += slots * slot_bytes(cfg, dtype_bytes(dtype))
+                state += slots * slot_bytes(cfg, item, pool.mtp)
             return _PoolFigures(
                 cfg, pool, dtype, size, page_bytes(list(kinds), size), workspace, state, kinds
             )
@@ -251,7 +252,9 @@ class _PoolFigures:
     def weights(self, rank: int) -> int:
         dep = self.pool.spec.dep
         if isinstance(self.cfg, V4Config):
-            return v4_rank_weight_bytes(self.cfg, self.dtype, rank, dep, quantized=True).total_bytes
+            return v4_rank_weight_bytes(
+                self.cfg, self.dtype, rank, dep, quantized=True, mtp=self.pool.mtp
+            ).total_bytes
         return rank_weight_bytes(self.cfg, self.dtype, rank, dep, mtp=self.pool.mtp).total_bytes
 
 

@@ -2,7 +2,8 @@
 ``cluster/memory_plan.py``::
 
     usable     = gpu_memory_gib x 2**30 x utilization
-    state      = max_num_seqs x (a request's window pages + its compressors' open windows)
+    state      = max_num_seqs x (a request's window pages + its compressors' open windows
+                                 + with MTP drafts, the MTP layer's window)
                  + transfer slots x a slot's bytes (disaggregated ranks: the bounded state of
                    the requests whose transfers are in flight, ``kv_layout.transfer_slots``)
     kv_pages   = floor((usable - weight_bytes - workspace_bytes - state) / kv_page_bytes)
@@ -18,7 +19,6 @@ resident (FP8 attention and shared experts, FP4 routed experts: ``model/v4/rank_
 
 from __future__ import annotations
 
-from tandem.cluster.topology import TopologyError
 from tandem.model.rank_weights import dtype_bytes
 from tandem.model.v4.config import V4Config
 
@@ -44,8 +44,7 @@ def v4_workspace_bytes(cfg: V4Config, dtype: str, rows: int, logit_rows: int) ->
     return rows * per_row * item + logits + rope
 
 
-def check_v4_topology(mtp: bool) -> None:
-    if mtp:
-        raise TopologyError(
-            "speculative", "MTP drafts for DeepSeek-V4 are not planned yet: use ngram or none"
-        )
+def v4_mtp_state_bytes(cfg: V4Config, item_bytes: int) -> int:
+    """A request's MTP-layer state on a rank that drafts with MTP (or prefills for one): that
+    layer's sliding window, ``sliding_window - 1`` tokens' KV."""
+    return (cfg.sliding_window - 1) * cfg.head_dim * item_bytes

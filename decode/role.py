@@ -35,11 +35,6 @@ class DecodeRole(PooledRole):
         cfg = ctx.model_config
         v4 = ctx.v4 is not None
         spec = self.speculative
-        if v4 and self.uses_mtp:
-            raise ValueError(
-                f"decode rank {ctx.rank_id.name}: DeepSeek-V4's MTP drafts are not built for "
-                "disaggregated ranks (the MTP layer's state does not cross yet); n-gram drafts are"
-            )
         # V4 with a store: completed pages keep their window KV and overlap in window slots, so a
         # finished request's pages are written back with what a next turn's hit ends on
         pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4 and self.store is not None)
@@ -53,8 +48,10 @@ class DecodeRole(PooledRole):
         )
         dispatcher = RayPrefillDispatcher(self.page_size)
         writeback = ctx.tiers(pool, 0, self.store, self.model_key, self.store_secret)
-        if v4:  # n-gram drafts: every step verifies, the group agreeing on rejected drafts' recompute
-            runner = ctx.v4_runner(pool, slots, writeback is not None, speculative=spec.enabled)
+        if v4:  # drafts: every step verifies, the group agreeing on rejected drafts' recompute
+            runner = ctx.v4_runner(
+                pool, slots, writeback is not None, speculative=spec.enabled, keep_hidden=self.uses_mtp
+            )
             if writeback is not None:
                 writeback.tiers.boundary = runner
             return DecodeWorker(
@@ -62,7 +59,7 @@ class DecodeRole(PooledRole):
                 ctx.transport(pool, slots), dispatcher, self.kv_timeout_s, model_config=cfg,
                 outbox=ctx.outbox, state_slots=slots.num_slots if slots is not None else 0,
                 writeback=writeback, speculative=spec,
-                drafter=make_drafter(spec) if spec.enabled else None,
+                drafter=make_drafter(spec, model=ctx.v4, runner=runner) if spec.enabled else None,
             )  # fmt: skip
         drafter = make_drafter(spec, model=ctx.v3, pool=pool) if spec.enabled else None
         return DecodeWorker(

@@ -124,21 +124,30 @@ class MtpDrafter(Drafter):
                     self.pool,
                 )
             if active:
-                tokens = sample(
-                    model.mtp_logits(g),
-                    [r.sampling for r in active],
-                    [seed_of(r.request_id, r.sampling) for r in active],
-                    [len(r.output_token_ids) + j for r in active],
-                    [  # a draft is drawn as its target will be: with the penalties of the tokens before it
-                        (r.prompt_token_ids, (*r.output_token_ids, *drafts[r.request_id]))
-                        if r.sampling.penalized
-                        else None
-                        for r in active
-                    ],
-                )
-                for r, t in zip(active, tokens, strict=True):
-                    drafts[r.request_id].append(t)
+                draw_drafts(model.mtp_logits(g), active, drafts, j)
             keep = [i for i, r in enumerate(active) if k.get(r.request_id, 0) > j + 1]
             active = [active[i] for i in keep]
             g = g[torch.tensor(keep, dtype=torch.int64, device=device)]
         return {rid: tuple(d[: k.get(rid, 0)]) for rid, d in drafts.items() if k.get(rid, 0)}
+
+
+def draw_drafts(
+    logits: torch.Tensor, active: Sequence[Request], drafts: dict[str, list[int]], j: int
+) -> None:
+    """Draft ``j`` of each active request from its row of ``logits``, drawn as its target will
+    be (its sampling, its noise at that output index, the penalties of the tokens before it),
+    appended to ``drafts``."""
+    tokens = sample(
+        logits,
+        [r.sampling for r in active],
+        [seed_of(r.request_id, r.sampling) for r in active],
+        [len(r.output_token_ids) + j for r in active],
+        [
+            (r.prompt_token_ids, (*r.output_token_ids, *drafts[r.request_id]))
+            if r.sampling.penalized
+            else None
+            for r in active
+        ],
+    )
+    for r, t in zip(active, tokens, strict=True):
+        drafts[r.request_id].append(t)

@@ -93,13 +93,20 @@ class RankContext:
         (``None`` for V3, whose requests are all in their pages)."""
         if self.v4 is None:
             return None
-        return StateSlots(self.v4.cfg, slots, self.dtype, self.device)
+        return StateSlots(self.v4.cfg, slots, self.dtype, self.device, mtp=self.v4.mtp is not None)
 
     def v4_runner(
-        self, pool: KVPool, slots: StateSlots | None, prefix_caching: bool = False, speculative: bool = False
+        self,
+        pool: KVPool,
+        slots: StateSlots | None,
+        prefix_caching: bool = False,
+        speculative: bool = False,
+        mtp_prefill: bool = False,
+        keep_hidden: bool = False,
     ) -> V4Runner:
         """DeepSeek-V4's runner over ``pool`` in lockstep with the group, packing and taking
-        requests' bounded state in ``slots``; ``speculative``: its steps verify drafts."""
+        requests' bounded state in ``slots``; ``speculative``: its steps verify drafts;
+        ``mtp_prefill``, ``keep_hidden``: for MTP drafts (``V4Runner``)."""
         assert self.v4 is not None
         guides = guided_rows(self.model_dir, self.model_config.vocab_size)
         return V4Runner(
@@ -110,6 +117,8 @@ class RankContext:
             prefix_caching=prefix_caching,
             state_slots=slots,
             speculative=speculative,
+            mtp_prefill=mtp_prefill,
+            keep_hidden=keep_hidden,
         )
 
     def runner(

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.dep import any_rank_has_work
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from tandem.engine.v4_held import Held
+from tandem.engine.v4_mtp_rows import MtpRows
 from tandem.engine.window_slots import WindowSlots
 from tandem.model.grammar import GuidedRows
 from tandem.model.kv_pool import KVPool
@@ -40,12 +41,6 @@ from tandem.model.v4.kv_layout import window_reach
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.pages import bind_pages, keep_pages, open_rows, restore, snapshot, store_pages
 from tandem.model.v4.state_slots import StateSlots
-
-
-@dataclass
-class _Held:
-    position: int  # the tokens this state has seen
-    layers: list[LayerState]
 
 
 class V4Runner(SamplingRunner):
@@ -59,6 +54,8 @@ class V4Runner(SamplingRunner):
         prefix_caching: bool = False,
         state_slots: StateSlots | None = None,
         speculative: bool = False,
+        mtp_prefill: bool = False,
+        keep_hidden: bool = False,
     ) -> None:
         """``pool``: the rank's KV pool of V4's kinds (its pages a multiple of every compression
         rate; ``None``: each request's entries in tensors of its own, no prefix caching);
@@ -66,11 +63,16 @@ class V4Runner(SamplingRunner):
         kinds for it); ``state_slots``: where a prefill rank packs a finishing request's bounded
         state for its transfer, and where a decode rank receives it (``run``'s ``exports``,
         ``adopt``); ``speculative``: its steps verify drafts (in a DEP group every step then
-        agrees whether any rank computes rejected drafts' accepted tokens again: ``verify``)."""
-        super().__init__(model, lockstep, guides, guard_syncs)
+        agrees whether any rank computes rejected drafts' accepted tokens again: ``verify``).
+        ``mtp_prefill``, ``keep_hidden``: for MTP drafts, a prefill rank's and a decode rank's
+        part (``engine/v4_mtp_rows.py``)."""
+        if (mtp_prefill or keep_hidden) and model.mtp is None:
+            raise ValueError("MTP drafts need a model built with its MTP layer")
+        super().__init__(model, lockstep, guides, guard_syncs, keep_hidden or mtp_prefill)
         self.speculative = speculative
         self.state_slots = state_slots
-        self.mtp_prefill = False  # the MTP layer's state does not go with a transfer (not built)
+        self.mtp_prefill = mtp_prefill
+        self.drafting = MtpRows(model)
         self._exports: dict[str, int] = {}  # this step's finishing requests -> their slots
         self._on_layer: Callable[[int], None] | None = None
         if prefix_caching and (pool is None or "window" not in pool.names):
@@ -83,7 +85,7 @@ class V4Runner(SamplingRunner):
         if pool is not None and prefix_caching:
             share = next(kind.share for kind in pool.kinds if kind.name == "window")
             self.slots = WindowSlots.for_share(pool.tensors["window"].shape[1], share)
-        self.states: dict[str, _Held] = {}
+        self.states: dict[str, Held] = {}
         self.written: set[int] = set()  # page ids holding the whole state of the tokens that filled them
         self.restores = 0  # states rebuilt from pages (prefix-cache hits)
 
@@ -141,6 +143,7 @@ class V4Runner(SamplingRunner):
         slots = self.state_slots
         layers = [slots.read(slot, index, position) for index in range(self.model.cfg.num_hidden_layers)]
         bind_pages(self.model.cfg, layers, self.pool, page_ids)
+        self.drafting.adopt(request_id, slots, slot, position)
         if self.page_size is not None:  # the pages it completes here keep their window KV too
             for page in page_ids:  # filled by the transfer: what they kept of an earlier use is gone
                 self.written.discard(page)
@@ -148,11 +151,31 @@ class V4Runner(SamplingRunner):
             keep_pages(layers, self.page_size)
             for state in layers:
                 state.open_page = open_rows(state, position % self.page_size)
-        self.states[request_id] = _Held(position, layers)
+        self.states[request_id] = Held(position, layers)
+
+    def take_mtp_state(self, request_id: str) -> LayerState | None:
+        return self.drafting.adopted.pop(request_id, None)  # read from its slot by adopt, once
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self.states.pop(request_id, None)
+        self.drafting.adopted.pop(request_id, None)
+
+    def hidden_rows(self, request_id: str, count: int) -> torch.Tensor:
+        """The main model's residual streams ``[count, hc_mult, D]`` (before the hyper-head:
+        what V4's MTP layer reads) of the first ``count`` positions the last step sampled for
+        ``request_id``."""
+        at = self._hidden_at.get(request_id)
+        if self.drafting.streams is None or at is None or count > at[1]:
+            raise KeyError(f"no {count} hidden rows of {request_id} from the last step")
+        return self.drafting.streams[at[0] : at[0] + count]
+
+    def hidden_state(self, request_id: str) -> bytes:
+        """The streams at the request's last position as float32 bytes, what a decode rank's MTP
+        drafter starts from; empty when its MTP state did not go into its slot (a prefix hit)."""
+        if request_id not in self.drafting.ready:
+            return b""
+        return self.hidden_rows(request_id, 1)[-1].float().cpu().numpy().tobytes()
 
     def verify(self, plan: SchedulerOutput) -> dict[str, tuple[int, ...]]:
         """The plan's chunks as one step, each sampling chunk's tokens; a verify chunk (ending
@@ -177,6 +200,7 @@ class V4Runner(SamplingRunner):
             return {}
         start = time.perf_counter()
         self._hidden, self._hidden_at = None, {}
+        self.drafting.new_step()
         self.logprobs, self.prompt_logprobs = {}, {}
         for rid in plan.preempted_request_ids:  # their pages are gone: so is their state
             self.states.pop(rid, None)
@@ -198,19 +222,26 @@ class V4Runner(SamplingRunner):
         prompt_rows = any(c.prompt_logprob_targets for c in plan.chunks)
 
         def forward(_: SchedulerOutput) -> torch.Tensor:
-            hidden = self._advance(list(plan.chunks), held, [len(c.token_ids) for c in plan.chunks])
+            streams = self._advance(list(plan.chunks), held, [len(c.token_ids) for c in plan.chunks])
+            if self.mtp_prefill:  # the MTP layer's rows, its state into the finishing requests' slots
+                self.drafting.advance(list(plan.chunks), held, offsets, streams)
+                self.drafting.export(list(plan.chunks), held, self._exports, self.state_slots, self._on_layer)
+            hidden = self.model.head_hidden(streams)
             if prompt_rows:
                 self._prompt_logprobs(plan, offsets, hidden)
-            return hidden[torch.tensor(sample_rows, device=device)] if sample_rows else hidden[:0]
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
+            if self.keep_hidden:
+                self.drafting.streams = streams[rows]
+            return hidden[rows]
 
         sampled = self._sample(plan, forward, start)
         if before or (self.lockstep and self.speculative):
             self._roll_back(plan, held, before, sampled)
         return sampled
 
-    def _advance(self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]) -> torch.Tensor:
+    def _advance(self, chunks: list[ScheduledChunk], held: list[Held], counts: list[int]) -> torch.Tensor:
         """The first ``counts[i]`` tokens of each chunk through the model, each request's state
-        moving on past them (and the pages they complete kept); the hidden rows."""
+        moving on past them (and the pages they complete kept); their residual streams."""
         device = self.model.device
         ids = torch.tensor(
             [t for c, n in zip(chunks, counts, strict=True) for t in c.token_ids[:n]],
@@ -227,8 +258,8 @@ class V4Runner(SamplingRunner):
         after_layer = self._after_layer(chunks, held, counts) if self._exports or self._on_layer else None
         try:
             with self._guarded():
-                hidden = self.model.forward(
-                    ids, pos, counts, [h.layers for h in held], after_layer=after_layer
+                streams = self.model.forward(
+                    ids, pos, counts, [h.layers for h in held], before_head=True, after_layer=after_layer
                 )
         except BaseException:
             for chunk in chunks:  # part-moved states: a later chunk is refused, not misrun
@@ -237,10 +268,10 @@ class V4Runner(SamplingRunner):
         for h, n, chunk in zip(held, counts, chunks, strict=True):
             self._keep_pages(h, h.position + n, chunk.page_ids)
             h.position += n
-        return hidden
+        return streams
 
     def _after_layer(
-        self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]
+        self, chunks: list[ScheduledChunk], held: list[Held], counts: list[int]
     ) -> Callable[[int], None]:
         """What runs after each layer: the exported requests' state of it into their slots,
         then the step's ``on_layer_kv``."""
@@ -260,7 +291,7 @@ class V4Runner(SamplingRunner):
 
         return after
 
-    def _bind(self, chunks: list[ScheduledChunk], held: list[_Held], counts: list[int]) -> None:
+    def _bind(self, chunks: list[ScheduledChunk], held: list[Held], counts: list[int]) -> None:
         """Each request's entries into its pages (as many as this step reaches); the pages it
         fills in this step are no longer restorable as what filled them before."""
         if self.pool is None:
@@ -275,13 +306,13 @@ class V4Runner(SamplingRunner):
     def _roll_back(
         self,
         plan: SchedulerOutput,
-        held: list[_Held],
+        held: list[Held],
         before: dict[str, tuple[int, list[LayerState]]],
         sampled: dict[str, tuple[int, ...]],
     ) -> None:
         """Each verify chunk whose drafts were not all accepted: its state as before the step,
         then its accepted tokens computed again (one forward for all of them)."""
-        again: list[tuple[ScheduledChunk, _Held, int]] = []
+        again: list[tuple[ScheduledChunk, Held, int]] = []
         for chunk, h in zip(plan.chunks, held, strict=True):
             if chunk.request_id not in before:
                 continue
@@ -314,7 +345,7 @@ class V4Runner(SamplingRunner):
             self.written.discard(chunk.page_ids[boundary // size - 1])
             self.slots.release(chunk.page_ids[boundary // size - 1])
 
-    def _state(self, chunk: ScheduledChunk) -> _Held:
+    def _state(self, chunk: ScheduledChunk) -> Held:
         rid, start = chunk.request_id, chunk.start_position
         held = self.states.get(rid)
         if held is not None and held.position == start:
@@ -323,7 +354,7 @@ class V4Runner(SamplingRunner):
             layers = self.model.new_state()
             if self.page_size is not None:
                 keep_pages(layers, self.page_size)
-            held = self.states[rid] = _Held(0, layers)
+            held = self.states[rid] = Held(0, layers, LayerState() if self.mtp_prefill else None)
             return held
         restored = self._restore(chunk)
         if restored is None:
@@ -333,7 +364,7 @@ class V4Runner(SamplingRunner):
                 "and no pages to rebuild it from"
             )
         self.restores += 1
-        held = self.states[rid] = _Held(start, restored)
+        held = self.states[rid] = Held(start, restored)
         return held
 
     def _restore(self, chunk: ScheduledChunk) -> list[LayerState] | None:
@@ -347,7 +378,7 @@ class V4Runner(SamplingRunner):
         tail = pages[max(len(pages) - window_reach(self.model.cfg, pool.page_size), 0) :]
         return restore(self.model.cfg, pool, pages, [self.slots.get(page) for page in tail])
 
-    def _keep_pages(self, held: _Held, end: int, page_ids: tuple[int, ...]) -> None:
+    def _keep_pages(self, held: Held, end: int, page_ids: tuple[int, ...]) -> None:
         """The pages the step completed, into the pool at their ids (over what an earlier filling
         left)."""
         size = self.page_size

@@ -36,11 +36,6 @@ class PrefillRole(PooledRole):
 
         cfg = ctx.model_config
         v4 = ctx.v4 is not None
-        if v4 and self.mtp:
-            raise ValueError(
-                f"prefill rank {ctx.rank_id.name}: DeepSeek-V4's MTP state is not built for "
-                "disaggregated ranks"
-            )
         # V4: its own prefix hits restore exact state from the window slots of its pool
         pool = ctx.kv_pool(self.num_pages, self.page_size, prefix_caching=v4)
         slots = ctx.state_slots(transfer_slots(True, self.max_num_seqs))  # V4: finishing requests'
@@ -59,7 +54,7 @@ class PrefillRole(PooledRole):
         )
         runner: ModelRunner | V4Runner
         if v4:
-            runner = ctx.v4_runner(pool, slots, prefix_caching=True)
+            runner = ctx.v4_runner(pool, slots, prefix_caching=True, mtp_prefill=self.mtp)
             scheduler.kv_cache.hit_pages = runner.hit_pages  # hits where the window is kept
             scheduler.kv_cache.better_holder = runner.slots.better_holder
             if copier is not None:  # a page's window KV and overlap go with it to the tiers

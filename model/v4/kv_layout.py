@@ -206,14 +206,15 @@ class StateField:
         return self.offset + -(-self.nbytes // _ALIGN) * _ALIGN
 
 
-def state_fields(cfg: V4Config, item_bytes: int) -> list[list[StateField]]:
+def state_fields(cfg: V4Config, item_bytes: int, mtp: bool = False) -> list[list[StateField]]:
     """Each layer's fields of a slot, layer after layer: its window's last ``sliding_window -
     1`` tokens' KV (model dtype), and on compressed layers the compressor's open window (KV and
     gate projections of at most ``rate - 1`` tokens) and on CSA layers its last window's ``Ca``
-    (``rate`` rows), the indexer's likewise (float32)."""
+    (``rate`` rows), the indexer's likewise (float32). With ``mtp``, the MTP layer's after them
+    (layer ``num_hidden_layers``: a sliding window only)."""
     hd, ihd = cfg.head_dim, cfg.index_head_dim
     layers, offset = [], 0
-    for layer in range(cfg.num_hidden_layers):
+    for layer in range(cfg.num_hidden_layers + int(mtp)):
         shapes: list[tuple[str, int, int, bool]] = [("window", cfg.sliding_window - 1, hd, False)]
         rate = cfg.compress_rate(layer)
         if rate:
@@ -233,9 +234,10 @@ def state_fields(cfg: V4Config, item_bytes: int) -> list[list[StateField]]:
     return layers
 
 
-def slot_bytes(cfg: V4Config, item_bytes: int) -> int:
-    """One request's state slot: every layer's fields, what its transfer writes beside its pages."""
-    return state_fields(cfg, item_bytes)[-1][-1].end
+def slot_bytes(cfg: V4Config, item_bytes: int, mtp: bool = False) -> int:
+    """One request's state slot: every layer's fields (with ``mtp``, the MTP layer's too), what
+    its transfer writes beside its pages."""
+    return state_fields(cfg, item_bytes, mtp)[-1][-1].end
 
 
 def transfer_slots(prefill: bool, max_num_seqs: int) -> int:

@@ -70,8 +70,8 @@ class DeepseekV4(nn.Module):
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers a transfer goes through, one by one (the MTP layer's state is not sent)."""
-        return self.cfg.num_hidden_layers
+        """Layers a transfer goes through, one by one: with the MTP layer, its state last."""
+        return self.cfg.num_hidden_layers + int(self.mtp is not None)
 
     def weight_bytes(self) -> int:
         """Bytes of weights resident on this copy's device."""

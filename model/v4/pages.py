@@ -53,14 +53,15 @@ def v4_pool(
 def transfer_layout(pool: KVPool, slots: StateSlots) -> TransferLayout:
     """What a transfer of a V4 request writes (``kvtransfer/regions.py``): each layer's pages of
     the kinds a running request reads (its compressed entries, its indexer keys; not the window
-    KV and overlap only prefix-cache hits read) and its slot of bounded state."""
+    KV and overlap only prefix-cache hits read) and its slot of bounded state (with the MTP
+    layer's, a last layer of slot alone)."""
     reads = [
         kind.name for kind in pool.kinds if kind.name.startswith("compressed.") or kind.name == "indexer_keys"
     ]
     regions = (*pool.regions(reads), slots.region())
     device = slots.data.device
     mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-    return TransferLayout(regions, slots.cfg.num_hidden_layers, pool.page_size, mem_type, device.index or 0)
+    return TransferLayout(regions, slots.num_layers, pool.page_size, mem_type, device.index or 0)
 
 
 def snapshot(layers: list[LayerState]) -> list[LayerState]:

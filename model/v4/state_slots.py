@@ -32,17 +32,28 @@ from tandem.model.v4.kv_layout import StateField, slot_bytes, state_fields
 
 class StateSlots:
     def __init__(
-        self, cfg: V4Config, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self,
+        cfg: V4Config,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        mtp: bool = False,
     ) -> None:
+        """``mtp``: a layer more, the MTP layer's (its window), which a transfer sends last."""
         self.cfg, self.dtype = cfg, dtype
         item = torch.empty((), dtype=dtype).element_size()
-        self.fields: list[list[StateField]] = state_fields(cfg, item)
-        self.slot_bytes = slot_bytes(cfg, item)
+        self.fields: list[list[StateField]] = state_fields(cfg, item, mtp)
+        self.slot_bytes = slot_bytes(cfg, item, mtp)
         self.data = torch.zeros(slots, self.slot_bytes, dtype=torch.uint8, device=device)
 
     @property
     def num_slots(self) -> int:
         return self.data.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        """The layers of a slot: the model's, and the MTP layer's when it has one."""
+        return len(self.fields)
 
     def spans(self) -> list[tuple[int, int]]:
         """Each layer's ``(offset, bytes)`` in a slot: what a transfer of that layer writes."""

@@ -13,12 +13,12 @@ import torch
 
 from tandem.cli.main import main
 from tandem.cluster.memory_plan import GIB, plan_memory
-from tandem.cluster.topology import SpeculativeSpec, Topology, TopologyError
+from tandem.cluster.topology import SpeculativeSpec, Topology
 from tandem.model.expert_dispatch import LocalExperts
 from tandem.model.make_tiny import BOS_ID, EOS_ID, fp8_quantization_config
 from tandem.model.rank_weights import expert_slice
 from tandem.model.v4.config import V4Config
-from tandem.model.v4.kv_layout import slot_bytes, v4_kinds
+from tandem.model.v4.kv_layout import slot_bytes, transfer_slots, v4_kinds
 from tandem.model.v4.model import DeepseekV4
 from tandem.model.v4.rank_weights import v4_rank_weight_bytes
 from tandem.model.v4.tiny import tiny_v4_config_dict
@@ -85,12 +85,26 @@ def test_a_page_size_that_is_no_multiple_of_the_rates_is_refused_by_the_layout()
         v4_kinds(cfg, 2, 64)
 
 
-def test_mtp_drafts_for_v4_are_refused_naming_the_field() -> None:
+def test_mtp_drafts_add_the_mtp_layers_weights_window_and_slot_layer() -> None:
+    """With MTP drafts a rank holds the MTP layer's weights, each request's MTP window, and
+    each transfer slot one layer more; V4-Flash on dep16-dep2 still fits 141 GiB GPUs."""
+    cfg = V4Config.from_dir(FLASH)
+    plain = plan_memory(Topology.preset("dep16-dep2"), cfg, "bfloat16", gpu_memory_gib=141)
     topology = Topology.preset("dep16-dep2").model_copy(
         update={"speculative": SpeculativeSpec(drafter="mtp", tokens=1)}
     )
-    with pytest.raises(TopologyError, match="speculative: MTP drafts for DeepSeek-V4"):
-        plan_memory(topology, V4Config.from_dir(FLASH), "bfloat16", gpu_memory_gib=141)
+    mtp = plan_memory(topology, cfg, "bfloat16", gpu_memory_gib=141)
+    assert mtp.fits
+    window = (cfg.sliding_window - 1) * cfg.head_dim * 2
+    slot_layer = slot_bytes(cfg, 2, True) - slot_bytes(cfg, 2)
+    assert window <= slot_layer < window + 16
+    for role, pool in ((Role.PREFILL, topology.prefill), (Role.DECODE, topology.decode)):
+        assert pool is not None
+        a, b = (next(r for r in p.ranks if r.role is role and r.rank == 0) for p in (plain, mtp))
+        weights = v4_rank_weight_bytes(cfg, "bfloat16", 0, pool.dep, quantized=True, mtp=True).total_bytes
+        assert b.weight_bytes == weights > a.weight_bytes
+        slots = transfer_slots(role is Role.PREFILL, pool.max_num_seqs)
+        assert b.state_bytes - a.state_bytes == pool.max_num_seqs * window + slots * slot_layer
 
 
 def test_the_command_prints_each_kind_per_token_and_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
