@@ -21,7 +21,7 @@ import torch
 
 from tandem.cluster.pools import Cluster
 from tandem.cluster.serve import ServeOptions, Server
-from tandem.cluster.topology import PoolSpec, Topology
+from tandem.cluster.topology import PoolSpec, SpeculativeSpec, Topology
 from tandem.engine.colocated import ColocatedEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.wire.messages import RankId, RankRequest, RequestResult
@@ -35,12 +35,19 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, ray_started: None) -> Path:
     directory = tmp_path_factory.mktemp("v4faults") / "model"
-    write_tiny_v4(directory, seed=3, index_topk=3)
+    write_tiny_v4(directory, seed=3, index_topk=3, num_nextn_predict_layers=1)  # MTP: loaded when drafting
     return directory
 
 
-def _serve(model_dir: Path, prefill: PoolSpec, decode: PoolSpec, health_interval_s: float = 0.5) -> Server:
-    topology = Topology.preset("local").model_copy(update={"prefill": prefill, "decode": decode})
+def _serve(
+    model_dir: Path,
+    prefill: PoolSpec,
+    decode: PoolSpec,
+    health_interval_s: float = 0.5,
+    speculative: SpeculativeSpec | None = None,
+) -> Server:
+    update = {"prefill": prefill, "decode": decode, "speculative": speculative or SpeculativeSpec()}
+    topology = Topology.preset("local").model_copy(update=update)
     options = ServeOptions(topology, model_dir, port=0, dtype="float64", health_interval_s=health_interval_s)
     server = Server(options)
     server.start()
@@ -89,11 +96,14 @@ def test_a_decode_pool_too_small_preempts_and_every_request_gets_its_tokens(mode
 
 
 def test_a_rank_killed_in_a_dep2_decode_group_loses_no_stream(model_dir: Path) -> None:
+    """The group drafts with MTP (K = 2): each stream resumes through a new prefill, whose MTP
+    state crosses again, and verifies drafts on the rebuilt group."""
     server = _serve(
         model_dir,
         PoolSpec(dep=1, page_size=PAGE, num_pages=120),
         PoolSpec(dep=2, page_size=PAGE, num_pages=120),
         health_interval_s=30.0,
+        speculative=SpeculativeSpec(tokens=2, drafter="mtp"),
     )
     rng = random.Random(2)
     requests = [
@@ -120,6 +130,7 @@ def test_a_rank_killed_in_a_dep2_decode_group_loses_no_stream(model_dir: Path) -
         thread.join(timeout=400)
         assert [d.error for d in done] == [None] * len(requests)
         assert all(d.bill.migrations == 1 for d in done)  # the peer's streams moved too
+        assert sum(d.bill.speculation.draft_tokens for d in done) > 0
         replayed = [
             (p, dataclasses.replace(s, seed=d.bill.seed)) for (p, s), d in zip(requests, done, strict=True)
         ]
@@ -134,15 +145,21 @@ def test_a_rank_killed_in_a_dep2_decode_group_loses_no_stream(model_dir: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["dep16-dep2", "9xdep2-1xdep16"])
-def test_the_reference_topologies_give_the_colocated_tokens(model_dir: Path, preset: str) -> None:
-    """The topologies V4 is served on: a DEP16 prefill group writing into DEP2 decode ranks, and
-    nine DEP2 prefill groups writing into a DEP16 decode group (each rank of which holds less
-    than one of the tiny model's eight experts' worth of work)."""
+@pytest.mark.parametrize(
+    ("preset", "drafts"), [("dep16-dep2", 0), ("dep16-dep2", 3), ("9xdep2-1xdep16", 0)], ids=str
+)
+def test_the_reference_topologies_give_the_colocated_tokens(
+    model_dir: Path, preset: str, drafts: int
+) -> None:
+    """The topologies V4 is served on: a DEP16 prefill group writing into DEP2 decode ranks (also
+    with MTP drafts, K = 3: sixteen prefill ranks run the MTP layer in step, its state crossing
+    with each request's), and nine DEP2 prefill groups writing into a DEP16 decode group (each
+    rank of which holds less than one of the tiny model's eight experts' worth of work)."""
     t = Topology.preset(preset)
     prefill = PoolSpec(groups=t.prefill.groups, dep=t.prefill.dep, page_size=PAGE, num_pages=60)
     decode = PoolSpec(groups=t.decode.groups, dep=t.decode.dep, page_size=PAGE, num_pages=60)
-    server = _serve(model_dir, prefill, decode)
+    spec = SpeculativeSpec(tokens=drafts, drafter="mtp") if drafts else None
+    server = _serve(model_dir, prefill, decode, speculative=spec)
     rng = random.Random(5)
     requests = [
         (
@@ -155,6 +172,8 @@ def test_the_reference_topologies_give_the_colocated_tokens(model_dir: Path, pre
         done = server.generate([p for p, _ in requests], [s for _, s in requests])
         assert [d.error for d in done] == [None] * len(requests)
         assert [d.token_ids for d in done] == _expected(model_dir, requests)
+        if drafts:
+            assert sum(d.bill.speculation.draft_tokens for d in done) > 0
         _all_free(server)
     finally:
         server.stop()
