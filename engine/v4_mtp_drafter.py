@@ -15,20 +15,20 @@ chained, as V3's (``engine/mtp_drafter.py``) but over V4's state:
 
 Drafts are drawn as the target draws its tokens (``draw_drafts``). Every step runs the layer
 exactly K times, on empty batches too: its MoE block exchanges rows with the DEP group's other
-ranks, which must run it as often. A request whose prefill sent no MTP state (it started from a
-prefix hit there, which keeps none) drafts nothing.
-"""
+ranks, which must run it as often. A request whose prefill sent no MTP state drafts nothing; one
+whose prefill started at a prefix hit drafts from a window started cold there
+(``engine/v4_mtp_rows.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from tandem.engine.drafter import Drafter
 from tandem.engine.mtp_drafter import draw_drafts
+from tandem.engine.v4_mtp_rows import unpack_draft_state
 from tandem.model.v4.pages import snapshot
 
 if TYPE_CHECKING:
@@ -56,15 +56,16 @@ class V4MtpDrafter(Drafter):
     def start(self, request_id: str, hidden: Any = None) -> None:
         state = self.runner.take_mtp_state(request_id)
         cfg = self.model.cfg
-        shape = (1, cfg.hc_mult, cfg.hidden_size)
-        if (
-            state is None
-            or not isinstance(hidden, bytes | bytearray)
-            or len(hidden) != 4 * int(np.prod(shape))
-        ):
+        sent = (
+            unpack_draft_state(hidden, (cfg.hc_mult, cfg.hidden_size)) if isinstance(hidden, bytes) else None
+        )
+        if state is None or sent is None:
             return  # none sent: this request drafts nothing
-        row = torch.from_numpy(np.frombuffer(hidden, dtype=np.float32).copy()).view(shape)
-        self._pending[request_id] = row.to(self.model.device, self.model.dtype)
+        streams, rows = sent
+        # a window started cold at a prefix hit holds fewer rows than its position: the slot's first
+        keep = min(rows, cfg.sliding_window - 1)
+        state.window = state.window[:keep] if keep and state.window is not None else None
+        self._pending[request_id] = streams.to(self.model.device, self.model.dtype)
         self._states[request_id] = state
 
     def observe(self, request_id: str, accepted: Sequence[int], hidden: Any = None) -> None:

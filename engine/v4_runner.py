@@ -32,7 +32,7 @@ from tandem.engine.dep import any_rank_has_work
 from tandem.engine.sampling_runner import SamplingRunner
 from tandem.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from tandem.engine.v4_held import Held
-from tandem.engine.v4_mtp_rows import MtpRows
+from tandem.engine.v4_mtp_rows import MtpRows, pack_draft_state
 from tandem.engine.window_slots import WindowSlots
 from tandem.model.grammar import GuidedRows
 from tandem.model.kv_pool import KVPool
@@ -171,11 +171,11 @@ class V4Runner(SamplingRunner):
         return self.drafting.streams[at[0] : at[0] + count]
 
     def hidden_state(self, request_id: str) -> bytes:
-        """The streams at the request's last position as float32 bytes, what a decode rank's MTP
-        drafter starts from; empty when its MTP state did not go into its slot (a prefix hit)."""
-        if request_id not in self.drafting.ready:
-            return b""
-        return self.hidden_rows(request_id, 1)[-1].float().cpu().numpy().tobytes()
+        """What a decode rank's MTP drafter starts from beside the request's slot: the streams at
+        its last position and its MTP window's rows (``pack_draft_state``); empty when its MTP
+        state did not go into its slot."""
+        rows = self.drafting.ready.get(request_id)
+        return b"" if rows is None else pack_draft_state(self.hidden_rows(request_id, 1)[-1], rows)
 
     def verify(self, plan: SchedulerOutput) -> dict[str, tuple[int, ...]]:
         """The plan's chunks as one step, each sampling chunk's tokens; a verify chunk (ending
@@ -364,7 +364,8 @@ class V4Runner(SamplingRunner):
                 "and no pages to rebuild it from"
             )
         self.restores += 1
-        held = self.states[rid] = Held(start, restored)
+        cold = LayerState() if self.mtp_prefill else None  # the hit's pages keep no MTP state
+        held = self.states[rid] = Held(start, restored, cold, start, start)
         return held
 
     def _restore(self, chunk: ScheduledChunk) -> list[LayerState] | None:

@@ -40,16 +40,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekV4:
     return loaded
 
 
-def _reference_drafts(model: DeepseekV4, tokens: list[int], k: int) -> list[int]:
+def _reference_drafts(model: DeepseekV4, tokens: list[int], k: int, cold: int = 0) -> list[int]:
     """Greedy drafts after ``tokens`` from one forward over all of them and one MTP call over
-    every known row, then the chain."""
+    every known row from ``cold`` on (a window started there), then the chain."""
     q = len(tokens) - 1
     ids = torch.tensor(tokens)
     streams = model.forward(
         ids, torch.arange(len(tokens)), [len(tokens)], [model.new_state()], before_head=True
     )
     state = LayerState()
-    hidden, out = model.draft(streams[:q], ids[1:], torch.arange(q), [q], [state])
+    hidden, out = model.draft(streams[cold:q], ids[cold + 1 :], torch.arange(cold, q), [q - cold], [state])
     hidden, out = hidden[-1:], out[-1:]
     drafts: list[int] = []
     for j in range(k):
@@ -63,23 +63,27 @@ Steps = list[tuple[list[int], tuple[int, ...]]]
 
 
 def _serve(
-    model: DeepseekV4, prompt: list[int], sampling: SamplingParams, k: int, chunk: int
+    model: DeepseekV4, prompt: list[int], sampling: SamplingParams, k: int, chunk: int, cached: int = 0
 ) -> tuple[list[int], Steps]:
     """The prompt prefilled in chunks of ``chunk`` and handed over layer by layer (the MTP layer
-    last), then decoded with K drafts a step; the tokens, and each step's (known tokens, drafts)."""
+    last), then decoded with K drafts a step; the tokens, and each step's (known tokens, drafts).
+    ``cached``: its first tokens are a prefix hit on the prefill rank (another request computed
+    them, and the prompt starts there, its state restored from their pages)."""
     pages = -(-(len(prompt) + NEW_TOKENS + k) // PAGE)
-    prefill_pool = v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=False)
+    prefill_pool = v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=cached > 0)
     decode_pool = v4_pool(model.cfg, 40, PAGE, model.dtype, prefix_caching=False)
     prefill_slots = StateSlots(model.cfg, 2, model.dtype, mtp=True)
     decode_slots = StateSlots(model.cfg, 3, model.dtype, mtp=True)
-    prefill = V4Runner(model, pool=prefill_pool, state_slots=prefill_slots, mtp_prefill=True)
+    prefill = V4Runner(
+        model, pool=prefill_pool, state_slots=prefill_slots, mtp_prefill=True, prefix_caching=cached > 0
+    )
     decode = V4Runner(model, pool=decode_pool, state_slots=decode_slots, keep_hidden=True, speculative=True)
     drafter = V4MtpDrafter(SpeculativeConfig(num_tokens=k, drafter="mtp"), model=model, runner=decode)
     src, dst = list(range(pages)), list(range(39, 39 - pages, -1))
     copied: list[int] = []
 
     def on_layer(layer: int) -> None:
-        for name in prefill_pool.names:
+        for name in decode_pool.names:  # what a transfer writes: the kinds a running request reads
             if layer in next(kind for kind in prefill_pool.kinds if kind.name == name).layers:
                 decode_pool.kind(name, layer)[torch.tensor(dst)] = prefill_pool.kind(name, layer)[
                     torch.tensor(src)
@@ -88,8 +92,13 @@ def _serve(
         decode_slots.data[2, offset : offset + size] = prefill_slots.data[1, offset : offset + size]
         copied.append(layer)
 
+    if cached:  # another request fills the pages of the shared prefix
+        other = (*prompt[:cached], 9, 9, 9)
+        warm = ScheduledChunk("w", other, 0, tuple(src), True, sampling, 0)
+        prefill.run(SchedulerOutput((warm,), len(other), ()))
+        prefill.forget("w")
     first = None
-    for at in range(0, len(prompt), chunk):
+    for at in range(cached, len(prompt), chunk):
         part = tuple(prompt[at : at + chunk])
         last = at + chunk >= len(prompt)
         following = None if last else prompt[at + chunk]
@@ -99,6 +108,7 @@ def _serve(
         )
         first = sampled.get("r", first)
     assert copied == list(range(model.cfg.num_hidden_layers + 1))  # the MTP layer's slot span last
+    assert prefill.restores == int(cached > 0)
     hidden = prefill.hidden_state("r")
     prefill_slots.data.fill_(3)  # the prefill goes on: nothing later is read
     assert first is not None
@@ -149,3 +159,18 @@ def test_a_request_whose_prefill_kept_no_mtp_state_drafts_nothing(model: Deepsee
     drafter.start("r", b"")
     request = Request("r", [5, 6, 7], SamplingParams(max_tokens=4), output_token_ids=[8])
     assert drafter.propose([request], {"r": 2}) == {}
+
+
+def test_a_prefill_from_a_prefix_hit_drafts_from_a_window_started_at_the_hit(model: DeepseekV4) -> None:
+    """The hit's pages keep no MTP state: the prefill starts the MTP window there, the row count
+    crosses with the streams, and the decode rank's drafts are the layer's over that window
+    (exactly); the tokens are plain decoding's whatever the drafts."""
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (33, 45, 70)]
+    engine = ColocatedEngine(model, EngineConfig(page_size=PAGE))
+    want = [o.token_ids for o in engine.generate(prompts, [greedy] * len(prompts))]
+    for prompt, tokens in zip(prompts, want, strict=True):
+        got, steps = _serve(model, prompt, greedy, 3, 1000, cached=32)
+        assert got == tokens
+        assert steps and all(list(d) == _reference_drafts(model, known, 3, cold=32) for known, d in steps)
