@@ -86,7 +86,6 @@ class TierCopier:
         self.pool = pool
         self.tiers = tiers
         self.whole, self.boundary = whole_kinds(pool), boundary_kinds(pool)
-        self.entry_bytes = page_bytes(pool)
         host_pages = tiers.config.host_pages
         self.host: dict[str, torch.Tensor] = {}
         if host_pages > 0:
