@@ -48,9 +48,8 @@ class V4MtpDrafter(Drafter):
             raise ValueError("drafter mtp: the model was loaded without its MTP layer")
         self.k = config.num_tokens
         self.model, self.runner = model, runner
-        self._pending: dict[
-            str, torch.Tensor
-        ] = {}  # request -> streams [m, hc_mult, D] of its next pass-1 rows
+        # request -> the main model's streams [m, hc_mult, D] of its next pass-1 rows
+        self._pending: dict[str, torch.Tensor] = {}
         self._states: dict[str, LayerState] = {}  # request -> its MTP state, at position q - m
 
     def start(self, request_id: str, hidden: Any = None) -> None:

@@ -104,17 +104,25 @@ def test_a_prefix_back_from_the_host_and_from_the_store_gives_transformers_token
         e.copier.tiers.close()
 
 
+def _stored(model_dir: Path, shared: list[int]) -> tuple[DictStore, ColocatedEngine]:
+    """A store holding ``shared``'s blocks, written (and flushed) by an engine that served it;
+    the store and that engine."""
+    store = DictStore()
+    writer = _engine(model_dir, num_pages=24, store=store)
+    writer.generate([[*shared, 1]], GREEDY)
+    assert writer.copier is not None and writer.copier.tiers.writer is not None
+    writer.copier.tiers.writer.flush()
+    return store, writer
+
+
 def test_a_block_stored_without_its_boundary_state_ends_the_hit_before_it(model_dir: Path) -> None:
     """The last block's payload re-signed with its entries alone (a page that kept no window KV):
     it is read, but a hit cannot end on it; the hit ends a page earlier, the tokens the same."""
     shared, _, again = _prompts()
     want = _hf(model_dir, again)
-    store = DictStore()
-    writer = _engine(model_dir, num_pages=24, store=store)
-    writer.generate([[*shared, 1]], GREEDY)
-    assert writer.copier is not None and writer.copier.tiers.writer is not None
+    store, writer = _stored(model_dir, shared)
+    assert writer.copier is not None
     tiers = writer.copier.tiers
-    tiers.writer.flush()
     entries = tiers.config.page_bytes
     assert entries > 0 and tiers.config.boundary_bytes > 0
     last = prompt_chain(shared, PAGE)[-1]
@@ -162,11 +170,7 @@ def test_a_device_run_whose_end_lost_its_window_goes_on_into_the_store(model_dir
     on through the store's next 3 pages, which carry theirs, and ends there."""
     shared, _, again = _prompts()
     want = _hf(model_dir, again)
-    store = DictStore()
-    writer = _engine(model_dir, num_pages=24, store=store)
-    writer.generate([[*shared, 1]], GREEDY)
-    assert writer.copier is not None and writer.copier.tiers.writer is not None
-    writer.copier.tiers.writer.flush()
+    store, writer = _stored(model_dir, shared)
 
     reader = _engine(model_dir, num_pages=24, store=store)
     reader.generate([shared[: 5 * PAGE]], SamplingParams(max_tokens=1))  # its first 4 pages, then 1
